@@ -1,0 +1,34 @@
+"""Load an environment class by import path (``module:Class``) and validate its arguments."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from pydantic import ValidationError
+
+from environments.base import Environment
+from environments.errors import EnvironmentLoadError
+
+
+def load_environment(path: str, args: dict[str, Any]) -> Environment:
+    """Import ``path`` and build it with ``args`` validated by its ``Config`` model."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise EnvironmentLoadError(f"environment.cls: expected 'module:Class', got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise EnvironmentLoadError(
+            f"environment.cls: cannot import {module_name!r}: {exc}"
+        ) from exc
+    cls = getattr(module, attr, None)
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise EnvironmentLoadError(f"environment.cls: {path!r} is not an Environment subclass")
+    try:
+        config = cls.Config.model_validate(args)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = ".".join(str(p) for p in err["loc"])
+        raise EnvironmentLoadError(f"environment.args.{key}: {err['msg']}") from None
+    return cls(config)

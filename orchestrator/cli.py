@@ -1,0 +1,240 @@
+"""``orchestrate``: the command line.
+
+    orchestrate --config X.toml [--print-config] [--log-format auto|pretty|json] [--section.key V …]
+    orchestrate init-model --out DIR [--size tiny|small] [--seed N]
+    orchestrate serve --board URL --run NAME [--port P] [--host H] [--device cpu|cuda] [--token T]
+    orchestrate versions --board URL --run NAME [--json]
+    orchestrate materialize --board URL --run NAME --version N --out DIR
+    orchestrate bench codec [...]
+
+Heavy imports (torch, transformers) happen inside the commands that need them, so that a bad
+config fails in well under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import structlog
+
+from environments.errors import EnvError
+from orchestrator.config import load_config, parse_overrides
+from orchestrator.errors import SprawlError
+from orchestrator.log import configure
+from policies.errors import PolicyError
+
+log = structlog.get_logger("orchestrate")
+
+
+def _run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="orchestrate",
+        description="Run an RL loop described by a TOML config.",
+        epilog="Any config field can be overridden with --section.key VALUE.",
+    )
+    parser.add_argument("--config", type=Path, help="TOML config file")
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved config (JSON) and exit"
+    )
+    parser.add_argument("--log-format", choices=["auto", "pretty", "json"])
+    args, rest = parser.parse_known_args(argv)
+    overrides = parse_overrides(rest)
+    if args.log_format:
+        overrides["log.format"] = args.log_format
+    cfg = load_config(args.config, overrides)
+    if args.print_config:
+        sys.stdout.write(cfg.model_dump_json(indent=2) + "\n")
+        return 0
+    configure(cfg.log.format, cfg.log.level)
+    from orchestrator.run import run
+
+    summary = anyio.run(run, cfg)
+    sys.stdout.write(summary.render() + "\n")
+    return 130 if summary.interrupted else 0
+
+
+def _init_model(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="orchestrate init-model", description="Build sprawl's own tiny model and tokenizer."
+    )
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    configure()
+    from policies.modelgen import init_model
+
+    out = init_model(args.out, args.size, seed=args.seed)
+    sys.stdout.write(f"{out}\n")
+    return 0
+
+
+def _serve(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="orchestrate serve",
+        description="Serve the board's newest version with the reference engine + sidecar.",
+    )
+    parser.add_argument("--board", required=True, help="board URL (fsspec) or path")
+    parser.add_argument("--run", default="demo", help="run name on the board")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("SPRAWL_TOKEN"),
+        help="bearer token required on every route but /health (default: $SPRAWL_TOKEN)",
+    )
+    parser.add_argument("--poll-interval", type=float, default=0.25)
+    parser.add_argument(
+        "--parent-stdin",
+        action="store_true",
+        help="exit when stdin closes (used by the local fleet)",
+    )
+    parser.add_argument("--log-format", choices=["auto", "pretty", "json"], default="auto")
+    args = parser.parse_args(argv)
+    configure(args.log_format)
+    from policies.server import serve_board
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            port = await tg.start(
+                lambda task_status: serve_board(
+                    args.board,
+                    args.run,
+                    host=args.host,
+                    port=args.port,
+                    device=args.device,
+                    token=args.token,
+                    poll_interval_s=args.poll_interval,
+                    task_status=task_status,
+                )
+            )
+            sys.stdout.write(json.dumps({"url": f"http://{args.host}:{port}"}) + "\n")
+            sys.stdout.flush()
+            tg.start_soon(_exit_on_signal, tg.cancel_scope)
+            if args.parent_stdin:
+                await _stdin_closed()
+                log.info("parent_gone")
+                tg.cancel_scope.cancel()
+
+    anyio.run(main)
+    return 0
+
+
+async def _stdin_closed() -> None:
+    """Return when standard input reaches end of file (the parent process went away)."""
+    fd = sys.stdin.fileno()
+    os.set_blocking(fd, False)
+    while True:
+        await anyio.wait_readable(fd)
+        try:
+            if not os.read(fd, 65536):
+                return
+        except BlockingIOError:
+            continue
+
+
+async def _exit_on_signal(scope: anyio.CancelScope) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            scope.cancel()
+            return
+
+
+def _versions(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="orchestrate versions")
+    parser.add_argument("--board", required=True)
+    parser.add_argument("--run", default="demo")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    from policies.board import Board
+
+    board = Board(args.board, args.run)
+    rows = [board.manifest(v) for v in board.versions()]
+    if args.json:
+        sys.stdout.write(
+            json.dumps(
+                [
+                    {
+                        "version": m.version,
+                        "kind": m.kind,
+                        "base": m.base,
+                        "bytes": m.bytes,
+                        "time": m.created_at,
+                    }
+                    for m in rows
+                ]
+            )
+        )
+        sys.stdout.write("\n")
+    else:
+        for m in rows:
+            sys.stdout.write(f"{m.version:>6}  {m.kind:<6}  base={m.base}  {m.bytes:>12,d} B\n")
+    return 0
+
+
+def _materialize(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="orchestrate materialize")
+    parser.add_argument("--board", required=True)
+    parser.add_argument("--run", default="demo")
+    parser.add_argument("--version", type=int, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    from policies.board import Board
+
+    Board(args.board, args.run).materialize(args.version, args.out)
+    sys.stdout.write(f"{args.out}\n")
+    return 0
+
+
+def _bench(argv: list[str]) -> int:
+    benches: dict[str, str] = {"codec": "policies.bench_codec"}
+    if not argv or argv[0] not in benches:
+        sys.stderr.write(f"usage: orchestrate bench {{{','.join(benches)}}} [args]\n")
+        return 2
+    import importlib
+
+    module = importlib.import_module(benches[argv[0]])
+    result: int = module.main(argv[1:])
+    return result
+
+
+USER_ERRORS = (SprawlError, EnvError, PolicyError)
+COMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "init-model": _init_model,
+    "serve": _serve,
+    "versions": _versions,
+    "materialize": _materialize,
+    "bench": _bench,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command = COMMANDS.get(argv[0]) if argv else None
+    try:
+        return command(argv[1:]) if command else _run(argv)
+    except BaseException as exc:
+        leaves = _leaves(exc)
+        if not all(isinstance(e, USER_ERRORS) for e in leaves):
+            raise
+        for leaf in leaves:
+            sys.stderr.write(f"orchestrate: error: {leaf}\n")
+        return 2
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
+    return [exc]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

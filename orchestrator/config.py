@@ -1,0 +1,246 @@
+"""The configuration tree: one pydantic model, loaded from TOML with dotted command-line overrides.
+
+Precedence is defaults < TOML file < command line. A command-line override mirrors the field
+path: ``--trainer.max_steps 2`` sets ``[trainer] max_steps = 2``; its value is read as a TOML
+value when it parses as one (``2``, ``1e-3``, ``true``, ``"x"``, ``[1, 2]``) and as a plain string
+otherwise. Any unknown key or bad value fails before anything starts, with a :class:`ConfigError`
+naming the key and where it came from (the file, or the command line).
+
+Importing this module must not import torch (the CLI parses configs before any heavy import).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from orchestrator.errors import ConfigError
+from staleness.config import StalenessConfig
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class RunConfig(_Section):
+    name: str = Field(default="demo", min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    """Run name; the run directory is ``<root>/<name>``."""
+    root: Path = Path("runs")
+    """Directory under which run directories are created."""
+    seed: int = Field(default=0, ge=0)
+    """Seed for the trainer, task order and sampling."""
+    overwrite: bool = True
+    """Start from scratch when the run directory exists (False: refuse to start)."""
+
+
+class ModelConfig(_Section):
+    path: Path = Path("runs/models/tiny")
+    """HF causal-LM directory (safetensors) the trainer starts from."""
+    init: Literal["tiny", "small"] | None = "tiny"
+    """Build sprawl's own model of this size at ``path`` if it is missing (None: require it)."""
+
+
+class BoardConfig(_Section):
+    url: str | None = None
+    """fsspec URL or path of the version board; default ``<run dir>/board``."""
+    poll_interval_s: float = Field(default=0.25, gt=0, le=60)
+    """How often sidecars re-read the board pointer (a missed notification delays this long)."""
+
+
+class EndpointConfig(_Section):
+    url: str = Field(pattern=r"^https?://")
+    """Base URL of a rollout endpoint speaking the request lane."""
+    token: str | None = None
+    """Bearer token for this endpoint."""
+    weight: float = Field(default=1.0, gt=0)
+    """Relative capacity of this endpoint."""
+
+
+class FleetConfig(_Section):
+    local_engines: int = Field(default=2, ge=0, le=64)
+    """Reference engines ``orchestrate`` launches as subprocesses on loopback."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Device of the local engines."""
+    endpoints: list[EndpointConfig] = Field(default_factory=list)
+    """Remote endpoints (any engine behind a sidecar), in addition to the local ones."""
+    startup_timeout_s: float = Field(default=120.0, gt=0)
+    """How long a local engine may take to report ready."""
+    max_inflight_per_endpoint: int = Field(default=4, ge=1)
+    """Concurrent model calls sent to one endpoint."""
+
+    @model_validator(mode="after")
+    def _has_endpoints(self) -> FleetConfig:
+        if self.local_engines == 0 and not self.endpoints:
+            raise ValueError("no rollout endpoints: set fleet.local_engines > 0 or fleet.endpoints")
+        return self
+
+
+class SamplingConfig(_Section):
+    temperature: float = Field(default=1.0, gt=0, le=10)
+    """Sampling temperature (the trainer scores tokens at the same temperature)."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    top_k: int = Field(default=0, ge=0)
+    """Top-k cut-off; 0 disables it."""
+    max_tokens: int = Field(default=48, ge=1)
+    """Tokens sampled per model call at most."""
+
+
+class SchedulerConfig(_Section):
+    group_size: int = Field(default=4, ge=1)
+    """Episodes per GRPO group (same task)."""
+    groups_per_batch: int = Field(default=2, ge=1)
+    """Groups the trainer consumes per optimizer step."""
+    max_lag: int = Field(default=1, ge=0)
+    """Trainer versions a sample may lag when it is trained on (0: synchronous)."""
+    max_concurrent_episodes: int = Field(default=16, ge=1)
+    """Episodes in flight at once."""
+
+
+class TimeoutsConfig(_Section):
+    connect_s: float = Field(default=5.0, gt=0)
+    """Connecting to an endpoint."""
+    call_s: float = Field(default=60.0, gt=0)
+    """One model call (raises, so retry/failover can act)."""
+    tool_s: float = Field(default=10.0, gt=0)
+    """One tool call."""
+    episode_s: float = Field(default=300.0, gt=0)
+    """A whole episode (graceful: the partial trajectory is kept, stop reason episode_timeout)."""
+    version_wait_s: float = Field(default=120.0, gt=0)
+    """How long a call waits for an endpoint inside its version bounds."""
+
+
+class EnvironmentConfig(_Section):
+    cls: str = "environments.calculator:Calculator"
+    """Import path ``module:Class`` of the Environment subclass."""
+    max_turns: int = Field(default=3, ge=1)
+    """Model calls per episode at most."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Arguments validated by the environment's own config model."""
+
+
+class TrainerConfig(_Section):
+    max_steps: int = Field(default=4, ge=1)
+    """Optimizer steps (= versions published after version 0)."""
+    lr: float = Field(default=2e-4, gt=0, le=1)
+    """AdamW learning rate."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW weight decay."""
+    master_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of the trainer's master weights."""
+    served_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """dtype of the view engines serve (what the board publishes)."""
+    clip_eps: float = Field(default=0.2, gt=0, lt=1)
+    """PPO clip range."""
+    grad_clip: float = Field(default=1.0, gt=0)
+    """Gradient norm clip."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Device of the trainer."""
+
+
+class LogConfig(_Section):
+    format: Literal["auto", "pretty", "json"] = "auto"
+    """``auto``: pretty on a terminal, JSON otherwise."""
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    """Minimum level logged."""
+
+
+class Config(_Section):
+    """The whole resolved configuration of a run."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    board: BoardConfig = Field(default_factory=BoardConfig)
+    fleet: FleetConfig = Field(default_factory=FleetConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
+    environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig)
+    staleness: StalenessConfig = Field(default_factory=StalenessConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.run.root / self.run.name
+
+    @property
+    def board_url(self) -> str:
+        return self.board.url or str(self.run_dir / "board")
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """Turn ``["--a.b", "1", "--c=x"]`` into ``{"a.b": 1, "c": "x"}`` (values read as TOML)."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(
+                f"unexpected argument {arg!r}: overrides look like --section.key VALUE"
+            )
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                raise ConfigError(f"--{key} (command line): missing value")
+            value = args[i + 1]
+            i += 1
+        out[key] = _toml_value(value)
+        i += 1
+    return out
+
+
+def _toml_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def load_config(path: Path | None, overrides: dict[str, Any] | None = None) -> Config:
+    """Load ``path`` (TOML), apply dotted ``overrides``; raise :class:`ConfigError` on a problem."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    from_cli: set[str] = set()
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(data, dotted, value)
+        from_cli.add(dotted)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, source, from_cli)) from None
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--{dotted} (command line): {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _describe(exc: ValidationError, source: str, from_cli: set[str]) -> str:
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
+        where = (
+            "command line" if any(key == k or key.startswith(k + ".") for k in from_cli) else source
+        )
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        got = "" if err["type"] == "extra_forbidden" else f" (got {err['input']!r})"
+        lines.append(f"{where}: {key or '<root>'}: {msg}{got}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)

@@ -1,0 +1,44 @@
+"""The orchestrator's error tree: one root, one subclass per layer that can fail.
+
+Errors that reach the user name what was wrong and, where one exists, the config key to change.
+A failed episode is never an exception that escapes the run: it is recorded on the trajectory
+(see :class:`orchestrator.types.ErrorRecord`).
+"""
+
+from __future__ import annotations
+
+
+class SprawlError(Exception):
+    """Root of every error sprawl raises on purpose."""
+
+
+class ConfigError(SprawlError):
+    """The configuration (file or command line) is invalid; the message names the key."""
+
+
+class FleetError(SprawlError):
+    """A rollout engine could not be started or reached."""
+
+
+class EndpointError(SprawlError):
+    """One model call to one endpoint failed (transport, 5xx, malformed answer, timeout).
+
+    Raised per call so that retry and failover can act on it.
+    """
+
+    def __init__(self, endpoint: str, message: str, *, retryable: bool = True) -> None:
+        super().__init__(f"{endpoint}: {message}")
+        self.endpoint = endpoint
+        self.retryable = retryable
+
+
+class VersionUnavailable(EndpointError):
+    """The endpoint answered 409: no version inside the request's bounds is applied there."""
+
+    def __init__(self, endpoint: str, message: str, applied_version: int | None) -> None:
+        super().__init__(endpoint, message)
+        self.applied_version = applied_version
+
+
+class TrainerError(SprawlError):
+    """The trainer failed to take a step or to publish a version."""

@@ -1,0 +1,44 @@
+"""Structured logging set-up: structlog, pretty on a terminal, JSON lines otherwise.
+
+Every process of a run (orchestrator, engines) calls :func:`configure` once at start-up. Context
+is bound per component / episode with ``structlog.contextvars.bound_contextvars``. Logs go to
+stderr so that stdout stays free for command output.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Literal
+
+import structlog
+
+LogFormat = Literal["auto", "pretty", "json"]
+
+
+def configure(fmt: LogFormat = "auto", level: str = "info") -> None:
+    """Configure structlog (and the stdlib root logger) for this process."""
+    pretty = sys.stderr.isatty() if fmt == "auto" else fmt == "pretty"
+    numeric = logging.getLevelNamesMapping()[level.upper()]
+    renderer: structlog.typing.Processor = (
+        structlog.dev.ConsoleRenderer() if pretty else structlog.processors.JSONRenderer()
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.dict_tracebacks if not pretty else _identity,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    logging.basicConfig(level=max(numeric, logging.WARNING), stream=sys.stderr, force=True)
+
+
+def _identity(
+    _logger: object, _name: str, event: structlog.typing.EventDict
+) -> structlog.typing.EventDict:
+    return event

@@ -1,0 +1,213 @@
+"""The reference engine's HTTP server: the request lane over aiohttp, with the sidecar embedded.
+
+Routes: ``POST /v1/generate``, ``GET /v1/models``, ``GET /v1/policy``,
+``POST /v1/policy/notify``, ``GET /health``, ``GET /metrics`` (Prometheus). Every route except
+``/health`` requires ``Authorization: Bearer <token>`` when a token is set (compared in constant
+time). Every bad request gets a 4xx JSON error naming the field, and the server keeps running;
+version conflicts get 409 ``policy_version_unavailable`` with ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import tempfile
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import anyio
+import structlog
+import torch
+from aiohttp import web
+from anyio.abc import TaskStatus
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+
+from policies.board import BASE_FILES, Board
+from policies.engine import Engine
+from policies.errors import BadRequest
+from policies.lane import VERSION_UNAVAILABLE, ErrorBody, GenerateRequest
+from policies.sidecar import Sidecar, VersionNotServed
+
+log = structlog.get_logger(__name__)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_response(
+    status: int,
+    type_: str,
+    message: str,
+    *,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+    **extra: int | None,
+) -> web.Response:
+    body = ErrorBody(type=type_, message=message, param=param, **extra)
+    return web.json_response(
+        {"error": body.model_dump(exclude_none=True)}, status=status, headers=headers
+    )
+
+
+class LaneServer:
+    """Binds a :class:`Sidecar` (and its engine) to the lane's routes."""
+
+    def __init__(self, sidecar: Sidecar, *, token: str | None, registry: CollectorRegistry):
+        self.sidecar = sidecar
+        self.token = token
+        self.registry = registry
+        self.requests = Counter(
+            "sprawl_lane_requests",
+            "Lane requests by route and status",
+            ["route", "status"],
+            registry=registry,
+        )
+        self.app = web.Application(middlewares=[self._auth, self._count])
+        self.app.add_routes(
+            [
+                web.post("/v1/generate", self.generate),
+                web.get("/v1/models", self.models),
+                web.get("/v1/policy", self.policy),
+                web.post("/v1/policy/notify", self.notify),
+                web.get("/health", self.health),
+                web.get("/metrics", self.metrics),
+            ]
+        )
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self.token is not None and request.path != "/health":
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+                return error_response(401, "unauthorized", "missing or wrong bearer token")
+        return await handler(request)
+
+    @web.middleware
+    async def _count(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            resp = await handler(request)
+        except web.HTTPException as exc:
+            self.requests.labels(request.path, str(exc.status)).inc()
+            raise
+        self.requests.labels(request.path, str(resp.status)).inc()
+        return resp
+
+    async def generate(self, request: web.Request) -> web.Response:
+        try:
+            payload = await request.json()
+        except json.JSONDecodeError as exc:
+            return error_response(400, "invalid_request_error", f"body is not JSON: {exc}")
+        try:
+            req = GenerateRequest.model_validate(payload)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            param = ".".join(str(p) for p in err["loc"]) or None
+            return error_response(
+                400, "invalid_request_error", f"{param}: {err['msg']}", param=param
+            )
+        try:
+            resp = await self.sidecar.generate(req, f"gen-{uuid.uuid4().hex[:16]}")
+        except VersionNotServed as exc:
+            return error_response(
+                409,
+                VERSION_UNAVAILABLE,
+                str(exc),
+                headers={"Retry-After": "1"},
+                applied_version=exc.applied,
+                staged_version=exc.staged,
+            )
+        except BadRequest as exc:
+            return error_response(400, "invalid_request_error", str(exc), param=exc.param)
+        return web.json_response(resp.model_dump())
+
+    async def models(self, _request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.sidecar.board.run,
+                        "object": "model",
+                        "owned_by": "sprawl",
+                        "max_model_len": self.sidecar.engine.max_context,
+                    }
+                ],
+            }
+        )
+
+    async def policy(self, _request: web.Request) -> web.Response:
+        return web.json_response(self.sidecar.policy_state().model_dump())
+
+    async def notify(self, _request: web.Request) -> web.Response:
+        self.sidecar.notify()
+        return web.json_response({"ok": True})
+
+    async def health(self, _request: web.Request) -> web.Response:
+        ready = self.sidecar.applied_version is not None
+        return web.json_response(
+            {"status": "ok" if ready else "starting"}, status=200 if ready else 503
+        )
+
+    async def metrics(self, _request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+
+async def serve_board(
+    board_url: str,
+    run: str,
+    *,
+    host: str,
+    port: int,
+    device: str,
+    token: str | None,
+    poll_interval_s: float,
+    task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the board's newest version until cancelled; ``started`` with the bound port."""
+    board = Board(board_url, run)
+    with tempfile.TemporaryDirectory(prefix="sprawl-engine-") as tmp:
+        model_dir = Path(tmp) / run
+        model_dir.mkdir()
+        latest = await _wait_for_board(board)
+        for name in BASE_FILES:
+            try:
+                (model_dir / name).write_bytes(board.read_base(name))
+            except FileNotFoundError:
+                continue
+        dtype = _served_dtype(board, latest)
+        engine = await anyio.to_thread.run_sync(
+            lambda: Engine(model_dir, device=device, dtype=dtype)
+        )
+        registry = CollectorRegistry()
+        sidecar = Sidecar(engine, board, poll_interval_s=poll_interval_s, registry=registry)
+        server = LaneServer(sidecar, token=token, registry=registry)
+        runner = web.AppRunner(server.app, access_log=None, shutdown_timeout=2.0)
+        await runner.setup()
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(sidecar.run)
+                site = web.TCPSite(runner, host, port)
+                await site.start()
+                bound = runner.addresses[0][1]
+                log.info("engine_ready", port=bound, version=sidecar.applied_version)
+                task_status.started(bound)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await runner.cleanup()
+
+
+async def _wait_for_board(board: Board) -> int:
+    while True:
+        latest = await anyio.to_thread.run_sync(board.latest)
+        if latest is not None:
+            return latest
+        await anyio.sleep(0.2)
+
+
+def _served_dtype(board: Board, version: int) -> torch.dtype:
+    dtypes = {e.dtype for e in board.manifest(version).tensors.values()}
+    floats = [d for d in dtypes if d in ("bfloat16", "float16", "float32")]
+    return getattr(torch, floats[0]) if len(floats) == 1 else torch.float32

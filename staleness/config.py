@@ -1,0 +1,181 @@
+"""Staleness configuration: which lag correction a trainer applies, and which episodes it drops.
+
+One pydantic tree, loaded from the ``[staleness]`` table of a run config (or per environment)::
+
+    [staleness]
+    drop = { statistic = "max", max_lag = 4 }
+
+    [staleness.correction]
+    type = "tis"
+    cap = 2.0
+
+Guarantees:
+
+- Bad values fail when the config is loaded, and the pydantic error names the offending key
+  (``cap``, ``c``, ``max_lag``, an unknown ``type``, a misspelt field: every model is
+  ``extra="forbid"``).
+- Importing this module does not import torch (the orchestrator's config tree imports it, and the
+  orchestrator holds no weights). The math that reads these models lives in
+  :mod:`staleness.corrections` and :mod:`staleness.lag`.
+
+The formulas behind each correction are documented on the functions that implement them
+(:mod:`staleness.corrections`) and in ``docs/staleness.md``. Notation: ``π_prox`` is the trainer's
+policy before this update (log probs recomputed by the trainer), ``μ`` the behaviour policy the
+engine sampled from (the engine's log probs), and ``ρ_t = π_prox(a_t) / μ(a_t)`` the per-token
+behaviour ratio.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = [
+    "Correction",
+    "DecoupledPPO",
+    "DropRule",
+    "LagStatistic",
+    "MaskedIS",
+    "NoCorrection",
+    "StalenessConfig",
+    "TokenMask",
+    "TruncatedIS",
+]
+
+LagStatistic = Literal["max", "mean", "token_weighted"]
+"""How an episode's per-segment lags are reduced to one number (see :mod:`staleness.lag`)."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class DropRule(_Model):
+    """Drop an episode whose lag statistic exceeds ``max_lag`` (keep iff statistic ≤ max_lag)."""
+
+    statistic: LagStatistic = "max"
+    """Which lag to compare: ``max`` (oldest model call), ``mean`` (mean over model calls) or
+    ``token_weighted`` (mean over sampled tokens)."""
+
+    max_lag: int = Field(ge=0)
+    """Largest lag, in trainer versions, an episode may have and still be trained on."""
+
+
+class NoCorrection(_Model):
+    """Train on lagged tokens as if they were on-policy: every weight is 1, no token is masked."""
+
+    type: Literal["none"] = "none"
+    """Selects this policy."""
+
+
+class TruncatedIS(_Model):
+    """Token-level truncated importance sampling: ``w_t = min(ρ_t, cap)``.
+
+    Source: Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
+    training" (TIS).
+    """
+
+    type: Literal["tis"] = "tis"
+    """Selects this policy."""
+
+    cap: float = Field(default=2.0, gt=0)
+    """Truncation level C of the per-token behaviour ratio π_prox/μ."""
+
+
+class MaskedIS(_Model):
+    """Sequence-level masked importance sampling.
+
+    The sequence ratio is ``ρ_seq = Π_t ρ_t`` (``aggregate="product"``) or its geometric mean
+    ``exp(mean_t log ρ_t)`` (``aggregate="geometric"``) over the sequence's valid tokens. A
+    sequence is kept iff ``lower ≤ ρ_seq ≤ upper``; every token of a rejected sequence is masked.
+    With ``reweight`` the kept tokens are weighted by ``ρ_seq`` (so weights lie in
+    ``[lower, upper]``), otherwise by 1 (pure rejection).
+
+    Source: Liu, Li et al. 2025, "When speed kills stability: demystifying RL collapse from the
+    training-inference mismatch" (sequence-level MIS / rejection sampling).
+    """
+
+    type: Literal["mis"] = "mis"
+    """Selects this policy."""
+
+    upper: float = Field(default=2.0, gt=1)
+    """Largest sequence ratio that is kept."""
+
+    lower: float | None = Field(default=None, gt=0, lt=1)
+    """Smallest sequence ratio that is kept; ``None`` means ``1 / upper``."""
+
+    aggregate: Literal["product", "geometric"] = "product"
+    """``product``: the true sequence likelihood ratio; ``geometric``: its per-token geometric mean,
+    which does not grow with length (use for long agentic episodes)."""
+
+    reweight: bool = True
+    """Weight kept sequences by ``ρ_seq`` (only meaningful for ``aggregate="product"``; the
+    geometric mean is not an importance weight)."""
+
+    @model_validator(mode="after")
+    def _geometric_is_rejection_only(self) -> MaskedIS:
+        if self.aggregate == "geometric" and self.reweight:
+            msg = (
+                "reweight: must be false when aggregate='geometric' "
+                "(the geometric mean ratio is a rejection statistic, not an importance weight)"
+            )
+            raise ValueError(msg)
+        return self
+
+    @property
+    def lower_bound(self) -> float:
+        """The effective lower bound: ``lower`` or ``1 / upper``."""
+        return self.lower if self.lower is not None else 1.0 / self.upper
+
+
+class DecoupledPPO(_Model):
+    """Decoupled PPO: clip against the proximal policy, weight each token by ``ρ_t = π_prox/μ``.
+
+    With ``cap`` set, tokens whose ``ρ_t > cap`` are masked (not truncated), as AReaL does.
+
+    Source: Fu et al. 2025, "AReaL: a large-scale asynchronous reinforcement learning system for
+    language reasoning" (decoupled PPO objective; Hilton et al. 2021 "Batch size-invariance for
+    policy optimization" introduced the proximal policy).
+    """
+
+    type: Literal["decoupled_ppo"] = "decoupled_ppo"
+    """Selects this policy."""
+
+    cap: float | None = Field(default=None, gt=1)
+    """Mask tokens whose behaviour ratio π_prox/μ exceeds this; ``None`` keeps every token.
+    Must exceed 1: a cap at or below 1 would mask every token the trainer now prefers."""
+
+
+class TokenMask(_Model):
+    """Two-sided token masking: mask tokens whose ``ρ_t`` leaves ``[1/c, c]``.
+
+    Kept tokens get weight 1, or ``ρ_t`` with ``reweight`` (IcePop-style, Ling team 2025 "Every
+    step evolves: scaling RL for trillion-scale thinking model").
+    """
+
+    type: Literal["token_mask"] = "token_mask"
+    """Selects this policy."""
+
+    c: float = Field(default=2.0, gt=1)
+    """Band half-width in ratio space: a token is kept iff ``1/c ≤ ρ_t ≤ c``."""
+
+    reweight: bool = False
+    """Weight kept tokens by ``ρ_t`` instead of 1."""
+
+
+Correction = Annotated[
+    NoCorrection | TruncatedIS | MaskedIS | DecoupledPPO | TokenMask,
+    Field(discriminator="type"),
+]
+"""One lag correction, chosen by its ``type`` key."""
+
+
+class StalenessConfig(_Model):
+    """How a trainer learns from lagged tokens: an optional drop rule, then a correction."""
+
+    correction: Correction = NoCorrection()
+    """The per-token correction applied to the episodes that survive ``drop``."""
+
+    drop: DropRule | None = None
+    """Drop episodes whose lag exceeds a bound before training; ``None`` keeps every episode."""

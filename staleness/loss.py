@@ -1,0 +1,199 @@
+"""The pure loss math a trainer composes: GRPO advantages, PPO-clip with a lag correction, KL.
+
+All functions are pure over tensors; the trainer owns the model, the optimizer and the forward
+passes. Shapes: B sequences of T positions; ``logp`` (current policy π_θ, with grad) and
+``logp_prox`` (π_prox, the policy before this update) are [B, T]; per-sequence advantages are [B]
+(per-token [B, T] are accepted too); a :class:`~staleness.types.Corrected` carries the lag
+correction's [B, T] weights and mask (see :mod:`staleness.corrections`).
+
+The policy term, per valid token (``r_t = π_θ/π_prox``, ``w_t`` the correction weight)::
+
+    ℓ_t = w_t · max(−A r_t, −A clip(r_t, 1−ε_low, 1+ε_high))      (PPO-clip, Schulman et al. 2017)
+    ℓ_t = min(ℓ_t, −c A)  where A < 0, when dual_clip_c is set      (dual-clip, Ye et al. 2020)
+
+aggregated by ``token_mean`` (Σ ℓ / number of kept tokens in the batch; DAPO-style, long sequences
+weigh more) or ``seq_mean`` (mean over sequences of each sequence's token mean, over sequences with
+at least one kept token; GRPO-style). Tokens outside ``corrected.mask`` are out of both the sum
+and the normaliser, so a rejected sequence does not dilute the others.
+
+Guarantees: ``logp_prox`` and the weights are treated as constants (detached); values at masked
+positions (even NaN/inf) reach neither the loss nor its gradient; a batch with no kept token gives
+a loss of exactly 0 that still backpropagates (zero gradient). Metrics are plain floats.
+Not covered: entropy (the trainer has the logits; aggregate its per-token entropy with
+:func:`aggregate`), value functions, and advantage whitening across groups.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from staleness.errors import ShapeError
+from staleness.types import Corrected
+
+__all__ = [
+    "LossAgg",
+    "aggregate",
+    "group_advantages",
+    "kl_penalty",
+    "policy_loss",
+]
+
+LossAgg = Literal["token_mean", "seq_mean"]
+
+
+def group_advantages(
+    rewards: Tensor, group_size: int, *, normalize_std: bool = True, eps: float = 1e-6
+) -> Tensor:
+    """GRPO advantages: ``(r − mean_group) / (std_group + eps)`` (Shao et al. 2024, DeepSeekMath).
+
+    ``rewards`` is [G · group_size] in group-contiguous order (the group_size samples of one prompt
+    are adjacent). The std is the population std (no Bessel correction), so a group of one is
+    defined, and a group whose rewards are all equal gets advantages of exactly 0 (it carries no
+    learning signal). ``normalize_std=False`` returns ``r − mean_group`` (Dr. GRPO, Liu et al.
+    2025). Returns float32 (or the rewards' float dtype), same shape.
+    """
+    if group_size < 1:
+        msg = f"group_size must be >= 1, got {group_size}"
+        raise ShapeError(msg)
+    if rewards.ndim != 1 or rewards.shape[0] % group_size != 0:
+        msg = (
+            f"rewards must be 1-D with a length divisible by group_size={group_size}, "
+            f"got shape {tuple(rewards.shape)}"
+        )
+        raise ShapeError(msg)
+    r = rewards.detach()
+    r = r if r.is_floating_point() else r.to(torch.float32)
+    grouped = r.reshape(-1, group_size)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if normalize_std:
+        std = grouped.std(dim=1, keepdim=True, correction=0)
+        centred = centred / (std + eps)
+    return centred.reshape(-1)
+
+
+def aggregate(values: Tensor, mask: Tensor, loss_agg: LossAgg = "token_mean") -> Tensor:
+    """Reduce per-token ``values`` [B, T] over ``mask`` to a scalar (see the module docstring).
+
+    Returns 0 (connected to ``values``'s graph) when the mask is empty.
+    """
+    if values.shape != mask.shape or values.ndim != 2:
+        msg = f"values and mask must share one [B, T] shape, got {values.shape}, {mask.shape}"
+        raise ShapeError(msg)
+    m = mask.detach().to(torch.bool)
+    masked = torch.where(m, values, torch.zeros_like(values))
+    if loss_agg == "token_mean":
+        return masked.sum() / m.sum().clamp(min=1).to(values.dtype)
+    counts = m.sum(dim=1)
+    per_seq = masked.sum(dim=1) / counts.clamp(min=1).to(values.dtype)
+    return per_seq.sum() / (counts > 0).sum().clamp(min=1).to(values.dtype)
+
+
+def kl_penalty(
+    logp: Tensor,
+    logp_ref: Tensor,
+    mask: Tensor,
+    *,
+    estimator: Literal["k1", "k2", "k3"] = "k3",
+) -> Tensor:
+    """Per-token estimate of KL(π_θ ‖ π_ref) from sampled-token log probs, 0 off the mask.
+
+    With ``d = logp_ref − logp``: k1 = −d, k2 = d²/2, k3 = eᵈ − d − 1 (Schulman 2020, "Approximating
+    KL divergence"; k3 is unbiased and non-negative). Differentiable in ``logp``; ``logp_ref`` is
+    detached. Aggregate with :func:`aggregate`.
+    """
+    if logp.shape != logp_ref.shape or logp.shape != mask.shape:
+        msg = f"logp, logp_ref and mask must share one shape, got {logp.shape}, {logp_ref.shape}"
+        raise ShapeError(msg)
+    m = mask.detach().to(torch.bool)
+    d = torch.where(m, logp_ref.detach() - logp, torch.zeros_like(logp))
+    match estimator:
+        case "k1":
+            kl = -d
+        case "k2":
+            kl = 0.5 * d.square()
+        case "k3":
+            kl = torch.expm1(d) - d
+    return torch.where(m, kl, torch.zeros_like(kl))
+
+
+def _broadcast_advantages(advantages: Tensor, shape: torch.Size) -> Tensor:
+    if advantages.ndim == 1 and advantages.shape[0] == shape[0]:
+        return advantages.detach()[:, None].expand(shape)
+    if advantages.shape == shape:
+        return advantages.detach()
+    msg = f"advantages must be [B={shape[0]}] or [B, T]={tuple(shape)}, got {advantages.shape}"
+    raise ShapeError(msg)
+
+
+def policy_loss(
+    logp: Tensor,
+    logp_prox: Tensor,
+    advantages: Tensor,
+    corrected: Corrected,
+    *,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    dual_clip_c: float | None = None,
+    loss_agg: LossAgg = "token_mean",
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO-clip against π_prox, multiplied by the correction's weights, over its mask.
+
+    ``clip_eps_high`` defaults to ``clip_eps`` (set it higher for DAPO's clip-higher);
+    ``dual_clip_c`` (> 1) bounds the loss of negative-advantage tokens at ``−c·A``.
+    Returns the scalar loss and metrics: ``clip_frac`` (kept tokens whose clipped branch is
+    active), ``dual_clip_frac``, ``ratio_mean``/``ratio_min``/``ratio_max`` of ``r_t``,
+    ``approx_kl`` (k3 estimate of KL(π_prox ‖ π_θ) over kept tokens), ``kept_tokens``,
+    ``weight_mean``.
+    """
+    if logp.ndim != 2 or logp.shape != logp_prox.shape:
+        msg = f"logp and logp_prox must share one [B, T] shape, got {logp.shape}, {logp_prox.shape}"
+        raise ShapeError(msg)
+    if corrected.mask.shape != logp.shape or corrected.weights.shape != logp.shape:
+        msg = (
+            f"corrected weights/mask {tuple(corrected.weights.shape)}/"
+            f"{tuple(corrected.mask.shape)} do not match log probs {tuple(logp.shape)}"
+        )
+        raise ShapeError(msg)
+    if clip_eps <= 0 or (clip_eps_high is not None and clip_eps_high <= 0):
+        msg = f"clip_eps and clip_eps_high must be > 0, got {clip_eps}, {clip_eps_high}"
+        raise ShapeError(msg)
+    if dual_clip_c is not None and dual_clip_c <= 1:
+        msg = f"dual_clip_c must be > 1, got {dual_clip_c}"
+        raise ShapeError(msg)
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+
+    m = corrected.mask.detach().to(torch.bool)
+    adv = _broadcast_advantages(advantages, logp.shape).to(logp.dtype)
+    weights = corrected.weights.detach().to(logp.dtype)
+    log_r = torch.where(m, logp - logp_prox.detach(), torch.zeros_like(logp))
+    ratio = torch.exp(log_r)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_high)
+    per_token = torch.maximum(unclipped, clipped)
+    dual_active = torch.zeros_like(m)
+    if dual_clip_c is not None:
+        bound = -dual_clip_c * adv
+        dual_active = (adv < 0) & (per_token > bound)
+        per_token = torch.where(dual_active, bound, per_token)
+    per_token = per_token * weights
+    loss = aggregate(per_token, m, loss_agg)
+
+    with torch.no_grad():
+        n = int(m.sum().item())
+        kept_ratio = ratio[m]
+        kept_log_r = log_r[m]
+        denom = max(n, 1)
+        metrics = {
+            "clip_frac": float(((clipped > unclipped) & m).sum().item()) / denom,
+            "dual_clip_frac": float((dual_active & m).sum().item()) / denom,
+            "ratio_mean": float(kept_ratio.mean().item()) if n else 0.0,
+            "ratio_min": float(kept_ratio.min().item()) if n else 0.0,
+            "ratio_max": float(kept_ratio.max().item()) if n else 0.0,
+            "approx_kl": float((torch.expm1(kept_log_r) - kept_log_r).mean().item()) if n else 0.0,
+            "kept_tokens": float(n),
+            "weight_mean": float(weights[m].mean().item()) if n else 0.0,
+        }
+    return loss, metrics

@@ -1,0 +1,65 @@
+"""Vocabulary of the staleness package: version stamps, lag statistics, corrected weights.
+
+No I/O and no runtime torch import (the tensor annotation is for type checkers only), so
+:mod:`staleness.lag` stays usable without torch. Every other staleness module depends on this one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from staleness.errors import LagError
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+__all__ = ["Corrected", "LagStats", "SegmentVersions"]
+
+
+@dataclass(frozen=True)
+class SegmentVersions:
+    """One model call of an episode: the policy versions applied when its generation started and
+    ended (they differ only if an update landed mid-generation), and how many tokens it sampled."""
+
+    start: int
+    end: int
+    n_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            msg = f"segment start version must be >= 0, got {self.start}"
+            raise LagError(msg)
+        if self.end < self.start:
+            msg = f"segment end version {self.end} is before its start version {self.start}"
+            raise LagError(msg)
+        if self.n_tokens < 0:
+            msg = f"segment n_tokens must be >= 0, got {self.n_tokens}"
+            raise LagError(msg)
+
+
+@dataclass(frozen=True)
+class LagStats:
+    """Lag of an episode or group, in trainer versions.
+
+    ``max``: the largest segment lag; ``mean``: the mean over segments (model calls);
+    ``token_weighted``: the mean over sampled tokens (equals ``mean`` when no token was sampled);
+    ``n_tokens``: sampled tokens counted.
+    """
+
+    max: int
+    mean: float
+    token_weighted: float
+    n_tokens: int
+
+
+@dataclass(frozen=True)
+class Corrected:
+    """A correction's verdict on a [B, T] batch.
+
+    ``weights``: float per-token multiplier of the policy-gradient term, detached, 0 wherever
+    ``mask`` is false. ``mask``: bool, the tokens that still count (a subset of the input mask).
+    """
+
+    weights: Tensor
+    mask: Tensor

@@ -1,0 +1,25 @@
+"""Shared fixtures: sprawl's own tiny model, built once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from policies.modelgen import init_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # aiohttp runs on asyncio

@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.cli import main
+from orchestrator.config import load_config, parse_overrides
+from orchestrator.errors import ConfigError
+
+CONFIGS = sorted(Path("configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_shipped_config_parses(path: Path) -> None:
+    cfg = load_config(path)
+    assert cfg.trainer.max_steps >= 1
+
+
+def test_precedence_defaults_file_cli(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text("[trainer]\nmax_steps = 7\nlr = 0.01\n")
+    cfg = load_config(f, parse_overrides(["--trainer.max_steps", "2"]))
+    assert cfg.trainer.max_steps == 2  # CLI beats file
+    assert cfg.trainer.lr == 0.01  # file beats default
+    assert cfg.scheduler.group_size == 4  # default
+
+
+def test_override_values_are_read_as_toml() -> None:
+    got = parse_overrides(["--a.b", "2", "--c=true", "--d", "hello", "--e", "[1, 2]"])
+    assert got == {"a.b": 2, "c": True, "d": "hello", "e": [1, 2]}
+
+
+def test_unknown_key_in_file_names_key_and_file(tmp_path: Path) -> None:
+    f = tmp_path / "bad.toml"
+    f.write_text("[trainer]\nmax_stepz = 3\n")
+    with pytest.raises(ConfigError, match=r"bad\.toml: trainer\.max_stepz: unknown key"):
+        load_config(f)
+
+
+def test_bad_value_on_command_line_names_key_and_source() -> None:
+    with pytest.raises(ConfigError, match=r"command line: sampling\.top_p: .*less than or equal"):
+        load_config(Path("configs/demo.toml"), parse_overrides(["--sampling.top_p", "2"]))
+
+
+def test_staleness_parameters_are_checked_at_load(tmp_path: Path) -> None:
+    f = tmp_path / "s.toml"
+    f.write_text('[staleness.correction]\ntype = "tis"\ncap = 0\n')
+    with pytest.raises(ConfigError, match=r"staleness\.correction\.tis\.cap"):
+        load_config(f)
+    f.write_text('[staleness.correction]\ntype = "magic"\n')
+    with pytest.raises(ConfigError, match=r"staleness\.correction"):
+        load_config(f)
+
+
+def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.toml")
+    f = tmp_path / "broken.toml"
+    f.write_text("[trainer\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(f)
+
+
+def test_cli_print_config_and_error_exit(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(["--config", "configs/demo.toml", "--trainer.max_steps", "3", "--print-config"]) == 0
+    )
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["trainer"]["max_steps"] == 3
+    assert main(["--config", "configs/demo.toml", "--fleet.nope", "1"]) == 2
+    assert "fleet.nope: unknown key" in capsys.readouterr().err
+
+
+def test_importing_config_does_not_import_torch() -> None:
+    code = "import sys, orchestrator.config; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
