@@ -3,39 +3,75 @@
 Layout under ``<url>/<run>/``::
 
     base/                     config.json, generation_config.json, tokenizer files (written once)
-    versions/<v:08d>/         manifest.json + model.safetensors (the served view of version v)
-    POINTER                   {"version": v} — the newest durable version
+    versions/<v:08d>/         manifest.json, and
+        model.safetensors     the full served view (anchors only; HF layout, tied names once)
+        from-<u:08d>.patch    bitwise patch u → v (policies.codec): the delta from the previous
+                              version and squashed catch-up patches (policies.board_plan)
+    POINTER                   {"version": v, "digest": …} — the newest durable version
+
+Publishing (:meth:`Board.publish`) writes a delta against the previous version unless an anchor
+is due (``BoardOptions.anchor_every`` versions since the last one, or the delta bytes since it
+would pass ``anchor_fraction`` of a full view, or the publisher does not hold the previous view);
+an anchor version also stores its patches, so replicas one version behind never fetch it whole.
+The publisher keeps the views it will patch from in memory (at most ``catchup_levels + 1``; it
+holds references, so callers must not modify a view after publishing it) and never re-reads the
+board to publish.
 
 Guarantees:
 
-- a version's bytes are durable before the pointer names it (local: temp file + fsync + rename;
-  object stores: the pointer object is written last and readers verify checksums);
-- the pointer only moves forward (:meth:`Board.publish` refuses an older or equal version);
-- a version directory is never rewritten once the pointer has passed it;
-- :meth:`Board.load` verifies every tensor's xxh3-128 checksum against the manifest, so a reader
-  never uses a torn or corrupted version.
+- bytes are durable before the pointer moves: data files, then the manifest, then the pointer,
+  each written atomically (local: temp file + fsync + rename + directory fsync; object stores:
+  one PUT per object, the pointer last);
+- the pointer only moves forward, and readers see only versions at or below it
+  (:meth:`versions`, :meth:`load` refuse newer ones), so no reader observes a half-written
+  version; a reader verifies what it reads anyway: every anchor tensor's xxh3-128 checksum, every
+  patch's frame checksum, base digest and written-tensor checksums, and the target digest;
+- a patch names its base's digest and is refused against any other (:class:`PatchBaseMismatch`);
+- damaged, truncated or missing files raise :class:`VersionCorrupt` (a :class:`BoardError`)
+  naming the version and file; storage failures raise :class:`BoardError` with the URL's
+  credentials and any configured secret removed (the original exception is not chained);
+- :meth:`gc` keeps every version a replica holding ``≥ keep_from`` (or starting fresh) needs.
 
-Not covered yet: delta versions (sparse patches), squashed catch-up patches and retention; every
-version is a full anchor of the served view.
+Not covered: concurrent publishers to one run (one trainer publishes; the forward-only check is
+not atomic against another writer); a reader racing :meth:`gc` below ``keep_from``.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
-import fsspec
+import structlog
 import torch
-import xxhash
-from pydantic import BaseModel, ConfigDict
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from policies.errors import BoardError, VersionCorrupt
+from policies import board_plan
+from policies.board_store import Store, redact
+from policies.board_types import BoardOptions, CatchUp, Manifest, PatchRef, Step, TensorEntry
+from policies.codec import CODEC, apply_patch, encode_patch, read_patch_header
+from policies.digests import checksums, digest_of, storage_key, tensor_checksum
+from policies.errors import BoardError, PatchBaseMismatch, PatchError, VersionCorrupt
+
+__all__ = [
+    "BASE_FILES",
+    "WEIGHTS",
+    "Board",
+    "BoardOptions",
+    "CatchUp",
+    "Manifest",
+    "PatchRef",
+    "Step",
+    "TensorEntry",
+    "redact",
+    "state_digest",
+    "tensor_checksum",
+]
+
+log = structlog.get_logger(__name__)
 
 BASE_FILES = (
     "config.json",
@@ -46,176 +82,351 @@ BASE_FILES = (
     "chat_template.jinja",
 )
 WEIGHTS = "model.safetensors"
-
-
-class TensorEntry(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    dtype: str
-    shape: list[int]
-    checksum: str
-
-
-class Manifest(BaseModel):
-    """What one version directory holds."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    version: int
-    kind: Literal["anchor", "delta"]
-    base: int | None
-    view: str
-    codec: str
-    tensors: dict[str, TensorEntry]
-    digest: str
-    bytes: int
-    created_at: float
-
-
-def tensor_checksum(t: torch.Tensor) -> str:
-    """xxh3-128 of a tensor's raw bytes (layout-independent: contiguous, native order)."""
-    raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-    return xxhash.xxh3_128_hexdigest(raw.tobytes())
+MANIFEST = "manifest.json"
 
 
 def state_digest(entries: Mapping[str, TensorEntry]) -> str:
-    """Digest of a whole version: names, dtypes, shapes and checksums, in name order."""
-    h = xxhash.xxh3_128()
-    for name in sorted(entries):
-        e = entries[name]
-        h.update(f"{name}|{e.dtype}|{e.shape}|{e.checksum}\n".encode())
-    return h.hexdigest()
+    """Digest of a whole version: names, dtypes, shapes and checksums (= the codec's digest)."""
+    return digest_of((k, e.dtype, e.shape, e.checksum) for k, e in entries.items())
+
+
+def anchor_payload(view: Mapping[str, torch.Tensor]) -> tuple[bytes, dict[str, str]]:
+    """The safetensors bytes of a full view (each storage once) and the aliases left out."""
+    primary: dict[object, str] = {}
+    ptrs: set[int] = set()
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    for name in sorted(view):
+        t = view[name].detach().cpu().contiguous()
+        key = storage_key(t)
+        if key in primary:
+            aliases[name] = primary[key]
+            continue
+        primary[key] = name
+        ptr = t.untyped_storage().data_ptr()
+        tensors[name] = t.clone() if ptr in ptrs and t.numel() else t
+        ptrs.add(ptr)
+    return st_save(tensors), aliases
+
+
+@dataclass
+class _Held:
+    view: dict[str, torch.Tensor]
+    digest: str
 
 
 class Board:
-    """One run's versions on an fsspec URL (a plain path means the local filesystem)."""
+    """One run's versions on an fsspec URL (a plain path means the local filesystem).
 
-    def __init__(self, url: str, run: str) -> None:
+    ``options`` (or its fields as keyword arguments) only matter to a publisher.
+    ``storage_options`` go to fsspec (e.g. ``{"client_kwargs": {"endpoint_url": …}}``).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        run: str,
+        *,
+        options: BoardOptions | None = None,
+        storage_options: Mapping[str, object] | None = None,
+        **fields: int | float | None,
+    ) -> None:
         self.url = url
         self.run = run
-        self.fs, root = fsspec.core.url_to_fs(url)
-        self.root = f"{root.rstrip('/')}/{run}"
-        self._local = self.fs.protocol in ("file", ("file", "local")) or "file" in self.fs.protocol
+        self.options = options or BoardOptions.model_validate(fields)
+        self.store = Store(url, storage_options)
+        self.safe_url = self.store.safe_url
+        self.fs = self.store.fs
+        self.root = f"{self.store.root}/{run}"
+        self._held: dict[int, _Held] = {}
+        self._head: Manifest | None = None
+        self._manifests: dict[int, Manifest] = {}
+        self._seen_latest: int | None = None
 
-    # -- paths ----------------------------------------------------------------------------------
+    # -- storage edge ----------------------------------------------------------------------------
     def _vdir(self, version: int) -> str:
         return f"{self.root}/versions/{version:08d}"
 
-    # -- writing --------------------------------------------------------------------------------
+    def _read(self, path: str) -> bytes:
+        return self.store.read(path)
+
+    def _write(self, path: str, data: bytes) -> None:
+        self.store.write(path, data)
+
+    # -- writing ---------------------------------------------------------------------------------
     def create(self, model_dir: Path) -> None:
         """Copy the static model files (config, tokenizer) into ``base/``; idempotent."""
         for name in BASE_FILES:
             src = model_dir / name
             if src.exists():
-                self._write_atomic(f"{self.root}/base/{name}", src.read_bytes())
+                self._write(f"{self.root}/base/{name}", src.read_bytes())
 
     def publish(
         self, version: int, view: Mapping[str, torch.Tensor], *, view_name: str
     ) -> Manifest:
-        """Write version ``version`` as a full anchor, then move the pointer to it."""
+        """Write ``version`` (a delta, or an anchor when due), then move the pointer to it."""
         latest = self.latest()
         if latest is not None and version <= latest:
             raise BoardError(f"pointer only moves forward: version {version} <= current {latest}")
-        tensors = {k: v.detach().contiguous().cpu() for k, v in view.items()}
+        opts = self.options
+        tensors = {k: v.detach().cpu().contiguous() for k, v in view.items()}
+        sums = checksums(tensors)
         entries = {
             k: TensorEntry(
-                dtype=str(t.dtype).removeprefix("torch."),
-                shape=list(t.shape),
-                checksum=tensor_checksum(t),
+                dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), checksum=sums[k]
             )
             for k, t in tensors.items()
         }
-        payload = st_save(tensors)
-        manifest = Manifest(
-            version=version,
-            kind="anchor",
-            base=None,
-            view=view_name,
-            codec="safetensors",
-            tensors=entries,
-            digest=state_digest(entries),
-            bytes=len(payload),
-            created_at=time.time(),
+        digest = state_digest(entries)
+        full_bytes = sum(t.nbytes for t in {storage_key(t): t for t in tensors.values()}.values())
+        head = self._head if self._head is not None and self._head.version == latest else None
+        held = self._held if head is not None else {}
+        patches: dict[int, tuple[bytes, PatchRef]] = {}
+        for b in board_plan.patch_bases(version, latest, held, opts.catchup_levels):
+            data = encode_patch(
+                held[b].view, tensors, level=opts.zstd_level, base_digest=held[b].digest,
+                target_checksums=sums,
+            )  # fmt: skip
+            hdr = read_patch_header(data)
+            ref = PatchRef(
+                base=b, file=f"from-{b:08d}.patch", bytes=len(data), changed=hdr.changed,
+                units=hdr.units, base_digest=hdr.base_digest,
+            )  # fmt: skip
+            patches[b] = (data, ref)
+        delta = patches.get(latest) if latest is not None else None
+        is_anchor = (
+            head is None
+            or delta is None
+            or head.anchor is None
+            or version - head.anchor >= opts.anchor_every
+            or head.chain_bytes + delta[1].bytes > opts.anchor_fraction * full_bytes
         )
         vdir = self._vdir(version)
-        self._write_atomic(f"{vdir}/{WEIGHTS}", payload)
-        self._write_atomic(f"{vdir}/manifest.json", manifest.model_dump_json(indent=1).encode())
-        self._write_atomic(f"{self.root}/POINTER", json.dumps({"version": version}).encode())
+        for data, ref in patches.values():
+            self._write(f"{vdir}/{ref.file}", data)
+        aliases: dict[str, str] = {}
+        payload = b""
+        if is_anchor:
+            payload, aliases = anchor_payload(tensors)
+            self._write(f"{vdir}/{WEIGHTS}", payload)
+        manifest = Manifest(
+            version=version,
+            kind="anchor" if is_anchor else "delta",
+            base=None if is_anchor else latest,
+            view=view_name,
+            codec="safetensors" if is_anchor else CODEC,
+            tensors=entries,
+            digest=digest,
+            bytes=len(payload) if is_anchor else delta[1].bytes if delta else 0,
+            created_at=time.time(),
+            patches=[ref for _, ref in patches.values()],
+            aliases=aliases,
+            anchor=version if is_anchor else head.anchor if head else None,
+            chain_bytes=0
+            if is_anchor or delta is None or head is None
+            else head.chain_bytes + delta[1].bytes,
+            full_bytes=full_bytes,
+        )
+        self._write(f"{vdir}/{MANIFEST}", manifest.model_dump_json(indent=1).encode())
+        self._write(
+            f"{self.root}/POINTER", json.dumps({"version": version, "digest": digest}).encode()
+        )
+        held = {**held, version: _Held(tensors, digest)}
+        self._held = {v: held[v] for v in board_plan.keep_views(version, held, opts.catchup_levels)}
+        self._head = manifest
+        log.info(
+            "board.published", board=self.safe_url, run=self.run, version=version,
+            kind=manifest.kind, bytes=manifest.bytes, patches=len(patches),
+            stored=len(payload) + sum(r.bytes for _, r in patches.values()),
+        )  # fmt: skip
+        if opts.retain_versions is not None:
+            self.gc(version - opts.retain_versions + 1)
         return manifest
 
-    def _write_atomic(self, path: str, data: bytes) -> None:
-        if self._local:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            tmp = f"{path}.tmp-{os.getpid()}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            dfd = os.open(Path(path).parent, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-        else:
-            # Object stores publish an object atomically on close; readers verify checksums.
-            with self.fs.open(path, "wb") as f:
-                f.write(data)
-
-    # -- reading --------------------------------------------------------------------------------
+    # -- reading ---------------------------------------------------------------------------------
     def latest(self) -> int | None:
         """The version the pointer names, or None before the first publish."""
         try:
-            with self.fs.open(f"{self.root}/POINTER", "rb") as f:
-                return int(json.loads(f.read())["version"])
+            raw = self._read(f"{self.root}/POINTER")
         except FileNotFoundError:
             return None
-        except (ValueError, KeyError) as exc:
-            raise BoardError(f"{self.url}/{self.run}/POINTER is unreadable: {exc}") from exc
+        try:
+            latest = int(json.loads(raw)["version"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BoardError(f"{self.safe_url}/{self.run}/POINTER is unreadable: {exc}") from None
+        self._seen_latest = latest
+        return latest
 
     def versions(self) -> list[int]:
-        """Every version directory that has a manifest, ascending."""
+        """Every published version (a manifest at or below the pointer), ascending."""
+        latest = self.latest()
+        if latest is None:
+            return []
         try:
-            names = self.fs.ls(f"{self.root}/versions", detail=False)
+            found = self.store.dirs_with(f"{self.root}/versions", MANIFEST)
         except FileNotFoundError:
             return []
-        out = []
-        for name in names:
-            base = str(name).rstrip("/").rsplit("/", 1)[-1]
-            if base.isdigit() and self.fs.exists(f"{name}/manifest.json"):
-                out.append(int(base))
-        return sorted(out)
+        return sorted(int(d) for d in found if d.isdigit() and int(d) <= latest)
 
     def manifest(self, version: int) -> Manifest:
+        """The manifest of ``version`` (cached once the pointer has passed it: immutable)."""
+        cached = self._manifests.get(version)
+        if cached is not None:
+            return cached
         try:
-            with self.fs.open(f"{self._vdir(version)}/manifest.json", "rb") as f:
-                return Manifest.model_validate_json(f.read())
+            raw = self._read(f"{self._vdir(version)}/{MANIFEST}")
         except FileNotFoundError:
             raise BoardError(
-                f"version {version} is not on the board {self.url}/{self.run}"
+                f"version {version} is not on the board {self.safe_url}/{self.run}"
             ) from None
+        try:
+            m = Manifest.model_validate_json(raw)
+        except ValueError as exc:
+            raise VersionCorrupt(f"version {version}: manifest unreadable: {exc}") from None
+        if m.version != version or state_digest(m.tensors) != m.digest:
+            raise VersionCorrupt(f"version {version}: manifest does not match its own digest")
+        if self._seen_latest is not None and version <= self._seen_latest:
+            self._manifests[version] = m
+        return m
 
-    def load(self, version: int) -> tuple[Manifest, dict[str, torch.Tensor]]:
-        """Read version ``version``'s served view and verify it against its manifest."""
-        manifest = self.manifest(version)
-        with self.fs.open(f"{self._vdir(version)}/{WEIGHTS}", "rb") as f:
-            payload = f.read()
+    def catch_up(self, have: int | None, want: int | None = None) -> CatchUp:
+        """The patches (or anchor + patches) that take a view at ``have`` to ``want``.
+
+        ``want`` defaults to the newest version; ``have=None`` means the replica holds nothing.
+        A direct patch route is searched only when ``have`` is at most ``4 · 2**catchup_levels``
+        versions behind (else the plan starts at an anchor).
+        """
+        latest = self.latest()
+        want = latest if want is None else want
+        if latest is None or want is None or want > latest:
+            raise BoardError(
+                f"version {want} is not published on {self.safe_url}/{self.run} (newest: {latest})"
+            )
+        if have == want:
+            return CatchUp(have=have, want=want, anchor=None, steps=[])
+        horizon = 4 << self.options.catchup_levels
+        direct = have is not None and have < want and want - have <= horizon
+        manifests: dict[int, Manifest] = {}
+        for v in reversed([v for v in self.versions() if v <= want]):
+            found_anchor = any(m.kind == "anchor" for m in manifests.values())
+            if found_anchor and (not direct or (have is not None and v <= have)):
+                break
+            manifests[v] = self.manifest(v)
+        route = board_plan.plan(manifests, have if direct else None, want)
+        if route is None:
+            raise BoardError(
+                f"no route to version {want} from {have}: no anchor at or before it on "
+                f"{self.safe_url}/{self.run}"
+            )
+        return CatchUp(
+            have=have,
+            want=want,
+            anchor=route.anchor,
+            anchor_bytes=route.anchor_bytes,
+            steps=route.steps,
+        )
+
+    def read_patch(self, step: Step) -> bytes:
+        """The bytes of one planned patch (verify them by applying with :meth:`advance`)."""
+        try:
+            return self._read(f"{self._vdir(step.version)}/{step.file}")
+        except FileNotFoundError:
+            raise VersionCorrupt(f"version {step.version}: {step.file} is missing") from None
+
+    def advance(
+        self,
+        view: MutableMapping[str, torch.Tensor],
+        have: int | None,
+        want: int | None = None,
+        *,
+        verify_base: bool = False,
+    ) -> Manifest:
+        """Bring ``view`` (holding ``have``, or nothing) to ``want`` in place; its manifest.
+
+        Patches are applied bitwise into ``view``'s tensors; an anchor in the plan replaces the
+        contents. ``verify_base`` hashes the held view instead of trusting that it is ``have``.
+        If this raises, ``view`` may be partly advanced: reload it (``have=None``).
+        """
+        plan = self.catch_up(have, want)
+        digest: str | None = None
+        if plan.anchor is not None:
+            fresh = self._read_anchor(self.manifest(plan.anchor))
+            view.clear()
+            view.update(fresh)
+            digest = self.manifest(plan.anchor).digest
+        elif have is not None and not verify_base:
+            try:
+                digest = self.manifest(have).digest
+            except BoardError:
+                digest = None  # retired by gc: hash the view instead
+        for step in plan.steps:
+            digest = self._apply(view, step, digest)
+        target = self.manifest(plan.want)
+        if set(view) != set(target.tensors):
+            raise VersionCorrupt(f"version {plan.want}: tensor names differ from the manifest")
+        if plan.want == have and verify_base:
+            self._check_digest(view, target)
+        return target
+
+    def _apply(
+        self, view: MutableMapping[str, torch.Tensor], step: Step, digest: str | None
+    ) -> str:
+        data = self.read_patch(step)
+        m = self.manifest(step.version)
+        where = f"version {step.version}: {step.file}"
+        try:
+            hdr = read_patch_header(data)
+            if hdr.target_digest != m.digest:
+                raise VersionCorrupt(
+                    f"{where} makes {hdr.target_digest}, the manifest says {m.digest}"
+                )
+            if digest is not None and hdr.base_digest != digest:
+                raise PatchBaseMismatch(
+                    f"{where} applies to version {step.base} (digest {hdr.base_digest}); the view "
+                    f"held has digest {digest}: catch up from the version actually held"
+                )
+            apply_patch(view, data, base_digest=digest, verify=True)
+        except PatchBaseMismatch as exc:
+            raise PatchBaseMismatch(str(exc) if where in str(exc) else f"{where}: {exc}") from None
+        except PatchError as exc:
+            raise VersionCorrupt(f"{where}: {exc}") from None
+        return m.digest
+
+    def _check_digest(self, view: Mapping[str, torch.Tensor], m: Manifest) -> None:
+        sums = checksums(view)
+        if any(sums.get(k) != e.checksum for k, e in m.tensors.items()):
+            raise VersionCorrupt(f"version {m.version}: the view does not match its manifest")
+
+    def _read_anchor(self, m: Manifest) -> dict[str, torch.Tensor]:
+        try:
+            payload = self._read(f"{self._vdir(m.version)}/{WEIGHTS}")
+        except FileNotFoundError:
+            raise VersionCorrupt(f"version {m.version}: {WEIGHTS} is missing") from None
         try:
             tensors = st_load(payload)
         except Exception as exc:  # safetensors raises its own untyped errors on torn files
-            raise VersionCorrupt(f"version {version}: weights unreadable: {exc}") from exc
-        if set(tensors) != set(manifest.tensors):
-            raise VersionCorrupt(f"version {version}: tensor names differ from the manifest")
-        for name, entry in manifest.tensors.items():
+            raise VersionCorrupt(f"version {m.version}: weights unreadable: {exc}") from None
+        for alias, primary in m.aliases.items():
+            if primary not in tensors:
+                raise VersionCorrupt(f"version {m.version}: alias {alias} of missing {primary}")
+            tensors[alias] = tensors[primary]
+        if set(tensors) != set(m.tensors):
+            raise VersionCorrupt(f"version {m.version}: tensor names differ from the manifest")
+        for name, entry in m.tensors.items():
             if tensor_checksum(tensors[name]) != entry.checksum:
-                raise VersionCorrupt(f"version {version}: checksum mismatch for {name}")
-        return manifest, tensors
+                raise VersionCorrupt(f"version {m.version}: checksum mismatch for {name}")
+        return tensors
+
+    def load(self, version: int) -> tuple[Manifest, dict[str, torch.Tensor]]:
+        """The full served view of ``version`` (anchor + patches), verified; a fresh copy."""
+        view: dict[str, torch.Tensor] = {}
+        return self.advance(view, None, version), view
 
     def read_base(self, name: str) -> bytes:
-        with self.fs.open(f"{self.root}/base/{name}", "rb") as f:
-            data: bytes = f.read()
-            return data
+        return self._read(f"{self.root}/base/{name}")
 
     def materialize(self, version: int, out: Path) -> Path:
-        """Write an HF checkpoint directory of ``version`` (static files + served weights)."""
+        """Write an HF checkpoint dir of ``version``, bit-identical to an anchor of it."""
         out.mkdir(parents=True, exist_ok=True)
         for name in BASE_FILES:
             try:
@@ -223,5 +434,36 @@ class Board:
             except FileNotFoundError:
                 continue
         _, tensors = self.load(version)
-        (out / WEIGHTS).write_bytes(st_save(tensors))
+        (out / WEIGHTS).write_bytes(anchor_payload(tensors)[0])
         return out
+
+    # -- retention -------------------------------------------------------------------------------
+    def gc(self, keep_from: int) -> list[int]:
+        """Delete versions no replica holding ``≥ keep_from`` (or starting fresh) needs.
+
+        Keeps the newest anchor at or before ``keep_from`` and everything after it; returns
+        the versions deleted. Call it with the oldest version any live replica may still hold.
+        """
+        vs = self.versions()
+        kinds: dict[int, str] = {}
+        for v in reversed(vs):
+            kinds[v] = "unknown"
+            if v <= keep_from:
+                kinds[v] = self.manifest(v).kind
+                if kinds[v] == "anchor":
+                    break
+        kinds.update({v: "unknown" for v in vs if v not in kinds})
+        gone = board_plan.removable(kinds, keep_from, vs[-1] if vs else None)
+        for v in gone:
+            self._manifests.pop(v, None)
+            vdir = self._vdir(v)
+            self.store.remove_dir(vdir, MANIFEST)  # manifest first: never listed half-deleted
+        if gone:
+            log.info(
+                "board.gc",
+                board=self.safe_url,
+                run=self.run,
+                keep_from=keep_from,
+                deleted=len(gone),
+            )
+        return gone

@@ -1,0 +1,77 @@
+"""``orchestrate versions`` and ``orchestrate materialize``: look at a board from the shell.
+
+    orchestrate versions --board URL [--run NAME] [--json]
+    orchestrate materialize --board URL [--run NAME] --version N --out DIR
+
+``versions`` lists every published version: version, kind (anchor | delta), base, bytes of its
+primary representation, density (changed fraction against the previous version, when a delta
+from it is stored), the number of patches into it and the publish time (UTC). ``materialize``
+writes an HF checkpoint directory of one version (bit-identical to an anchor of it). Board
+credentials come from the environment (e.g. ``AWS_*``), never from the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from policies.board import Board
+
+
+def _board(args: argparse.Namespace) -> Board:
+    return Board(args.board, args.run)
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--board", required=True, help="board URL (fsspec) or path")
+    parser.add_argument("--run", default="demo", help="run name on the board")
+    return parser
+
+
+def versions(argv: list[str]) -> int:
+    parser = _parser("orchestrate versions")
+    parser.add_argument("--json", action="store_true", help="one JSON list")
+    args = parser.parse_args(argv)
+    board = _board(args)
+    rows = [
+        {
+            "version": m.version,
+            "kind": m.kind,
+            "base": m.base,
+            "bytes": m.bytes,
+            "density": m.density,
+            "patches": len(m.patches),
+            "time": m.created_at,
+        }
+        for m in (board.manifest(v) for v in board.versions())
+    ]
+    if args.json:
+        sys.stdout.write(json.dumps(rows) + "\n")
+        return 0
+    sys.stdout.write(
+        f"{'version':>8}  {'kind':<6}  {'base':>6}  {'bytes':>14}  {'density':>8}  "
+        f"{'patches':>7}  time (UTC)\n"
+    )
+    for r in rows:
+        density = "-" if r["density"] is None else f"{r['density']:.3%}"
+        base = "-" if r["base"] is None else str(r["base"])
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(str(r["time"]))))
+        sys.stdout.write(
+            f"{r['version']:>8}  {r['kind']:<6}  {base:>6}  {r['bytes']:>14,}  {density:>8}  "
+            f"{r['patches']:>7}  {stamp}\n"
+        )
+    return 0
+
+
+def materialize(argv: list[str]) -> int:
+    parser = _parser("orchestrate materialize")
+    parser.add_argument("--version", type=int, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    out = _board(args).materialize(args.version, args.out)
+    sys.stdout.write(f"{out}\n")
+    return 0
