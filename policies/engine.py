@@ -9,29 +9,59 @@ Guarantees:
   ``seed + i``);
 - a stop token (``stop_token_ids`` or the model's EOS) ends a choice and is included in its
   ``token_ids``, so multi-turn prompts can be continued token-exactly;
-- :meth:`Engine.activate` replaces the weights in place, bit for bit, from a served view.
+- concurrent requests are batched by :class:`policies.batching.BatchScheduler` (they join and
+  leave at decode-step boundaries); a request is validated here, before it is queued, so a bad
+  request never reaches the batch;
+- :meth:`Engine.activate` replaces the weights in place, bit for bit, from a served view, at a
+  decode-step boundary (``mode="pause"`` holds in-flight generations there, ``mode="wait"``
+  drains them first), and sets the engine's ``version`` in the same critical section, so every
+  request's version stamp names the weights that actually produced its tokens.
 
-Not covered here: batching of concurrent requests (calls are serialized by the server) and
-version bookkeeping (the sidecar owns it).
+Not covered here: version bookkeeping against the board (the sidecar owns it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from policies.batching import BatchScheduler, Generation, QuiesceMode, sample_token
 from policies.errors import BadRequest
-from policies.lane import FinishReason, GenerateChoice, GenerateRequest
+from policies.lane import GenerateChoice, GenerateRequest
+
+__all__ = ["Activation", "Engine", "Generation", "QuiesceMode", "sample_token"]
+
+
+@dataclass(frozen=True)
+class Activation:
+    """How long an activation took: reaching a step boundary, then holding generation there.
+
+    In ``"pause"`` mode ``wait_s`` is at most one decode step; in ``"wait"`` mode it includes
+    draining in-flight requests. ``held_s`` is the engine pause proper: no token is generated.
+    """
+
+    wait_s: float
+    held_s: float
 
 
 class Engine:
-    """Holds one model and its tokenizer; generation is synchronous (run it in a worker thread)."""
+    """Holds one model, its tokenizer and its batch scheduler."""
 
-    def __init__(self, model_dir: Path, *, device: str = "cpu", dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype | None = None,
+        max_rows: int = 64,
+    ):
         self.model_dir = model_dir
         self.device = torch.device(device)
         self.config = AutoConfig.from_pretrained(model_dir)
@@ -42,12 +72,28 @@ class Engine:
         self.max_context = int(getattr(self.config, "max_position_embeddings", 2048))
         self.eos_ids = set(_eos_ids(model_dir, self.tokenizer))
         self.name = model_dir.name
+        self.batcher = BatchScheduler(self.model, device=self.device, max_rows=max_rows)
 
-    @torch.no_grad()
-    def activate(self, view: Mapping[str, torch.Tensor]) -> None:
-        """Copy a served view into the live parameters, in place and bit for bit."""
+    def live_tensors(self) -> dict[str, torch.Tensor]:
+        """The live parameters by served-view name (tied aliases left out); patch them in place."""
         params = self.model.state_dict(keep_vars=True)
-        missing = [name for name in params if name not in view and not self._tied(name)]
+        return {k: v.data for k, v in params.items() if not self._tied(k)}
+
+    def activate(
+        self,
+        view: Mapping[str, torch.Tensor],
+        *,
+        version: int,
+        mode: QuiesceMode = "wait",
+        only: Collection[str] | None = None,
+    ) -> Activation:
+        """Copy a served view into the live parameters, bit for bit, and serve ``version``.
+
+        ``only`` limits the copy to those tensors (the ones that changed since the live
+        version). The view is checked before the model is touched, so a bad view changes nothing.
+        """
+        params = self.live_tensors()
+        missing = [name for name in params if name not in view]
         if missing:
             raise BadRequest(f"view lacks tensors the model needs: {missing[:3]}", "view")
         for name, src in view.items():
@@ -58,21 +104,53 @@ class Engine:
                 raise BadRequest(f"view has a tensor the model does not: {name}", "view")
             if dst.shape != src.shape:
                 raise BadRequest(f"{name}: shape {tuple(src.shape)} != {tuple(dst.shape)}", "view")
-            dst.copy_(src.to(dst.dtype))
+
+        def copy(live: dict[str, torch.Tensor]) -> None:
+            for name, dst in live.items():
+                if only is None or name in only:
+                    dst.copy_(view[name].to(device=dst.device, dtype=dst.dtype))
+
+        return self.apply(copy, version=version, mode=mode)
+
+    def apply(
+        self,
+        fn: Callable[[dict[str, torch.Tensor]], object],
+        *,
+        version: int,
+        mode: QuiesceMode = "wait",
+    ) -> Activation:
+        """Run ``fn(live tensors)`` at a step boundary, then serve ``version``.
+
+        ``fn`` patches the tensors in place (e.g. ``policies.codec.apply_patch``); if it raises,
+        the version is not switched and the exception propagates.
+        """
+        live = self.live_tensors()
+        with self.batcher.quiesce(mode) as waited, torch.no_grad():
+            t0 = time.perf_counter()
+            fn(live)
+            self.batcher.version = version
+            held = time.perf_counter() - t0
+        return Activation(wait_s=waited, held_s=held)
 
     def _tied(self, name: str) -> bool:
         tied = getattr(self.model, "_tied_weights_keys", None) or {}
         return name in tied
 
-    @torch.no_grad()
-    def generate(self, req: GenerateRequest) -> list[GenerateChoice]:
-        """Sample ``req.n`` continuations of ``req.prompt_token_ids``."""
+    @property
+    def version(self) -> int | None:
+        """The policy version whose weights are live (``None`` before the first activation)."""
+        return self.batcher.version
+
+    def validate(self, req: GenerateRequest) -> tuple[int, frozenset[int]]:
+        """Check ``req`` against the model; return its token budget and its stop tokens."""
         vocab = int(self.config.vocab_size)
-        bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise BadRequest(
-                f"token id {bad[0]} outside the vocabulary [0, {vocab})", "prompt_token_ids"
-            )
+        for field, ids in (
+            ("prompt_token_ids", req.prompt_token_ids),
+            ("stop_token_ids", req.stop_token_ids),
+        ):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise BadRequest(f"token id {bad[0]} outside the vocabulary [0, {vocab})", field)
         room = self.max_context - len(req.prompt_token_ids)
         if room <= 0:
             raise BadRequest(
@@ -80,59 +158,21 @@ class Engine:
                 f"{self.max_context}",
                 "prompt_token_ids",
             )
-        max_tokens = min(req.max_tokens, room)
-        stops = self.eos_ids | set(req.stop_token_ids)
-        return [self._sample(req, i, max_tokens, stops) for i in range(req.n)]
+        return min(req.max_tokens, room), frozenset(self.eos_ids | set(req.stop_token_ids))
 
-    def _sample(
-        self, req: GenerateRequest, index: int, max_tokens: int, stops: set[int]
-    ) -> GenerateChoice:
-        gen = torch.Generator(device=self.device)
-        if req.seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(req.seed + index)
-        ids = torch.tensor([req.prompt_token_ids], device=self.device)
-        out = self.model(ids, use_cache=True)
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        finish: FinishReason = "length"
-        for step in range(max_tokens):
-            logits = out.logits[0, -1].float()
-            token, logprob = sample_token(logits, req.temperature, req.top_k, req.top_p, gen)
-            tokens.append(token)
-            logprobs.append(logprob)
-            if token in stops:
-                finish = "stop"
-                break
-            if step + 1 < max_tokens:
-                nxt = torch.tensor([[token]], device=self.device)
-                out = self.model(nxt, cache=out.cache, use_cache=True)
-        return GenerateChoice(
-            index=index, token_ids=tokens, logprobs=logprobs, finish_reason=finish
-        )
+    async def agenerate(self, req: GenerateRequest) -> Generation:
+        """Sample ``req.n`` continuations in the shared batch (cancelling aborts them)."""
+        max_tokens, stops = self.validate(req)
+        return await asyncio.wrap_future(self.batcher.submit(req, max_tokens, stops))
 
+    def generate(self, req: GenerateRequest) -> list[GenerateChoice]:
+        """Blocking form of :meth:`agenerate` (for scripts and worker threads)."""
+        max_tokens, stops = self.validate(req)
+        return self.batcher.submit(req, max_tokens, stops).result().choices
 
-def sample_token(
-    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator
-) -> tuple[int, float]:
-    """Sample one token id from 1-D ``logits``; return it with its log prob as sampled."""
-    if temperature == 0.0:
-        token = int(torch.argmax(logits))
-        return token, float(torch.log_softmax(logits, -1)[token])
-    scaled = logits / temperature
-    if top_k > 0 and top_k < scaled.numel():
-        kth = torch.topk(scaled, top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(scaled, descending=True)
-        probs = torch.softmax(sorted_logits, -1)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        outside = (torch.cumsum(probs, -1) - probs) >= top_p
-        scaled = scaled.scatter(0, order[outside], float("-inf"))
-    logp = torch.log_softmax(scaled, -1)
-    token = int(torch.multinomial(logp.exp(), 1, generator=gen))
-    return token, float(logp[token])
+    def close(self) -> None:
+        """Stop the batch thread; queued and running requests fail with ``EngineError``."""
+        self.batcher.close()
 
 
 def _eos_ids(model_dir: Path, tok: PreTrainedTokenizerBase) -> list[int]:

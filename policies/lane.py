@@ -115,3 +115,187 @@ class ErrorBody(_Wire):
 
 
 VERSION_UNAVAILABLE = "policy_version_unavailable"
+
+
+# -- OpenAI-compatible routes -------------------------------------------------------------------
+# Requests name every accepted field (so an unknown or unsupported one is a 400 naming it);
+# fields OpenAI clients send by default and that change nothing here are accepted as documented.
+
+_FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class _Open(BaseModel):
+    """Nested OpenAI objects: unknown keys are kept (clients add vendor fields)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
+class FunctionSpec(_Wire):
+    name: str = Field(pattern=_FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, object] = Field(default_factory=lambda: dict[str, object](type="object"))
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema(self) -> FunctionSpec:
+        kind = self.parameters.get("type", "object")
+        if kind != "object":
+            raise ValueError(
+                f'function parameters must be a JSON schema of type "object", got {kind!r}'
+            )
+        props = self.parameters.get("properties", {})
+        if not isinstance(props, dict) or not all(isinstance(v, dict) for v in props.values()):
+            raise ValueError("function parameters.properties must map names to JSON schemas")
+        required = self.parameters.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise ValueError("function parameters.required must be a list of names")
+        return self
+
+
+class ToolSpec(_Wire):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Wire):
+    name: str
+
+
+class NamedToolChoice(_Wire):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(_Open):
+    name: str
+    arguments: str | dict[str, object] = "{}"
+
+
+class MessageToolCall(_Open):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Open):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, object]] | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class _Sampling(_Wire):
+    """Sampling fields shared by both OpenAI routes (plus the lane's extensions)."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1, le=32768)
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    seed: int | None = None
+    n: int = Field(default=1, ge=1, le=64)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    stream: Literal[False] = False
+    user: str | None = None
+    presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0, description="only 0")
+    frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0, description="only 0")
+    policy_version: VersionBounds = Field(default_factory=VersionBounds)
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=32768)
+    logprobs: bool = False
+    top_logprobs: Literal[0] | None = None
+
+    @model_validator(mode="after")
+    def _choice_names_a_tool(self) -> ChatCompletionRequest:
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = {t.function.name for t in self.tools or []}
+            if self.tool_choice.function.name not in names:
+                raise ValueError(
+                    f"tool_choice names {self.tool_choice.function.name!r}, not one of the tools"
+                )
+        elif self.tool_choice == "required" and not self.tools:
+            raise ValueError('tool_choice "required" needs tools')
+        return self
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: a text prompt or a token-id prompt."""
+
+    prompt: str | list[int] = Field(min_length=1)
+    logprobs: Literal[0, 1] | None = None
+    echo: Literal[False] = False
+
+
+class TokenLogprob(_Wire):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[dict[str, object]] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Wire):
+    content: list[TokenLogprob]
+
+
+class ChatChoice(_Wire):
+    index: int
+    message: dict[str, object]
+    finish_reason: str
+    logprobs: ChatLogprobs | None
+    token_ids: list[int]
+
+
+class CompletionLogprobs(_Wire):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: None = None
+    text_offset: list[int]
+
+
+class CompletionChoice(_Wire):
+    index: int
+    text: str
+    finish_reason: str
+    logprobs: CompletionLogprobs | None
+    token_ids: list[int]
+
+
+class OpenAIUsage(_Wire):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletionResponse(_Wire):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: OpenAIUsage
+    prompt_token_ids: list[int]
+    policy_version: VersionStamp
+
+
+class CompletionResponse(_Wire):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: OpenAIUsage
+    prompt_token_ids: list[int]
+    policy_version: VersionStamp

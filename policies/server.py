@@ -1,35 +1,52 @@
 """The reference engine's HTTP server: the request lane over aiohttp, with the sidecar embedded.
 
-Routes: ``POST /v1/generate``, ``GET /v1/models``, ``GET /v1/policy``,
-``POST /v1/policy/notify``, ``GET /health``, ``GET /metrics`` (Prometheus). Every route except
-``/health`` requires ``Authorization: Bearer <token>`` when a token is set (compared in constant
-time). Every bad request gets a 4xx JSON error naming the field, and the server keeps running;
-version conflicts get 409 ``policy_version_unavailable`` with ``Retry-After``.
+Routes: ``POST /v1/generate``, ``POST /v1/chat/completions``, ``POST /v1/completions``
+(``policies.openai_routes``), ``GET /v1/models``, ``GET /v1/policy``, ``POST /v1/policy/notify``,
+``GET /health``, ``GET /metrics`` (Prometheus). Every route except ``/health`` requires
+``Authorization: Bearer <token>`` when a token is set (compared in constant time). Every bad
+request (malformed JSON, a field out of range, an unknown field, an over-long prompt, an invalid
+tool schema) gets a 4xx JSON error naming the field, and the server keeps running; version
+conflicts get 409 ``policy_version_unavailable`` with ``Retry-After``. TLS is optional
+(:func:`tls_context` from a PEM certificate and key).
+
+The same server fronts the standalone sidecar (``policies.adapters``): :func:`run_lane` serves
+any :class:`Sidecar` whose backend is an external engine.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import ssl
 import tempfile
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
 import structlog
 import torch
 from aiohttp import web
 from anyio.abc import TaskStatus
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
+from pydantic import BaseModel
+from transformers import PreTrainedTokenizerBase
 
+from policies.batching import QuiesceMode
 from policies.board import BASE_FILES, Board
 from policies.engine import Engine
-from policies.errors import BadRequest
-from policies.lane import VERSION_UNAVAILABLE, ErrorBody, GenerateRequest
-from policies.sidecar import Sidecar, VersionNotServed
+from policies.errors import BadRequest, EngineError
+from policies.lane import (
+    VERSION_UNAVAILABLE,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorBody,
+    GenerateRequest,
+)
+from policies.openai_routes import OpenAIRoutes, parse_body
+from policies.sidecar import LocalBackend, Sidecar, VersionNotServed
 
 log = structlog.get_logger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -50,30 +67,51 @@ def error_response(
     )
 
 
+def tls_context(cert: Path, key: Path) -> ssl.SSLContext:
+    """A server TLS context (TLS 1.2+) from PEM files."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cert, key)
+    return ctx
+
+
 class LaneServer:
     """Binds a :class:`Sidecar` (and its engine) to the lane's routes."""
 
-    def __init__(self, sidecar: Sidecar, *, token: str | None, registry: CollectorRegistry):
+    def __init__(
+        self,
+        sidecar: Sidecar,
+        *,
+        token: str | None,
+        registry: CollectorRegistry,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+    ):
         self.sidecar = sidecar
         self.token = token
         self.registry = registry
+        self.openai = OpenAIRoutes(sidecar, tokenizer) if tokenizer is not None else None
         self.requests = Counter(
             "sprawl_lane_requests",
             "Lane requests by route and status",
             ["route", "status"],
             registry=registry,
         )
+        self.inflight = Gauge("sprawl_lane_inflight", "Requests being served", registry=registry)
         self.app = web.Application(middlewares=[self._auth, self._count])
-        self.app.add_routes(
-            [
-                web.post("/v1/generate", self.generate),
-                web.get("/v1/models", self.models),
-                web.get("/v1/policy", self.policy),
-                web.post("/v1/policy/notify", self.notify),
-                web.get("/health", self.health),
-                web.get("/metrics", self.metrics),
+        routes = [
+            web.post("/v1/generate", self.generate),
+            web.get("/v1/models", self.models),
+            web.get("/v1/policy", self.policy),
+            web.post("/v1/policy/notify", self.notify),
+            web.get("/health", self.health),
+            web.get("/metrics", self.metrics),
+        ]
+        if self.openai is not None:
+            routes += [
+                web.post("/v1/chat/completions", self.chat),
+                web.post("/v1/completions", self.completions),
             ]
-        )
+        self.app.add_routes(routes)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -85,29 +123,27 @@ class LaneServer:
 
     @web.middleware
     async def _count(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        route = request.match_info.route.resource
+        label = route.canonical if route is not None else "unmatched"
         try:
             resp = await handler(request)
         except web.HTTPException as exc:
-            self.requests.labels(request.path, str(exc.status)).inc()
+            self.requests.labels(label, str(exc.status)).inc()
             raise
-        self.requests.labels(request.path, str(resp.status)).inc()
+        self.requests.labels(label, str(resp.status)).inc()
         return resp
 
-    async def generate(self, request: web.Request) -> web.Response:
+    async def _answer(
+        self, request: web.Request, serve: Callable[[Any], Awaitable[BaseModel]]
+    ) -> web.Response:
+        """Parse JSON, serve it, and map every failure to its JSON error."""
         try:
             payload = await request.json()
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             return error_response(400, "invalid_request_error", f"body is not JSON: {exc}")
+        self.inflight.inc()
         try:
-            req = GenerateRequest.model_validate(payload)
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            param = ".".join(str(p) for p in err["loc"]) or None
-            return error_response(
-                400, "invalid_request_error", f"{param}: {err['msg']}", param=param
-            )
-        try:
-            resp = await self.sidecar.generate(req, f"gen-{uuid.uuid4().hex[:16]}")
+            answer = await serve(payload)
         except VersionNotServed as exc:
             return error_response(
                 409,
@@ -119,7 +155,36 @@ class LaneServer:
             )
         except BadRequest as exc:
             return error_response(400, "invalid_request_error", str(exc), param=exc.param)
-        return web.json_response(resp.model_dump())
+        except EngineError as exc:
+            return error_response(503, "engine_unavailable", str(exc))
+        finally:
+            self.inflight.dec()
+        return web.json_response(answer.model_dump())
+
+    async def generate(self, request: web.Request) -> web.Response:
+        async def serve(payload: Any) -> BaseModel:
+            req = parse_body(GenerateRequest, payload)
+            return await self.sidecar.generate(req, f"gen-{uuid.uuid4().hex[:16]}")
+
+        return await self._answer(request, serve)
+
+    async def chat(self, request: web.Request) -> web.Response:
+        assert self.openai is not None
+        openai = self.openai
+
+        async def serve(payload: Any) -> BaseModel:
+            return await openai.chat(parse_body(ChatCompletionRequest, payload))
+
+        return await self._answer(request, serve)
+
+    async def completions(self, request: web.Request) -> web.Response:
+        assert self.openai is not None
+        openai = self.openai
+
+        async def serve(payload: Any) -> BaseModel:
+            return await openai.complete(parse_body(CompletionRequest, payload))
+
+        return await self._answer(request, serve)
 
     async def models(self, _request: web.Request) -> web.Response:
         return web.json_response(
@@ -130,7 +195,7 @@ class LaneServer:
                         "id": self.sidecar.board.run,
                         "object": "model",
                         "owned_by": "sprawl",
-                        "max_model_len": self.sidecar.engine.max_context,
+                        "max_model_len": self.sidecar.backend.max_context,
                     }
                 ],
             }
@@ -155,6 +220,41 @@ class LaneServer:
         )
 
 
+async def run_lane(
+    sidecar: Sidecar,
+    *,
+    host: str,
+    port: int,
+    token: str | None,
+    registry: CollectorRegistry,
+    tokenizer: PreTrainedTokenizerBase | None,
+    tls: ssl.SSLContext | None = None,
+    task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Reconcile ``sidecar`` and serve its lane until cancelled; ``started`` with the port."""
+    server = LaneServer(sidecar, token=token, registry=registry, tokenizer=tokenizer)
+    runner = web.AppRunner(server.app, access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(sidecar.run)
+            site = web.TCPSite(runner, host, port, ssl_context=tls)
+            await site.start()
+            bound = int(runner.addresses[0][1])
+            log.info(
+                "lane_ready",
+                port=bound,
+                version=sidecar.applied_version,
+                tls=tls is not None,
+                auth=token is not None,
+            )
+            task_status.started(bound)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await runner.cleanup()
+            await sidecar.backend.aclose()
+
+
 async def serve_board(
     board_url: str,
     run: str,
@@ -164,6 +264,8 @@ async def serve_board(
     device: str,
     token: str | None,
     poll_interval_s: float,
+    activation: QuiesceMode = "wait",
+    tls: ssl.SSLContext | None = None,
     task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the board's newest version until cancelled; ``started`` with the bound port."""
@@ -182,21 +284,23 @@ async def serve_board(
             lambda: Engine(model_dir, device=device, dtype=dtype)
         )
         registry = CollectorRegistry()
-        sidecar = Sidecar(engine, board, poll_interval_s=poll_interval_s, registry=registry)
-        server = LaneServer(sidecar, token=token, registry=registry)
-        runner = web.AppRunner(server.app, access_log=None, shutdown_timeout=2.0)
-        await runner.setup()
-        try:
-            async with anyio.create_task_group() as tg:
-                await tg.start(sidecar.run)
-                site = web.TCPSite(runner, host, port)
-                await site.start()
-                bound = runner.addresses[0][1]
-                log.info("engine_ready", port=bound, version=sidecar.applied_version)
-                task_status.started(bound)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await runner.cleanup()
+        sidecar = Sidecar(
+            LocalBackend(engine),
+            board,
+            poll_interval_s=poll_interval_s,
+            registry=registry,
+            activation=activation,
+        )
+        await run_lane(
+            sidecar,
+            host=host,
+            port=port,
+            token=token,
+            registry=registry,
+            tokenizer=engine.tokenizer,
+            tls=tls,
+            task_status=task_status,
+        )
 
 
 async def _wait_for_board(board: Board) -> int:

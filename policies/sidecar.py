@@ -2,36 +2,53 @@
 
 It watches the board pointer (every ``poll_interval_s``, or at once when notified through
 ``POST /v1/policy/notify``; a missed notification only delays convergence), then for a newer
-version: fetch → verify checksums → stage → activate. Activation takes the engine lock, so new
-requests queue behind it and in-flight generations finish first; then it copies the view into
-the live tensors and only then reports the new version.
+version: **stage** (fetch and verify checksums while the engine keeps serving) → **activate**
+(the backend applies it at a decode-step boundary) → report. The engine is reached through a
+:class:`Backend`: :class:`LocalBackend` wraps the reference engine (weights copied into the live
+tensors in place); ``policies.adapters`` hold the vLLM, SGLang and frozen-OpenAI backends.
+
+Activation modes (``activation``): ``"wait"`` (default) stops admitting new requests, lets
+in-flight generations finish, applies, resumes; ``"pause"`` holds in-flight generations at the
+next step boundary, applies, and resumes them on the new weights — their responses then report
+``policy_version.start != end``.
 
 Guarantees:
 
-- ``applied_version`` is never reported before the engine has activated that version;
-- a request whose ``policy_version`` bounds exclude the applied version gets
-  :class:`VersionNotServed` (the server answers 409 with ``Retry-After``); it is never served;
+- ``applied_version`` is never reported before the backend has activated that version;
+- a request whose ``policy_version`` bounds exclude the version applied when it *joins the
+  engine* gets :class:`VersionNotServed` (the server answers 409 with ``Retry-After``); it is
+  never served;
 - every response carries the versions applied at its start and its end;
 - a version that fails verification is never activated: the old one keeps serving, the failure is
-  logged and counted, and the sidecar moves on to the next newer version when one appears.
+  logged and counted, and the sidecar moves on to the next newer version when one appears; an
+  activation the engine fails (e.g. an external engine briefly unreachable) is logged, counted
+  and retried at the next reconcile;
+- board URLs are logged with their credentials (``user:password@``, query strings) removed.
 
-Not covered yet: sparse patches (versions are loaded whole), pausing in-flight generations
-mid-sequence, squashed catch-up.
+Catch-up: the sidecar always targets the newest version; the board plans the route (squashed
+patches when far behind, an anchor when too far) and :class:`LocalBackend` applies it to a CPU
+shadow of the served view, falling back to the nearest anchor when a patch fails.
+
+Not covered: more than one staged version at a time (a newer version published while one is
+being staged is picked up by the next reconcile).
 """
 
 from __future__ import annotations
 
-import time
-from typing import Any
+import re
+from typing import Protocol
 
 import anyio
 import structlog
+import torch
 from anyio.abc import TaskStatus
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from policies.batching import Generation, OutOfBounds, QuiesceMode
 from policies.board import Board
+from policies.board_types import Manifest
 from policies.engine import Engine
-from policies.errors import BoardError, EngineError
+from policies.errors import BoardError, EngineError, PolicyError
 from policies.lane import (
     GenerateRequest,
     GenerateResponse,
@@ -54,6 +71,93 @@ class VersionNotServed(EngineError):
         self.catching_up = catching_up
 
 
+class Backend(Protocol):
+    """An engine as the sidecar drives it."""
+
+    name: str
+    max_context: int
+
+    async def stage(self, board: Board, version: int) -> None:
+        """Fetch and verify ``version`` while the engine keeps serving (raise on failure)."""
+
+    async def activate(self, version: int, mode: QuiesceMode) -> float:
+        """Make the staged version live; return the seconds generation was held (paused)."""
+
+    async def generate(self, req: GenerateRequest) -> Generation:
+        """Serve ``req``; raise :class:`OutOfBounds` if the live version is outside its bounds."""
+
+    async def aclose(self) -> None:
+        """Release resources."""
+
+
+class LocalBackend:
+    """The reference engine, patched in place.
+
+    It keeps a *shadow* of the served view on the CPU. Staging brings the shadow to the new
+    version with ``Board.advance`` (the board's patch plan: one squashed patch when far behind,
+    every patch verified) while the engine serves; if a patch fails, the shadow is rebuilt from
+    the nearest anchor, and if that fails too the version is refused and the shadow dropped.
+    Activation copies into the live tensors only the tensors whose manifest checksum differs
+    from the live version's.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.name = engine.name
+        self.max_context = engine.max_context
+        self._shadow: dict[str, torch.Tensor] | None = None
+        self._shadow_version: int | None = None
+        self._live: Manifest | None = None
+        self._staged: tuple[int, Manifest] | None = None
+
+    async def stage(self, board: Board, version: int) -> None:
+        def advance() -> Manifest:
+            shadow, have = self._shadow, self._shadow_version
+            self._shadow, self._shadow_version = None, None  # unusable until this succeeds
+            if shadow is None:
+                shadow, have = {}, None
+            try:
+                manifest = board.advance(shadow, have, version)
+            except PolicyError as exc:
+                if have is None:
+                    raise
+                log.warning(
+                    "patch_failed_reloading_anchor", version=version, error=redact(str(exc))
+                )
+                shadow = {}
+                manifest = board.advance(shadow, None, version)
+            self._shadow, self._shadow_version = shadow, version
+            return manifest
+
+        manifest = await anyio.to_thread.run_sync(advance)
+        self._staged = (version, manifest)
+
+    async def activate(self, version: int, mode: QuiesceMode) -> float:
+        staged, self._staged = self._staged, None
+        shadow = self._shadow
+        if staged is None or staged[0] != version or shadow is None:
+            raise EngineError(f"version {version} was not staged")
+        target, live = staged[1], self._live
+        changed = None
+        if live is not None:
+            changed = {
+                name
+                for name, entry in target.tensors.items()
+                if name not in live.tensors or live.tensors[name].checksum != entry.checksum
+            }
+        done = await anyio.to_thread.run_sync(
+            lambda: self.engine.activate(shadow, version=version, mode=mode, only=changed)
+        )
+        self._live = target
+        return done.held_s
+
+    async def generate(self, req: GenerateRequest) -> Generation:
+        return await self.engine.agenerate(req)
+
+    async def aclose(self) -> None:
+        await anyio.to_thread.run_sync(self.engine.close)
+
+
 class SidecarMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.applied = Gauge(
@@ -67,7 +171,8 @@ class SidecarMetrics:
         )
         self.pause = Histogram(
             "sprawl_activation_pause_seconds",
-            "Time new requests were held while a version was applied",
+            "Time generation was held while a version was applied",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0),
             registry=registry,
         )
         self.conflicts = Counter(
@@ -76,24 +181,46 @@ class SidecarMetrics:
         self.tokens = Counter("sprawl_generated_tokens", "Tokens sampled", registry=registry)
 
 
+_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][\w+.-]*://)[^/@\s]+@")
+_QUERY = re.compile(r"\?\S*")
+
+
+def redact(text: str) -> str:
+    """``text`` with URL credentials (``user:pass@``) and query strings (signed tokens) removed."""
+    return _QUERY.sub("?<redacted>", _CREDENTIALS.sub(r"\g<scheme><redacted>@", text))
+
+
 class Sidecar:
     def __init__(
-        self, engine: Engine, board: Board, *, poll_interval_s: float, registry: CollectorRegistry
+        self,
+        backend: Backend | Engine,
+        board: Board,
+        *,
+        poll_interval_s: float,
+        registry: CollectorRegistry,
+        activation: QuiesceMode = "wait",
+        fixed_version: int | None = None,
     ) -> None:
-        self.engine = engine
+        self.backend: Backend = LocalBackend(backend) if isinstance(backend, Engine) else backend
         self.board = board
         self.poll_interval_s = poll_interval_s
-        self.applied_version: int | None = None
+        self.activation: QuiesceMode = activation
+        self.applied_version: int | None = fixed_version
+        self.fixed = fixed_version is not None
         self.staged_version: int | None = None
-        self.state: SidecarState = "starting"
+        self.state: SidecarState = "serving" if self.fixed else "starting"
         self.metrics = SidecarMetrics(registry)
-        self._lock = anyio.Lock()
+        if fixed_version is not None:
+            self.metrics.applied.set(fixed_version)
         self._wake = anyio.Event()
         self._refused: set[int] = set()
 
     # -- reconcile ------------------------------------------------------------------------------
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Reconcile forever; ``started`` once the first version is applied."""
+        """Reconcile forever; ``started`` once a version is applied (at once when fixed)."""
+        if self.fixed:
+            task_status.started()
+            await anyio.sleep_forever()
         started = False
         while True:
             await self.reconcile()
@@ -110,10 +237,12 @@ class Sidecar:
 
     async def reconcile(self) -> None:
         """Bring the engine to the board's newest good version, if it is not there yet."""
+        if self.fixed:
+            return
         try:
             target = await anyio.to_thread.run_sync(self.board.latest)
         except BoardError as exc:
-            log.warning("board_unreadable", error=str(exc))
+            log.warning("board_unreadable", error=redact(str(exc)))
             return
         if target is None or target in self._refused:
             return
@@ -122,60 +251,77 @@ class Sidecar:
         self.state = "staging" if self.applied_version is not None else "catching_up"
         self.staged_version = target
         try:
-            _, view = await anyio.to_thread.run_sync(self.board.load, target)
-        except BoardError as exc:
+            await self.backend.stage(self.board, target)
+        except PolicyError as exc:
             self._refused.add(target)
             self.metrics.failures.inc()
             log.error(
-                "version_refused", version=target, error=str(exc), serving=self.applied_version
+                "version_refused",
+                version=target,
+                error=redact(str(exc)),
+                serving=self.applied_version,
             )
             self.staged_version = None
             self.state = "serving" if self.applied_version is not None else "starting"
             return
         self.state = "activating"
-        t0 = time.perf_counter()
-        async with self._lock:
-            await anyio.to_thread.run_sync(self.engine.activate, view)
-            self.applied_version = target
-        pause = time.perf_counter() - t0
+        try:
+            pause = await self.backend.activate(target, self.activation)
+        except PolicyError as exc:
+            # The engine did not switch (it may be briefly unreachable): keep serving the old
+            # version and try again at the next reconcile.
+            self.metrics.failures.inc()
+            log.error("activation_failed", version=target, error=redact(str(exc)))
+            self.staged_version = None
+            self.state = "serving" if self.applied_version is not None else "starting"
+            return
+        self.applied_version = target
         self.staged_version = None
         self.state = "serving"
         self.metrics.pause.observe(pause)
         self.metrics.activations.inc()
         self.metrics.applied.set(target)
-        log.info("version_activated", version=target, pause_ms=round(pause * 1e3, 2))
+        log.info(
+            "version_activated",
+            version=target,
+            pause_ms=round(pause * 1e3, 2),
+            mode=self.activation,
+        )
 
     # -- serving --------------------------------------------------------------------------------
-    def _check(self, req: GenerateRequest) -> int:
-        applied = self.applied_version
-        if applied is not None and req.policy_version.admits(applied):
-            return applied
+    def _conflict(self, req: GenerateRequest, applied: int | None) -> VersionNotServed:
         self.metrics.conflicts.inc()
-        latest = self.staged_version
-        catching_up = latest is not None and req.policy_version.admits(latest)
-        raise VersionNotServed(
+        staged = self.staged_version
+        return VersionNotServed(
             f"applied version {applied} is outside the requested bounds "
             f"[{req.policy_version.min}, {req.policy_version.max}]",
             applied,
-            self.staged_version,
-            catching_up,
+            staged,
+            staged is not None and req.policy_version.admits(staged),
         )
 
+    async def run_request(self, req: GenerateRequest) -> Generation:
+        """Serve ``req`` at a version inside its bounds; the generation carries its stamps."""
+        applied = self.applied_version
+        if applied is None or not req.policy_version.admits(applied):
+            raise self._conflict(req, applied)
+        try:
+            gen = await self.backend.generate(req)
+        except OutOfBounds as exc:  # an activation landed while the request queued
+            raise self._conflict(req, exc.version) from None
+        self.metrics.tokens.inc(sum(len(c.token_ids) for c in gen.choices))
+        return gen
+
     async def generate(self, req: GenerateRequest, request_id: str) -> GenerateResponse:
-        """Serve ``req`` at a version inside its bounds, stamped with the versions used."""
-        self._check(req)
-        async with self._lock:
-            start = self._check(req)  # an activation may have landed while we queued
-            choices = await anyio.to_thread.run_sync(self.engine.generate, req)
-            end = self.applied_version
-        assert end is not None
-        completion = sum(len(c.token_ids) for c in choices)
-        self.metrics.tokens.inc(completion)
+        """Serve ``POST /v1/generate``."""
+        gen = await self.run_request(req)
+        start, end = stamps(gen, self.applied_version)
+        completion = sum(len(c.token_ids) for c in gen.choices)
         return GenerateResponse(
             id=request_id,
             model=self.board.run,
             prompt_token_ids=req.prompt_token_ids,
-            choices=choices,
+            choices=gen.choices,
             policy_version=VersionStamp(start=start, end=end),
             usage=Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=completion),
         )
@@ -188,5 +334,10 @@ class Sidecar:
             run=self.board.run,
         )
 
-    def describe(self) -> dict[str, Any]:
-        return self.policy_state().model_dump()
+
+def stamps(gen: Generation, applied: int | None) -> tuple[int, int]:
+    start = gen.start if gen.start is not None else applied
+    end = gen.end if gen.end is not None else start
+    if start is None or end is None:
+        raise EngineError("generation finished without a version")
+    return start, end

@@ -11,6 +11,7 @@ import aiohttp
 import anyio
 import pytest
 import torch
+from structlog.testing import capture_logs
 from transformers import AutoModelForCausalLM
 
 from policies.board import Board
@@ -38,7 +39,9 @@ def board(tmp_path: Path, tiny_model_dir: Path) -> Board:
 
 
 @asynccontextmanager
-async def engine(board: Board, token: str | None = None) -> AsyncIterator[str]:
+async def engine(
+    board: Board, token: str | None = None, poll_interval_s: float = 0.05
+) -> AsyncIterator[str]:
     async with anyio.create_task_group() as tg:
         port = await tg.start(
             lambda task_status: serve_board(
@@ -48,7 +51,7 @@ async def engine(board: Board, token: str | None = None) -> AsyncIterator[str]:
                 port=0,
                 device="cpu",
                 token=token,
-                poll_interval_s=0.05,
+                poll_interval_s=poll_interval_s,
                 task_status=task_status,
             )
         )
@@ -115,13 +118,30 @@ async def test_version_bounds_409_and_activation(board: Board, tiny_model_dir: P
         assert status == 409
 
 
+async def test_catch_up_from_ten_versions_behind(board: Board, tiny_model_dir: Path) -> None:
+    async with engine(board, poll_interval_s=3600) as url, aiohttp.ClientSession() as s:
+        for v in range(1, 11):
+            _publish(board, v, tiny_model_dir, scale=1.0 - v / 100)
+        await _post(s, f"{url}/v1/policy/notify", {})
+        await _wait_version(s, url, 10)
+        async with s.get(f"{url}/metrics") as r:
+            assert "sprawl_version_activations_total 2.0" in await r.text()  # v0, then v10
+        status, body, _ = await _post(
+            s, f"{url}/v1/generate", _req(policy_version={"min": 10, "max": 10})
+        )
+        assert (status, body["policy_version"]) == (200, {"start": 10, "end": 10})
+
+
 async def test_corrupted_version_is_never_served(board: Board, tiny_model_dir: Path) -> None:
     async with engine(board) as url, aiohttp.ClientSession() as s:
         _publish(board, 1, tiny_model_dir, scale=0.5)
-        weights = Path(board.root) / "versions" / "00000001" / "model.safetensors"
-        raw = bytearray(weights.read_bytes())
-        raw[len(raw) // 2] ^= 0x01
-        weights.write_bytes(bytes(raw))
+        vdir = Path(board.root) / "versions" / "00000001"
+        data = [f for f in vdir.iterdir() if f.name != "manifest.json"]  # the patch or anchor
+        assert data
+        for f in data:
+            raw = bytearray(f.read_bytes())
+            raw[len(raw) // 2] ^= 0x01
+            f.write_bytes(bytes(raw))
         await _post(s, f"{url}/v1/policy/notify", {})
         await anyio.sleep(0.5)
         async with s.get(f"{url}/v1/policy") as r:
@@ -160,6 +180,12 @@ async def test_auth_required_except_health(board: Board) -> None:
         (_req(prompt_token_ids=[1] * 5000), "prompt_token_ids"),
         (_req(policy_version={"min": 3, "max": 1}), "policy_version"),
         (_req(unknown_field=1), "unknown_field"),
+        ("[1, 2, 3]", None),
+        (_req(n=0), "n"),
+        (_req(max_tokens=0), "max_tokens"),
+        (_req(stop_token_ids=[-1]), "stop_token_ids"),
+        (_req(seed="x"), "seed"),
+        (_req(policy_version={"min": -1}), "policy_version.min"),
     ],
 )
 async def test_bad_requests_get_4xx_naming_the_field(
@@ -172,3 +198,40 @@ async def test_bad_requests_get_4xx_naming_the_field(
         assert answer["error"].get("param") == param
         status, _, _ = await _post(s, f"{url}/v1/generate", _req())
         assert status == 200  # the server keeps serving
+
+
+def _nudged(view: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """``view`` with 1% of its bf16 values moved by one unit in the last place."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in view.items():
+        bits = t.clone().view(torch.int16).reshape(-1)
+        bits[torch.randint(0, bits.numel(), (max(1, bits.numel() // 100),), generator=gen)] += 1
+        out[name] = bits.view(torch.bfloat16).reshape(t.shape)
+    return out
+
+
+async def test_a_failed_patch_falls_back_to_the_nearest_anchor(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    board = Board(str(tmp_path / "board"), "run", anchor_every=2)
+    board.create(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    v0 = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    board.publish(0, v0, view_name="bfloat16")
+    async with engine(board, poll_interval_s=3600) as url, aiohttp.ClientSession() as s:
+        v1 = _nudged(v0, 1)
+        assert board.publish(1, v1, view_name="bfloat16").kind == "delta"
+        await _post(s, f"{url}/v1/policy/notify", {})
+        await _wait_version(s, url, 1)
+        assert board.publish(2, _nudged(v1, 2), view_name="bfloat16").kind == "anchor"
+        patches = list((Path(board.root) / "versions" / "00000002").glob("*.patch"))
+        assert patches  # an anchor also stores the patch from the previous version
+        for f in patches:
+            f.write_bytes(b"garbage")
+        with capture_logs() as logs:
+            await _post(s, f"{url}/v1/policy/notify", {})
+            await _wait_version(s, url, 2)  # served from the anchor instead
+        assert "patch_failed_reloading_anchor" in {e["event"] for e in logs}
+        async with s.get(f"{url}/metrics") as r:
+            assert "sprawl_version_failures_total 0.0" in await r.text()
