@@ -1,0 +1,7 @@
+"""Environments: the ``Environment`` base class users subclass, and four example environments.
+
+See docs/environments.md. ``base`` (the class), ``tools`` (schemas and calls), ``tasks`` (task
+sources), ``types`` (configs, state, replies), ``loader`` (import path → instance), ``scripted``
+(play an environment with fixed assistant texts); examples: ``calculator``, ``coding``,
+``guess``, ``retrieval``. Importing this package imports nothing heavy.
+"""

@@ -54,7 +54,7 @@ class Calculator(Environment):
     name = "calculator"
     config: CalculatorConfig
 
-    def tasks(self) -> Dataset:
+    def generate_tasks(self) -> Dataset:
         rng = random.Random(self.config.seed)
         rows = []
         for i in range(self.config.num_tasks):

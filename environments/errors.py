@@ -9,3 +9,15 @@ class EnvError(Exception):
 
 class EnvironmentLoadError(EnvError):
     """The configured environment cannot be imported or configured; names the config key."""
+
+
+class EnvDefinitionError(EnvError):
+    """An Environment subclass is defined wrongly (e.g. a tool parameter without a type hint)."""
+
+
+class TaskSourceError(EnvError):
+    """The configured task source cannot be read or lacks required columns; names the key."""
+
+
+class RewardError(EnvError):
+    """A reward function raised; the message names the reward, the exception type and message."""

@@ -31,4 +31,11 @@ def load_environment(path: str, args: dict[str, Any]) -> Environment:
         err = exc.errors()[0]
         key = ".".join(str(p) for p in err["loc"])
         raise EnvironmentLoadError(f"environment.args.{key}: {err['msg']}") from None
-    return cls(config)
+    try:
+        return cls(config)
+    except EnvironmentLoadError:
+        raise
+    except Exception as exc:  # user code at the boundary: one error type, naming the key
+        raise EnvironmentLoadError(
+            f"environment.cls: {path} could not start: {type(exc).__name__}: {exc}"
+        ) from exc

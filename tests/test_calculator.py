@@ -32,7 +32,7 @@ async def test_scripted_episode_gets_full_reward() -> None:
     assert float(result) == task["answer"]
     reply = await env.respond(state, parse_assistant(f"The answer is {result}."))
     assert reply.done
-    scores = env.score(state)
+    scores = await env.score(state)
     assert scores == {"correct": 1.0, "numeric": 1.0}
     assert env.total_reward(scores) == pytest.approx(1.1)
 

@@ -1,0 +1,181 @@
+"""Environments through the real episode runner, with a scripted pool that records its requests.
+
+Shows the multi-turn token bookkeeping with user turns (the prompt of each call is the previous
+prompt + the sampled tokens + the environment's tokens) and that errors in user code end up on
+the trajectory with their type and message.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import pytest
+from transformers import PreTrainedTokenizerBase
+
+from environments.base import Environment, EpisodeState, reward
+from environments.guess import Guess, GuessConfig
+from environments.retrieval import Retrieval, RetrievalConfig
+from orchestrator.episode import EpisodeRunner
+from orchestrator.pool import Pool
+from orchestrator.types import Episode, SamplingParams
+from policies.lane import (
+    GenerateChoice,
+    GenerateRequest,
+    GenerateResponse,
+    Usage,
+    VersionBounds,
+    VersionStamp,
+)
+from policies.toolcalls import ParsedAssistant
+
+pytestmark = pytest.mark.anyio
+
+
+@dataclass(frozen=True)
+class ScriptedEndpoint:
+    """What the runner reads of the endpoint that served a call: its id."""
+
+    id: str
+
+
+class ScriptedPool:
+    """Answers each call with the next scripted text (+ end of turn), recording the requests."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> None:
+        self.tokenizer = tokenizer
+        self.texts = list(texts)
+        self.requests: list[GenerateRequest] = []
+        self.sampled: list[list[int]] = []
+        self.endpoint = ScriptedEndpoint(id="scripted")
+
+    async def generate(
+        self, req: GenerateRequest, affinity: str | None = None, priority: float = 0.0
+    ) -> tuple[GenerateResponse, ScriptedEndpoint, int]:
+        self.requests.append(req)
+        text = self.texts[len(self.requests) - 1]
+        ids = [*self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_id]
+        self.sampled.append(ids)
+        choice = GenerateChoice(
+            index=0, token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop"
+        )
+        resp = GenerateResponse(
+            id=f"gen-{len(self.requests)}",
+            model="scripted",
+            prompt_token_ids=req.prompt_token_ids,
+            choices=[choice],
+            policy_version=VersionStamp(start=3, end=3),
+            usage=Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=len(ids)),
+        )
+        return resp, self.endpoint, 1
+
+
+async def _run(
+    env: Environment,
+    tokenizer: PreTrainedTokenizerBase,
+    task: dict[str, Any],
+    texts: Sequence[str],
+    max_turns: int = 8,
+) -> tuple[Episode, ScriptedPool]:
+    pool = ScriptedPool(tokenizer, texts)
+    runner = EpisodeRunner(
+        env,
+        tokenizer,
+        cast(Pool, pool),
+        sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=32),
+        max_turns=max_turns,
+        episode_timeout_s=30,
+        max_context=2048,
+    )
+    episode = await runner.run(task, "group-0", lambda: VersionBounds(min=2), admitted_at=3)
+    return episode, pool
+
+
+async def test_user_turns_extend_the_prompt_token_exactly(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    env = Guess(GuessConfig())
+    episode, pool = await _run(env, tokenizer, {"id": "g", "secret": 37}, ["50", "25", "37"])
+    assert episode.stop_reason == "done"
+    assert episode.error is None
+    assert episode.reward == pytest.approx(1 + 0.5 * (1 - 2 / 7))
+    assert len(pool.requests) == len(episode.segments) == 3
+    feedback = ["lower", "higher"]
+    for k in range(2):
+        prompt, sampled = pool.requests[k].prompt_token_ids, pool.sampled[k]
+        following = pool.requests[k + 1].prompt_token_ids
+        assert following[: len(prompt) + len(sampled)] == prompt + sampled
+        env_tokens = following[len(prompt) + len(sampled) :]
+        expected = f"\n<|im_start|>user\n{feedback[k]}<|im_end|>\n<|im_start|>assistant\n"
+        assert tokenizer.decode(env_tokens) == expected
+        assert episode.segments[k + 1].prompt_len == len(following)
+    assert episode.token_ids == pool.requests[-1].prompt_token_ids + pool.sampled[-1]
+    assert all(r.policy_version.min == 2 for r in pool.requests)
+    # The whole sequence is what the chat template renders for the conversation (whose last
+    # assistant turn the model closed with <|im_end|>, without the template's newline).
+    rendered = tokenizer.apply_chat_template(
+        episode.messages[:-1], add_generation_prompt=False, tokenize=False
+    )
+    assert str(tokenizer.decode(episode.token_ids)) + "\n" == rendered
+    assert episode.messages[-1] == {"role": "user", "content": "correct"}
+
+
+async def test_tool_results_and_tool_errors_through_the_runner(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    env = Retrieval(RetrievalConfig())
+    task = next(t for t in env.tasks() if t["id"] == "q17")
+
+    def call(name: str, **args: object) -> str:
+        return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
+
+    texts = [call("read", doc_id="d99"), call("read", doc_id="d25"), "21 members."]
+    episode, pool = await _run(env, tokenizer, task, texts)
+    assert episode.stop_reason == "done"
+    assert [(c.name, c.error) for c in episode.tool_calls] == [
+        ("read", "ValueError: no document 'd99'; use an id returned by search"),
+        ("read", None),
+    ]
+    assert episode.rewards == {"correct": 1.0, "read_source": 1.0}
+    env_tokens = pool.requests[1].prompt_token_ids[
+        len(pool.requests[0].prompt_token_ids) + len(pool.sampled[0]) :
+    ]
+    assert "<tool_response>\nerror: ValueError: no document 'd99'" in tokenizer.decode(env_tokens)
+
+
+async def test_max_turns_is_recorded_and_penalised(tokenizer: PreTrainedTokenizerBase) -> None:
+    env = Guess(Guess.Config.model_validate({"penalties": {"unfinished": 0.25}}))
+    episode, _ = await _run(env, tokenizer, {"id": "g", "secret": 37}, ["1", "2"], max_turns=2)
+    assert episode.stop_reason == "max_turns"
+    assert episode.rewards["penalty_unfinished"] == 1.0
+    assert episode.reward == pytest.approx(-0.25)
+
+
+async def test_errors_in_hooks_and_rewards_are_captured(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    class BadHook(Guess):
+        async def on_answer(self, state: EpisodeState, reply: ParsedAssistant) -> Any:
+            raise KeyError("secret_number")
+
+    class BadReward(Guess):
+        @reward(weight=0.5)
+        def efficiency(self, state: EpisodeState) -> float:
+            return len(state.data["guesses"]) / 0
+
+    hook, _ = await _run(BadHook(GuessConfig()), tokenizer, {"id": "g", "secret": 3}, ["3"])
+    assert hook.stop_reason == "env_error"
+    assert hook.error is not None
+    assert (hook.error.where, hook.error.type) == ("environment", "KeyError")
+    assert "secret_number" in hook.error.message
+    assert len(hook.segments) == 1  # the partial trajectory is kept
+
+    bad, _ = await _run(BadReward(GuessConfig()), tokenizer, {"id": "g", "secret": 3}, ["3"])
+    assert bad.stop_reason == "env_error"
+    assert bad.error is not None
+    assert bad.error.type == "RewardError"
+    assert "'efficiency' raised ZeroDivisionError: division by zero" in bad.error.message
+    assert bad.rewards == {}
+    assert bad.reward == 0.0
