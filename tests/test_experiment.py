@@ -1,0 +1,130 @@
+"""``orchestrate experiment lag``: arm configs, lag accounting, the verdict, and a reduced run."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from orchestrator.cli import main as cli_main
+from orchestrator.experiment import ARMS, ArmResult, arm_config, lag_histogram, verdict
+from orchestrator.trajlog import FrameWriter
+
+DEMO = Path("configs/demo.toml")
+
+
+def test_arm_configs_differ_only_in_lag_and_correction(tmp_path: Path) -> None:
+    cfgs = {
+        arm.name: arm_config(
+            DEMO,
+            arm,
+            out=tmp_path,
+            model_dir=tmp_path / "model",
+            steps=7,
+            seed=3,
+            overrides={"scheduler.group_size": 2},
+        )
+        for arm in ARMS
+    }
+    assert cfgs["on_policy"].scheduler.max_lag == 0
+    assert cfgs["lag4_tis"].scheduler.max_lag == cfgs["lag4_none"].scheduler.max_lag == 4
+    assert cfgs["lag4_tis"].staleness.correction.type == "tis"
+    assert cfgs["lag4_none"].staleness.correction.type == "none"
+    for name, cfg in cfgs.items():
+        assert cfg.run_dir == tmp_path / "runs" / name
+        assert cfg.staleness.drop is None  # demo.toml's drop rule is cleared in every arm
+        assert (cfg.trainer.max_steps, cfg.run.seed, cfg.scheduler.group_size) == (7, 3, 2)
+        assert cfg.model.path == tmp_path / "model"
+        assert cfg.model.init is None
+    # the lag arms may keep (1 + 4) batches of episodes in flight
+    assert cfgs["lag4_none"].scheduler.max_concurrent_episodes >= 5 * 2 * 2
+
+
+def test_lag_histogram_counts_model_calls_of_trained_groups(tmp_path: Path) -> None:
+    def episode(group: str, starts: list[int]) -> dict[str, object]:
+        segs = [{"policy_version": {"start": s, "end": s}} for s in starts]
+        return {"type": "episode", "episode": {"group_id": group, "segments": segs}}
+
+    episodes, batches = FrameWriter(tmp_path, "episodes"), FrameWriter(tmp_path, "batches")
+    episodes.write(
+        [episode("g1", [0, 1]), episode("g1", [1]), episode("g2", [3]), episode("gx", [0])]
+    )
+    batches.write(
+        [
+            {"type": "batch", "groups": ["g1"], "trained_at_version": 2},
+            {"type": "batch", "groups": ["g2"], "trained_at_version": 3},
+        ]
+    )
+    episodes.close()
+    batches.close()
+    # g1: lags 2, 1, 1; g2: lag 0; gx was never trained
+    assert lag_histogram(tmp_path) == {0: 1, 1: 2, 2: 1}
+
+
+def _result(name: str, rewards: list[float]) -> ArmResult:
+    return ArmResult(arm=name, label=name, rewards=rewards)
+
+
+def test_verdict_reports_noise_and_gaps() -> None:
+    rising = [0.1, 0.2, 0.3, 0.5, 0.52, 0.48, 0.5, 0.51, 0.49]
+    line = verdict(
+        [
+            _result("on_policy", rising),
+            _result("lag4_tis", [r + 0.005 for r in rising]),
+            _result("lag4_none", [0.1, 0.1, 0.12, 0.1, 0.11, 0.1, 0.09, 0.1, 0.11]),
+        ]
+    )
+    assert "\n" not in line
+    assert "corrected lag-4 0.505" in line
+    assert "within noise of on-policy" in line.split(";")[1]
+    assert "worse than on-policy" in line.split(";")[2]
+
+
+@pytest.mark.slow
+def test_experiment_command_runs_at_reduced_size(tmp_path: Path, tiny_model_dir: Path) -> None:
+    out = tmp_path / "exp"
+    (out / "model").mkdir(parents=True)
+    for f in tiny_model_dir.iterdir():
+        shutil.copy(f, out / "model" / f.name)
+    code = cli_main(
+        [
+            "experiment",
+            "lag",
+            "--config",
+            str(DEMO),
+            "--steps",
+            "2",
+            "--out",
+            str(out),
+            "--sft-steps",
+            "5",
+            "--sft-eval",
+            "2",
+            "--scheduler.group_size",
+            "2",
+            "--scheduler.groups_per_batch",
+            "1",
+            "--sampling.max_tokens",
+            "16",
+            "--environment.max_turns",
+            "2",
+            "--fleet.local_engines",
+            "1",
+        ]
+    )
+    assert code == 0
+    with (out / "rewards.csv").open() as fh:
+        rows = list(csv.reader(fh))
+    assert rows[0] == ["step", "on_policy", "lag4_tis", "lag4_none"]
+    assert [r[0] for r in rows[1:]] == ["1", "2"]
+    assert (out / "rewards.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["verdict"].startswith("second-half mean reward")
+    arms = {a["arm"]: a for a in summary["arms"]}
+    assert set(arms["on_policy"]["lag_histogram"]) == {"0"}  # synchronous: never stale
+    for arm in arms.values():
+        assert len(arm["rewards"]) == 2
+        assert all(0 <= int(lag) <= 4 for lag in arm["lag_histogram"])

@@ -1,0 +1,244 @@
+"""The reference trainer on sprawl's tiny model: resume, on-policy sanity, KL, entropy, bf16."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from policies.board import Board
+from policies.engine import Engine
+from policies.errors import CheckpointError
+from policies.lane import GenerateRequest
+from policies.trainer import Trainer, TrainerSettings, TrainSample
+from staleness.config import NoCorrection, TruncatedIS
+
+GROUP = 4
+
+
+def _settings(**kw: object) -> TrainerSettings:
+    base: dict[str, object] = dict(
+        lr=1e-3,
+        weight_decay=0.01,
+        master_dtype="float32",
+        served_dtype="bfloat16",
+        clip_eps=0.2,
+        grad_clip=1.0,
+        temperature=1.0,
+        group_size=GROUP,
+        seed=0,
+    )
+    base.update(kw)
+    return TrainerSettings(**base)  # type: ignore[arg-type]
+
+
+def _samples(seed: int, rewards: list[float] | None = None) -> list[TrainSample]:
+    """Two groups of random sequences (prompt + sampled tail) with rewards that differ."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(2 * GROUP):
+        n_prompt, n_gen = rng.randint(3, 8), rng.randint(2, 10)
+        ids = [rng.randrange(10, 2000) for _ in range(n_prompt + n_gen)]
+        mask = [False] * n_prompt + [True] * n_gen
+        behav = [0.0] * n_prompt + [-rng.uniform(6.0, 9.0) for _ in range(n_gen)]
+        reward = rewards[i] if rewards is not None else float(rng.random() < 0.5) + 0.1 * i
+        out.append(TrainSample(token_ids=ids, mask=mask, behaviour_logprobs=behav, reward=reward))
+    return out
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).tolist())
+
+
+def _assert_same_state(a: Trainer, b: Trainer) -> None:
+    pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
+    assert pa.keys() == pb.keys()
+    for name in pa:
+        assert _bits(pa[name]) == _bits(pb[name]), name
+    sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    assert sa["state"].keys() == sb["state"].keys()
+    for k in sa["state"]:
+        for field in ("step", "exp_avg", "exp_avg_sq"):
+            assert _bits(sa["state"][k][field]) == _bits(sb["state"][k][field]), (k, field)
+
+
+def test_resume_is_bit_identical(tmp_path: Path, tiny_model_dir: Path) -> None:
+    batches = [_samples(s) for s in range(4)]
+    kw = dict(kl_coef=0.05, entropy_coef=0.01)
+
+    straight = Trainer(
+        tiny_model_dir,
+        Board(str(tmp_path / "a"), "r"),
+        _settings(checkpoint_dir=tmp_path / "a-ckpt", **kw),
+        TruncatedIS(cap=2.0),
+    )
+    straight.publish()
+    for batch in batches:
+        straight.step(batch)
+
+    board = Board(str(tmp_path / "b"), "r")
+    first = Trainer(
+        tiny_model_dir, board, _settings(checkpoint_dir=tmp_path / "b-ckpt", **kw), TruncatedIS()
+    )
+    first.publish()
+    for batch in batches[:2]:
+        first.step(batch)
+    del first  # the "crash": only the checkpoint and the board survive
+    torch.manual_seed(12345)  # a resumed process starts with whatever RNG state it has
+
+    resumed = Trainer(
+        tiny_model_dir,
+        board,
+        _settings(checkpoint_dir=tmp_path / "b-ckpt", resume=True, **kw),
+        TruncatedIS(),
+    )
+    assert resumed.version == 2
+    resumed.ensure_published()  # the board already has version 2: nothing to do
+    for batch in batches[2:]:
+        resumed.step(batch)
+
+    assert resumed.version == straight.version == 4
+    _assert_same_state(straight, resumed)
+    assert board.versions() == [0, 1, 2, 3, 4]
+    assert not list((tmp_path / "b-ckpt").glob("*.tmp-*")), "temporary checkpoint left behind"
+
+
+def test_resume_republishes_a_checkpointed_but_unpublished_version(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    board = Board(str(tmp_path / "board"), "r")
+    t = Trainer(tiny_model_dir, board, _settings(checkpoint_dir=tmp_path / "ck"), NoCorrection())
+    t.publish()
+    t.step(_samples(0))
+    t.version += 1  # as if the process died between writing the checkpoint and publishing
+    t.save_checkpoint()
+    resumed = Trainer(
+        tiny_model_dir,
+        board,
+        _settings(checkpoint_dir=tmp_path / "ck", resume=True),
+        NoCorrection(),
+    )
+    assert (resumed.version, board.latest()) == (2, 1)
+    resumed.ensure_published()
+    assert board.latest() == 2
+
+
+def test_resume_refuses_a_foreign_checkpoint(tmp_path: Path, tiny_model_dir: Path) -> None:
+    ck = tmp_path / "ck"
+    t = Trainer(
+        tiny_model_dir,
+        Board(str(tmp_path / "b"), "r"),
+        _settings(checkpoint_dir=ck),
+        NoCorrection(),
+    )
+    t.save_checkpoint()
+    with pytest.raises(CheckpointError, match="master_dtype"):
+        Trainer(
+            tiny_model_dir,
+            Board(str(tmp_path / "c"), "r"),
+            _settings(checkpoint_dir=ck, resume=True, master_dtype="bfloat16"),
+            NoCorrection(),
+        )
+    (ck / "trainer.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="unreadable"):
+        Trainer(
+            tiny_model_dir,
+            Board(str(tmp_path / "d"), "r"),
+            _settings(checkpoint_dir=ck, resume=True),
+            NoCorrection(),
+        )
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_on_policy_logprobs_match_the_engine(
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    tokenizer: PreTrainedTokenizerBase,
+    temperature: float,
+) -> None:
+    trainer = Trainer(
+        tiny_model_dir,
+        Board(str(tmp_path / "b"), "r"),
+        _settings(served_dtype="float32", temperature=temperature),
+        TruncatedIS(cap=2.0),
+    )
+    engine = Engine(tiny_model_dir, dtype=torch.float32)
+    engine.activate(trainer.served_view(), version=0)
+    prompt = list(tokenizer.encode("What is 12 + 30? Use the calculator tool."))
+    choices = engine.generate(
+        GenerateRequest(
+            prompt_token_ids=prompt, max_tokens=16, temperature=temperature, n=GROUP, seed=7
+        )
+    )
+    samples = [
+        TrainSample(
+            token_ids=prompt + c.token_ids,
+            mask=[False] * len(prompt) + [True] * len(c.token_ids),
+            behaviour_logprobs=[0.0] * len(prompt) + c.logprobs,
+            reward=float(i % 2),
+        )
+        for i, c in enumerate(choices)
+    ]
+    logp, _ = trainer.logprobs(samples)
+    diffs = [
+        abs(float(logp[i, j - 1]) - s.behaviour_logprobs[j])
+        for i, s in enumerate(samples)
+        for j in range(1, len(s.token_ids))
+        if s.mask[j]
+    ]
+    assert len(diffs) >= GROUP
+    assert sum(diffs) / len(diffs) < 1e-4
+    metrics = trainer.step(samples)  # π_prox = μ, so the correction is the identity
+    assert metrics["mismatch/logp_abs_mean"] < 1e-4
+    assert metrics["is/frac_truncated"] == 0.0
+    assert abs(metrics["is/weight_mean"] - 1.0) < 1e-3
+
+
+def test_kl_is_zero_at_the_reference_and_grows_after_updates(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    t = Trainer(
+        tiny_model_dir,
+        Board(str(tmp_path / "b"), "r"),
+        _settings(kl_coef=0.1, lr=5e-3),
+        NoCorrection(),
+    )
+    first = t.step(_samples(0))
+    assert first["kl_ref"] == 0.0  # version 0 is the reference itself
+    second = t.step(_samples(1))
+    assert second["kl_ref"] > 0.0
+
+
+def test_entropy_bonus_raises_entropy(tmp_path: Path, tiny_model_dir: Path) -> None:
+    batch = _samples(0, rewards=[1.0] * (2 * GROUP))  # equal rewards: no policy gradient at all
+    t = Trainer(
+        tiny_model_dir,
+        Board(str(tmp_path / "b"), "r"),
+        _settings(entropy_coef=0.5, lr=1e-3),
+        NoCorrection(),
+    )
+    before = t.step(batch)["entropy"]
+    after = t.step(batch)["entropy"]
+    assert 0.0 < before < float(torch.log(torch.tensor(2048.0)))
+    assert after > before
+
+
+def test_bfloat16_masters_train_and_publish(tmp_path: Path, tiny_model_dir: Path) -> None:
+    board = Board(str(tmp_path / "b"), "r")
+    t = Trainer(tiny_model_dir, board, _settings(master_dtype="bfloat16"), TruncatedIS())
+    assert all(p.dtype == torch.bfloat16 for p in t.model.parameters())
+    before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    t.publish()
+    metrics = t.step(_samples(0))
+    assert torch.isfinite(torch.tensor(metrics["loss"]))
+    changed = sum(int((p.detach() != before[n]).sum()) for n, p in t.model.named_parameters())
+    assert changed > 0
+    state = next(iter(t.optimizer.state.values()))
+    assert state["exp_avg"].dtype == torch.bfloat16
+    assert board.latest() == 1
+    _, view = board.load(1)
+    assert all(v.dtype == torch.bfloat16 for v in view.values() if v.is_floating_point())
