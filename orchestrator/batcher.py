@@ -1,8 +1,10 @@
 """Batching: finished groups → staleness decision → batches for the trainer.
 
 Guarantees: every group received is either part of exactly one :class:`Batch` or recorded as
-dropped with a reason (by the staleness drop rule, or because none of its episodes carries a
-learning signal); nothing is discarded silently. The lag of a group is measured against the
+dropped with a reason; nothing is discarded silently. A group is dropped when its max token lag
+exceeds ``scheduler.max_lag`` (so no trained token is older than the lag budget, even when a
+late group is overtaken by later ones), when the staleness drop rule says so, or when none of
+its episodes made a model call. The lag of a group is measured against the
 trainer version at the moment the batch is formed (consumption time).
 """
 
@@ -32,10 +34,15 @@ class Batcher:
     """Accumulates kept groups until ``groups_per_batch`` are ready."""
 
     def __init__(
-        self, staleness: StalenessConfig, groups_per_batch: int, trainer_version: Callable[[], int]
+        self,
+        staleness: StalenessConfig,
+        groups_per_batch: int,
+        max_lag: int,
+        trainer_version: Callable[[], int],
     ) -> None:
         self.staleness = staleness
         self.groups_per_batch = groups_per_batch
+        self.max_lag = max_lag
         self.trainer_version = trainer_version
         self.pending: list[Group] = []
         self.decisions: list[GroupDecision] = []
@@ -51,6 +58,13 @@ class Batcher:
                 reason="no episode produced a model call",
             )
         stats = group_lag(per_episode, version)
+        if stats.max > self.max_lag:
+            return GroupDecision(
+                group_id=group.id,
+                decision="dropped",
+                max_lag=stats.max,
+                reason=f"max lag {stats.max} exceeds scheduler.max_lag={self.max_lag}",
+            )
         if not keep(self.staleness.drop, stats):
             rule = self.staleness.drop
             assert rule is not None

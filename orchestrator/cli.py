@@ -1,11 +1,18 @@
 """``orchestrate``: the command line.
 
     orchestrate --config X.toml [--print-config] [--log-format auto|pretty|json] [--section.key V …]
-    orchestrate init-model --out DIR [--size tiny|small] [--seed N]
+    orchestrate init-model --out DIR [--size tiny|small] [--seed N] [--sft-steps N]
     orchestrate serve --board URL --run NAME [--port P] [--host H] [--device cpu|cuda] [--token T]
-    orchestrate versions --board URL --run NAME [--json]
-    orchestrate materialize --board URL --run NAME --version N --out DIR
-    orchestrate bench codec [...]
+    orchestrate versions --board URL [--run NAME] [--json]
+    orchestrate materialize --board URL [--run NAME] --version N --out DIR
+    orchestrate bench codec|engine|sparsity|scheduler|async [...]
+    orchestrate fleet list|add|remove --orchestrator URL|RUN_DIR [--id ID --url URL]
+    orchestrate train --config X.toml [--section.key V …]   (an external reference trainer)
+    orchestrate sidecar --engine-url URL --engine-kind vllm|sglang|openai --board URL [--port P]
+    orchestrate experiment lag --config X.toml [--steps N] [--out DIR] [--section.key V …]
+    orchestrate inspect LOG [--episode ID]
+    orchestrate replay LOG (--what-if POLICIES.toml [--model DIR] | --train --config X.toml)
+    orchestrate report RUN_DIR [--out FILE]
 
 Heavy imports (torch, transformers) happen inside the commands that need them, so that a bad
 config fails in well under a second.
@@ -67,11 +74,18 @@ def _init_model(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--size", choices=["tiny", "small"], default="tiny")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--sft-steps", type=int, default=0, help="SFT warm start on the calculator format (0: none)"
+    )
     args = parser.parse_args(argv)
     configure()
     from policies.modelgen import init_model
 
     out = init_model(args.out, args.size, seed=args.seed)
+    if args.sft_steps > 0:
+        from policies.sft import warm_start
+
+        warm_start(out, steps=args.sft_steps, seed=args.seed)
     sys.stdout.write(f"{out}\n")
     return 0
 
@@ -93,6 +107,14 @@ def _serve(argv: list[str]) -> int:
     )
     parser.add_argument("--poll-interval", type=float, default=0.25)
     parser.add_argument(
+        "--activation",
+        choices=["wait", "pause"],
+        default="wait",
+        help="drain in-flight requests before a version switch, or pause them at a step boundary",
+    )
+    parser.add_argument("--tls-cert", type=Path, help="PEM certificate (serve over HTTPS)")
+    parser.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
+    parser.add_argument(
         "--parent-stdin",
         action="store_true",
         help="exit when stdin closes (used by the local fleet)",
@@ -100,7 +122,7 @@ def _serve(argv: list[str]) -> int:
     parser.add_argument("--log-format", choices=["auto", "pretty", "json"], default="auto")
     args = parser.parse_args(argv)
     configure(args.log_format)
-    from policies.server import serve_board
+    from policies.server import serve_board, tls_context
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
@@ -113,10 +135,13 @@ def _serve(argv: list[str]) -> int:
                     device=args.device,
                     token=args.token,
                     poll_interval_s=args.poll_interval,
+                    activation=args.activation,
+                    tls=tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None,
                     task_status=task_status,
                 )
             )
-            sys.stdout.write(json.dumps({"url": f"http://{args.host}:{port}"}) + "\n")
+            scheme = "https" if args.tls_cert else "http"
+            sys.stdout.write(json.dumps({"url": f"{scheme}://{args.host}:{port}"}) + "\n")
             sys.stdout.flush()
             tg.start_soon(_exit_on_signal, tg.cancel_scope)
             if args.parent_stdin:
@@ -149,53 +174,24 @@ async def _exit_on_signal(scope: anyio.CancelScope) -> None:
 
 
 def _versions(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="orchestrate versions")
-    parser.add_argument("--board", required=True)
-    parser.add_argument("--run", default="demo")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    from policies.board import Board
+    from policies.board_cli import versions
 
-    board = Board(args.board, args.run)
-    rows = [board.manifest(v) for v in board.versions()]
-    if args.json:
-        sys.stdout.write(
-            json.dumps(
-                [
-                    {
-                        "version": m.version,
-                        "kind": m.kind,
-                        "base": m.base,
-                        "bytes": m.bytes,
-                        "time": m.created_at,
-                    }
-                    for m in rows
-                ]
-            )
-        )
-        sys.stdout.write("\n")
-    else:
-        for m in rows:
-            sys.stdout.write(f"{m.version:>6}  {m.kind:<6}  base={m.base}  {m.bytes:>12,d} B\n")
-    return 0
+    return versions(argv)
 
 
 def _materialize(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="orchestrate materialize")
-    parser.add_argument("--board", required=True)
-    parser.add_argument("--run", default="demo")
-    parser.add_argument("--version", type=int, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args(argv)
-    from policies.board import Board
+    from policies.board_cli import materialize
 
-    Board(args.board, args.run).materialize(args.version, args.out)
-    sys.stdout.write(f"{args.out}\n")
-    return 0
+    return materialize(argv)
 
 
 def _bench(argv: list[str]) -> int:
-    benches: dict[str, str] = {"codec": "policies.bench_codec"}
+    benches: dict[str, str] = {
+        "codec": "policies.bench_codec",
+        "engine": "policies.bench_engine",
+        "async": "orchestrator.bench_async",
+        "scheduler": "orchestrator.bench_scheduler",
+    }
     if not argv or argv[0] not in benches:
         sys.stderr.write(f"usage: orchestrate bench {{{','.join(benches)}}} [args]\n")
         return 2
@@ -206,13 +202,35 @@ def _bench(argv: list[str]) -> int:
     return result
 
 
+def _delegate(module: str) -> Callable[[list[str]], int]:
+    """A subcommand implemented by ``module.main(argv)`` (inspect, replay, report)."""
+
+    def command(argv: list[str]) -> int:
+        import importlib
+
+        configure()
+        result: int = importlib.import_module(module).main(argv)
+        return result
+
+    return command
+
+
 USER_ERRORS = (SprawlError, EnvError, PolicyError)
+
+
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "train": _delegate("orchestrator.train_worker"),
+    "fleet": _delegate("orchestrator.fleet_cli"),
     "init-model": _init_model,
     "serve": _serve,
     "versions": _versions,
     "materialize": _materialize,
     "bench": _bench,
+    "inspect": _delegate("orchestrator.inspect_log"),
+    "replay": _delegate("orchestrator.replay"),
+    "report": _delegate("orchestrator.report"),
+    "experiment": _delegate("orchestrator.experiment"),
+    "sidecar": _delegate("policies.adapters.standalone"),
 }
 
 

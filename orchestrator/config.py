@@ -18,6 +18,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from orchestrator.errors import ConfigError
+from orchestrator.types import EndpointRef
+from policies.board_types import BoardOptions
 from staleness.config import StalenessConfig
 
 
@@ -48,6 +50,25 @@ class BoardConfig(_Section):
     """fsspec URL or path of the version board; default ``<run dir>/board``."""
     poll_interval_s: float = Field(default=0.25, gt=0, le=60)
     """How often sidecars re-read the board pointer (a missed notification delays this long)."""
+    anchor_every: int = Field(default=16, ge=1, le=1_000_000)
+    """Publish a full view (anchor) at least every this many versions; deltas in between."""
+    anchor_fraction: float = Field(default=0.5, gt=0, le=100)
+    """Also anchor once the delta bytes since the last anchor pass this fraction of a full view."""
+    catchup_levels: int = Field(default=4, ge=0, le=16)
+    """Squashed catch-up patches span up to 2**levels versions (the trainer keeps levels + 1
+    views in memory)."""
+    retain_versions: int | None = Field(default=None, ge=1)
+    """Delete versions no replica within this many versions of the newest needs (None: keep)."""
+
+    @property
+    def options(self) -> BoardOptions:
+        """The publisher's options (``policies.board_types.BoardOptions``)."""
+        return BoardOptions(
+            anchor_every=self.anchor_every,
+            anchor_fraction=self.anchor_fraction,
+            catchup_levels=self.catchup_levels,
+            retain_versions=self.retain_versions,
+        )
 
 
 class EndpointConfig(_Section):
@@ -69,7 +90,17 @@ class FleetConfig(_Section):
     startup_timeout_s: float = Field(default=120.0, gt=0)
     """How long a local engine may take to report ready."""
     max_inflight_per_endpoint: int = Field(default=4, ge=1)
-    """Concurrent model calls sent to one endpoint."""
+    """Concurrent model calls sent to one endpoint at most (the adaptive limit's ceiling)."""
+    breaker_failures: int = Field(default=3, ge=1)
+    """Consecutive failed calls that open an endpoint's circuit breaker."""
+    breaker_cooldown_s: float = Field(default=10.0, gt=0)
+    """How long an open breaker keeps an endpoint out of rotation before one probe call."""
+
+    def endpoint_refs(self) -> list[EndpointRef]:
+        return [
+            EndpointRef(id=f"remote-{i}", url=e.url.rstrip("/"), token=e.token, weight=e.weight)
+            for i, e in enumerate(self.endpoints)
+        ]
 
     @model_validator(mode="after")
     def _has_endpoints(self) -> FleetConfig:
@@ -109,6 +140,8 @@ class TimeoutsConfig(_Section):
     """One tool call."""
     episode_s: float = Field(default=300.0, gt=0)
     """A whole episode (graceful: the partial trajectory is kept, stop reason episode_timeout)."""
+    trainer_step_s: float = Field(default=3600.0, gt=0)
+    """How long an external trainer may take to publish the next version after a batch."""
     version_wait_s: float = Field(default=120.0, gt=0)
     """How long a call waits for an endpoint inside its version bounds."""
 
@@ -123,6 +156,11 @@ class EnvironmentConfig(_Section):
 
 
 class TrainerConfig(_Section):
+    mode: Literal["in_process", "external"] = "in_process"
+    """``in_process``: the reference trainer in this process. ``external``: any trainer in
+    another process, through batch files and the board (``policies/batchfile.py``)."""
+    batch_dir: Path | None = None
+    """Where batch files go in ``external`` mode; default ``<run dir>/batches``."""
     max_steps: int = Field(default=4, ge=1)
     """Optimizer steps (= versions published after version 0)."""
     lr: float = Field(default=2e-4, gt=0, le=1)
@@ -139,6 +177,28 @@ class TrainerConfig(_Section):
     """Gradient norm clip."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Device of the trainer."""
+    kl_coef: float = Field(default=0.0, ge=0, le=10)
+    """Weight of the KL(π_θ ‖ π_ref) penalty against the frozen version 0 (0: off, no reference
+    model is loaded)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator (Schulman 2020): ``k3`` is unbiased and non-negative."""
+    entropy_coef: float = Field(default=0.0, ge=0, le=1)
+    """Weight of the entropy bonus (subtracted from the loss; 0: off, entropy is still logged)."""
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    """How per-token loss terms are averaged: over all kept tokens, or per sequence first."""
+    checkpoint: bool = True
+    """Checkpoint model + optimizer + RNG after every step into ``<run dir>/trainer/ckpt``."""
+
+
+class AdminConfig(_Section):
+    enabled: bool = True
+    """Serve the admin API (fleet add/remove/list) while the run goes on."""
+    host: str = "127.0.0.1"
+    """Address the admin API binds."""
+    port: int = Field(default=0, ge=0, le=65535)
+    """Port of the admin API; 0 picks a free one (written to ``<run dir>/admin.json``)."""
+    token: str | None = None
+    """Bearer token the admin API requires (every route but /health)."""
 
 
 class LogConfig(_Section):
@@ -161,7 +221,18 @@ class Config(_Section):
     environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig)
     staleness: StalenessConfig = Field(default_factory=StalenessConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    admin: AdminConfig = Field(default_factory=AdminConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+
+    @model_validator(mode="after")
+    def _external_trainer_shares_a_board(self) -> Config:
+        if self.trainer.mode == "external" and self.board.url is None:
+            raise ValueError(
+                "board.url must be set when trainer.mode is 'external' (the trainer and the "
+                "orchestrator share it; the default lives inside the run dir, which a new run "
+                "clears)"
+            )
+        return self
 
     @property
     def run_dir(self) -> Path:

@@ -8,7 +8,9 @@ Guarantees:
   attempts and sampling parameters;
 - the run always gets an :class:`Episode` back: an exception in environment code, a model call
   that failed on every endpoint, the whole-episode timeout (``timeouts.episode_s``) and
-  cancellation of the run all end the episode with a stop reason and the partial trajectory.
+  cancellation of the run all end the episode with a stop reason and the partial trajectory
+  (a cancelled episode lands in :attr:`EpisodeRunner.interrupted`, since cancellation must
+  propagate).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class EpisodeRunner:
         self.episode_timeout_s = episode_timeout_s
         self.max_context = max_context
         self.chat = ChatTokens(tokenizer, env.tool_schemas())
+        self.interrupted: list[Episode] = []  # in flight when the run was cancelled
 
     async def run(
         self,
@@ -68,10 +71,11 @@ class EpisodeRunner:
         bounds: Callable[[], VersionBounds],
         admitted_at: int,
         seed: int | None = None,
+        episode_id: str | None = None,
     ) -> Episode:
         """Run one episode of ``task``; ``bounds()`` gives the version bounds of each call."""
         started = time.time()
-        ep_id = f"ep-{uuid.uuid4().hex[:12]}"
+        ep_id = episode_id or f"ep-{uuid.uuid4().hex[:12]}"
         rec: dict[str, Any] = dict(
             id=ep_id,
             group_id=group_id,
@@ -98,8 +102,13 @@ class EpisodeRunner:
                     ErrorRecord(where="model", type=type(exc).__name__, message=str(exc)),
                 )
             except anyio.get_cancelled_exc_class():
-                rec.update(
-                    stop_reason="interrupted", finished_at=time.time(), messages=state.messages
+                self.interrupted.append(
+                    Episode(
+                        **rec,
+                        messages=state.messages,
+                        stop_reason="interrupted",
+                        finished_at=time.time(),
+                    )
                 )
                 log.info("episode_interrupted")
                 raise
@@ -110,8 +119,9 @@ class EpisodeRunner:
                 )
             rewards: dict[str, float] = {}
             if error is None:
+                state.stop_reason = stop
                 try:
-                    rewards = self.env.score(state)
+                    rewards = await self.env.score(state)
                 except Exception as exc:  # a reward function's bug is the episode's error
                     stop, error = (
                         "env_error",
@@ -163,7 +173,9 @@ class EpisodeRunner:
                 policy_version=bounds(),
             )
             t0 = time.perf_counter()
-            resp, endpoint, attempts = await self.pool.generate(req, affinity)
+            resp, endpoint, attempts = await self.pool.generate(
+                req, affinity, priority=rec["started_at"]
+            )
             affinity = endpoint.id
             choice = resp.choices[0]
             segments.append(

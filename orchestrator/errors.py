@@ -40,5 +40,13 @@ class VersionUnavailable(EndpointError):
         self.applied_version = applied_version
 
 
+class Overloaded(EndpointError):
+    """The endpoint answered 429 or 503: back off and send the call elsewhere."""
+
+
 class TrainerError(SprawlError):
     """The trainer failed to take a step or to publish a version."""
+
+
+class TrajlogError(SprawlError):
+    """A trajectory or event log is missing or corrupt (beyond a torn tail, which is skipped)."""

@@ -23,7 +23,7 @@ from anyio.abc import Process
 from anyio.streams.text import TextReceiveStream
 
 from orchestrator.errors import FleetError
-from orchestrator.pool import Endpoint
+from orchestrator.types import EndpointRef
 
 log = structlog.get_logger(__name__)
 
@@ -79,8 +79,7 @@ async def local_fleet(
     log_dir: Path,
     poll_interval_s: float,
     startup_timeout_s: float,
-    max_inflight: int,
-) -> AsyncIterator[list[Endpoint]]:
+) -> AsyncIterator[list[EndpointRef]]:
     """Start ``n`` engines serving ``board_url``/``run``; yield them as pool endpoints."""
     await anyio.Path(log_dir).mkdir(parents=True, exist_ok=True)
     async with AsyncExitStack() as stack:
@@ -116,12 +115,12 @@ async def local_fleet(
                 start_new_session=True,
             )
             procs.append((name, proc, log_path))
-        endpoints: list[Endpoint | None] = [None] * n
+        endpoints: list[EndpointRef | None] = [None] * n
 
         async def ready(i: int) -> None:
             name, proc, log_path = procs[i]
             url = await _read_ready(proc, startup_timeout_s, log_path)
-            endpoints[i] = Endpoint(id=name, url=url, max_inflight=max_inflight)
+            endpoints[i] = EndpointRef(id=name, url=url)
             log.info("engine_started", engine=name, url=url, pid=proc.pid)
 
         async with anyio.create_task_group() as tg:

@@ -10,6 +10,7 @@ the trajectory log is closed cleanly.
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import time
@@ -22,21 +23,36 @@ import anyio
 import structlog
 
 from environments.loader import load_environment
+from orchestrator.admin import serve_admin
 from orchestrator.batcher import Batcher
+from orchestrator.client import HttpTransport
 from orchestrator.config import Config
 from orchestrator.episode import EpisodeRunner
 from orchestrator.errors import ConfigError
+from orchestrator.events import EventLog
 from orchestrator.fleet import local_fleet
-from orchestrator.pool import Endpoint, Pool
+from orchestrator.live import LiveView
+from orchestrator.live import wanted as live_wanted
+from orchestrator.metrics import RunMetrics, Tee
+from orchestrator.pool import Pool
 from orchestrator.scheduler import Scheduler, VersionClock
+from orchestrator.train_sink import (
+    ExternalTrainer,
+    InProcessTrainer,
+    TrainerSink,
+    board_version_above,
+    consume,
+    drain,
+    trainer_settings,
+)
 from orchestrator.trajlog import TrajectoryLog
-from orchestrator.types import Batch, Group, SamplingParams
+from orchestrator.types import Batch, Group, GroupDecision, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from environments.base import Environment
-    from policies.trainer import Trainer, TrainSample
+    from policies.board import Board
 
 log = structlog.get_logger(__name__)
 
@@ -94,35 +110,11 @@ def prepare_run_dir(cfg: Config) -> Path:
     return run_dir
 
 
-def batch_samples(batch: Batch) -> list[TrainSample]:
-    from policies.trainer import TrainSample
-
-    samples = []
-    for group in batch.groups:
-        for ep in group.episodes:
-            mask = [False] * len(ep.token_ids)
-            behaviour = [0.0] * len(ep.token_ids)
-            for seg in ep.segments:
-                for j, lp in enumerate(seg.logprobs):
-                    mask[seg.prompt_len + j] = True
-                    behaviour[seg.prompt_len + j] = lp
-            samples.append(
-                TrainSample(
-                    token_ids=ep.token_ids,
-                    mask=mask,
-                    behaviour_logprobs=behaviour,
-                    reward=ep.reward,
-                )
-            )
-    return samples
-
-
 async def run(cfg: Config) -> RunSummary:
     """Run the loop described by ``cfg`` until ``trainer.max_steps`` or a signal."""
     from transformers import AutoTokenizer
 
     from policies.board import Board
-    from policies.trainer import Trainer, TrainerSettings
 
     t0 = time.perf_counter()
     env = load_environment(cfg.environment.cls, cfg.environment.args)
@@ -130,25 +122,13 @@ async def run(cfg: Config) -> RunSummary:
     run_dir = prepare_run_dir(cfg)
     summary = RunSummary(run_dir=run_dir)
     model_dir = await anyio.to_thread.run_sync(ensure_model, cfg)
-    board = Board(cfg.board_url, cfg.run.name)
-    settings = TrainerSettings(
-        lr=cfg.trainer.lr,
-        weight_decay=cfg.trainer.weight_decay,
-        master_dtype=cfg.trainer.master_dtype,
-        served_dtype=cfg.trainer.served_dtype,
-        clip_eps=cfg.trainer.clip_eps,
-        grad_clip=cfg.trainer.grad_clip,
-        temperature=cfg.sampling.temperature,
-        group_size=cfg.scheduler.group_size,
-        device=cfg.trainer.device,
-        seed=cfg.run.seed,
-    )
-    trainer = await anyio.to_thread.run_sync(
-        lambda: Trainer(model_dir, board, settings, cfg.staleness.correction)
-    )
-    await anyio.to_thread.run_sync(trainer.publish)
+    board = Board(cfg.board_url, cfg.run.name, options=cfg.board.options)
+    sink = await _trainer_sink(cfg, run_dir, model_dir, board)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    trajlog = TrajectoryLog(run_dir / "trajectories.jsonl")
+    trajlog = TrajectoryLog(
+        run_dir / "trajectories", run=cfg.run.name, config=cfg.model_dump(mode="json")
+    )
+    trajlog.events = EventLog.for_run(run_dir / "events", cfg)
     log.info("run_started", run_dir=str(run_dir), board=cfg.board_url)
 
     async with anyio.create_task_group() as tg:
@@ -164,33 +144,28 @@ async def run(cfg: Config) -> RunSummary:
                     log_dir=run_dir / "logs",
                     poll_interval_s=cfg.board.poll_interval_s,
                     startup_timeout_s=cfg.fleet.startup_timeout_s,
-                    max_inflight=cfg.fleet.max_inflight_per_endpoint,
                 ) as local,
             ):
-                remote = [
-                    Endpoint(
-                        id=f"remote-{i}",
-                        url=e.url.rstrip("/"),
-                        token=e.token,
-                        weight=e.weight,
-                        max_inflight=cfg.fleet.max_inflight_per_endpoint,
-                    )
-                    for i, e in enumerate(cfg.fleet.endpoints)
-                ]
+                transport = HttpTransport(
+                    session, connect_s=cfg.timeouts.connect_s, call_s=cfg.timeouts.call_s
+                )
                 pool = Pool(
-                    local + remote,
-                    session,
-                    call_timeout_s=cfg.timeouts.call_s,
+                    transport,
                     version_wait_s=cfg.timeouts.version_wait_s,
                     poll_interval_s=cfg.board.poll_interval_s,
+                    max_inflight=cfg.fleet.max_inflight_per_endpoint,
+                    breaker_failures=cfg.fleet.breaker_failures,
+                    breaker_cooldown_s=cfg.fleet.breaker_cooldown_s,
                 )
+                for ref in local + cfg.fleet.endpoint_refs():
+                    pool.add(ref)
                 try:
                     await _loop(
                         cfg,
                         pool,
                         env,
                         tokenizer,
-                        trainer,
+                        sink,
                         trajlog,
                         summary,
                         getattr(tokenizer, "model_max_length", 2048),
@@ -209,12 +184,12 @@ async def _loop(
     pool: Pool,
     env: Environment,
     tokenizer: PreTrainedTokenizerBase,
-    trainer: Trainer,
+    sink: TrainerSink,
     trajlog: TrajectoryLog,
     summary: RunSummary,
     model_max_length: int,
 ) -> None:
-    clock = VersionClock(trainer.version)
+    clock = VersionClock(sink.version)
     max_context = min(int(model_max_length), 2048)
     runner = EpisodeRunner(
         env,
@@ -240,34 +215,106 @@ async def _loop(
         max_concurrent_episodes=cfg.scheduler.max_concurrent_episodes,
         seed=cfg.run.seed,
     )
-    batcher = Batcher(cfg.staleness, cfg.scheduler.groups_per_batch, lambda: trainer.version)
+    batcher = Batcher(
+        cfg.staleness,
+        cfg.scheduler.groups_per_batch,
+        cfg.scheduler.max_lag,
+        lambda: sink.version,
+    )
     send, recv = anyio.create_memory_object_stream[Group](
         max_buffer_size=cfg.scheduler.groups_per_batch
     )
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(pool.watch)
-        tg.start_soon(sched.run, send)
-        async with recv:
-            async for group in recv:
-                decision, batch = batcher.add(group)
-                trajlog.write_group(group, decision)
-                summary.episodes += len(group.episodes)
-                if decision.decision == "dropped":
-                    summary.dropped_groups += 1
-                    log.info("group_dropped", group=group.id, reason=decision.reason)
-                    await sched.release_dropped(1)
-                if batch is None:
-                    continue
-                samples = batch_samples(batch)
-                metrics = await anyio.to_thread.run_sync(trainer.step, samples)
-                trajlog.write_batch(batch, trainer.version, metrics)
-                summary.steps += 1
-                summary.rewards.append(metrics["reward_mean"])
-                await clock.advance(trainer.version)
-                await pool.notify_all()
-                if trainer.version >= cfg.trainer.max_steps:
-                    break
-        tg.cancel_scope.cancel()
+    recorder = _RunRecorder(trajlog, summary)
+    metrics = RunMetrics()  # Prometheus, served on the admin API's /metrics
+    view = LiveView(pool.endpoints.values(), cfg.trainer.max_steps) if live_wanted() else None
+    # the log, the metrics and (on a terminal) the live view all read the same events
+    trajlog.events = Tee(trajlog.events, metrics, *([view] if view is not None else []))
+    pool.events = sched.events = clock.events = trajlog.events
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pool.watch)
+            if view is not None:
+                tg.start_soon(view.run)
+            if cfg.admin.enabled:
+                url = await tg.start(
+                    lambda task_status: serve_admin(
+                        pool,
+                        host=cfg.admin.host,
+                        port=cfg.admin.port,
+                        token=cfg.admin.token,
+                        metrics=metrics,
+                        task_status=task_status,
+                    )
+                )
+                (cfg.run_dir / "admin.json").write_text(json.dumps({"url": url}))
+                log.info("admin_api", url=url)
+            tg.start_soon(sched.run, send)
+            await consume(
+                recv,
+                batcher=batcher,
+                scheduler=sched,
+                sink=sink,
+                clock=clock,
+                recorder=recorder,
+                max_steps=cfg.trainer.max_steps,
+                on_version=pool.notify_all,
+            )
+            tg.cancel_scope.cancel()
+    finally:
+        # Groups finished but not yet consumed, and groups still in flight, when the run
+        # stopped: recorded as data, never lost.
+        unconsumed = [(g, "run stopped before the group was trained") for g in drain(recv)]
+        abandoned = [(g, "run stopped before the group finished") for g in sched.abandoned()]
+        for group, reason in unconsumed + abandoned:
+            decision = GroupDecision(
+                group_id=group.id, decision="dropped", reason=reason, max_lag=0
+            )
+            recorder.group(group, decision, sink.version)
+
+
+class _RunRecorder:
+    """Writes the trajectory log and keeps the summary."""
+
+    def __init__(self, trajlog: TrajectoryLog, summary: RunSummary) -> None:
+        self.trajlog = trajlog
+        self.summary = summary
+
+    def group(self, group: Group, decision: GroupDecision, trainer_version: int) -> None:
+        self.trajlog.write_group(group, decision, trainer_version=trainer_version)
+        self.summary.episodes += len(group.episodes)
+        self.summary.dropped_groups += decision.decision == "dropped"
+
+    async def step(self, batch: Batch, version: int, metrics: dict[str, float]) -> None:
+        self.trajlog.write_batch(batch, version, metrics)
+        self.summary.steps += 1
+        self.summary.rewards.append(metrics["reward_mean"])
+
+
+async def _trainer_sink(cfg: Config, run_dir: Path, model_dir: Path, board: Board) -> TrainerSink:
+    """The in-process reference trainer (publishes version 0 now), or an external trainer
+    reached through batch files (waits for it to publish version 0)."""
+    if cfg.trainer.mode == "external":
+        batch_dir = cfg.trainer.batch_dir or run_dir / "batches"
+        log.info("waiting_for_external_trainer", batch_dir=str(batch_dir), board=cfg.board_url)
+        with anyio.fail_after(cfg.timeouts.trainer_step_s):
+            latest = await board_version_above(board, -1, cfg.board.poll_interval_s)
+        return ExternalTrainer(
+            board,
+            batch_dir,
+            group_size=cfg.scheduler.group_size,
+            poll_interval_s=cfg.board.poll_interval_s,
+            step_timeout_s=cfg.timeouts.trainer_step_s,
+            version=latest,
+        )
+    from policies.trainer import Trainer
+
+    ckpt = run_dir / "trainer" / "ckpt" if cfg.trainer.checkpoint else None
+    settings = trainer_settings(cfg, checkpoint_dir=ckpt)
+    trainer = await anyio.to_thread.run_sync(
+        lambda: Trainer(model_dir, board, settings, cfg.staleness.correction)
+    )
+    await anyio.to_thread.run_sync(trainer.publish)
+    return InProcessTrainer(trainer)
 
 
 async def _cancel_on_signal(scope: anyio.CancelScope, summary: RunSummary) -> None:

@@ -13,11 +13,18 @@ never re-tokenized text.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies.lane import FinishReason, VersionStamp
+from policies.lane import (
+    FinishReason,
+    GenerateRequest,
+    GenerateResponse,
+    PolicyState,
+    VersionStamp,
+)
 
 StopReason = Literal[
     "done",  # the environment ended the episode
@@ -129,3 +136,26 @@ class Batch(_Record):
     version: int
     groups: list[Group]
     decisions: list[GroupDecision]
+
+
+@dataclass(frozen=True)
+class EndpointRef:
+    """How to reach one rollout endpoint."""
+
+    id: str
+    url: str
+    token: str | None = None
+    weight: float = 1.0
+
+
+class Transport(Protocol):
+    """The calls the pool makes to an endpoint (HTTP in production, scripted in tests).
+
+    ``generate`` raises :class:`orchestrator.errors.EndpointError` (or a subclass) on failure.
+    """
+
+    async def generate(self, ep: EndpointRef, req: GenerateRequest) -> GenerateResponse: ...
+
+    async def policy(self, ep: EndpointRef) -> PolicyState: ...
+
+    async def notify(self, ep: EndpointRef) -> None: ...

@@ -1,4 +1,4 @@
-"""The policies package's error tree: board, engine and trainer failures.
+"""The policies package's error tree: board (and patch codec), engine and trainer failures.
 
 Every error names what was wrong (the version, the tensor, the field). The engine converts these
 into JSON error bodies on the lane; the sidecar logs and counts version failures and keeps
@@ -30,3 +30,23 @@ class BadRequest(EngineError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class CheckpointError(PolicyError):
+    """A trainer checkpoint is unreadable or does not fit the trainer resuming from it."""
+
+
+class PatchError(BoardError, ValueError):
+    """A patch cannot be read or applied (raised by :mod:`policies.codec`)."""
+
+
+class PatchCorrupt(PatchError):
+    """The patch bytes are damaged or truncated (frame checksum or structure)."""
+
+
+class PatchBaseMismatch(PatchError):
+    """The patch was made against a different base version."""
+
+
+class PatchChecksumMismatch(PatchError):
+    """A patched tensor does not match the target checksum the patch names."""

@@ -79,3 +79,13 @@ def test_importing_config_does_not_import_torch() -> None:
     code = "import sys, orchestrator.config; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_external_trainer_needs_a_shared_board() -> None:
+    with pytest.raises(ConfigError, match=r"board\.url must be set"):
+        load_config(Path("configs/demo.toml"), parse_overrides(["--trainer.mode", "external"]))
+    cfg = load_config(
+        Path("configs/demo.toml"),
+        parse_overrides(["--trainer.mode", "external", "--board.url", "/tmp/b"]),
+    )
+    assert cfg.board_url == "/tmp/b"

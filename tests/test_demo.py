@@ -65,10 +65,11 @@ def test_demo_loop_two_steps(tmp_path: Path, tiny_model_dir: Path) -> None:
     assert board.versions() == [0, 1, 2]
     assert board.latest() == 2
 
-    records = read_log(tmp_path / "demo" / "trajectories.jsonl")
+    records = read_log(tmp_path / "demo" / "trajectories")
     episodes = [r["episode"] for r in records if r["type"] == "episode"]
     batches = [r for r in records if r["type"] == "batch"]
     assert [b["produced_version"] for b in batches] == [1, 2]
+    _assert_exactly_once(records)
     segments = [s for e in episodes for s in e["segments"]]
     assert segments, "no model call reached the log"
     for seg in segments:
@@ -107,5 +108,85 @@ def test_sigint_shuts_everything_down(tmp_path: Path, tiny_model_dir: Path) -> N
     pids = _pids("".join(lines))
     assert len(pids) == 2
     assert not any(_alive(p) for p in pids)
-    records = read_log(tmp_path / "demo" / "trajectories.jsonl")  # complete lines only
+    records = read_log(tmp_path / "demo" / "trajectories")  # complete records only
     assert any(r["type"] == "batch" for r in records)
+    _assert_exactly_once(records)
+    # groups admitted but not trained when the signal came are recorded, not lost
+    reasons = {r["decision"]["reason"] for r in records if r["type"] == "episode"}
+    assert reasons & {
+        "run stopped before the group finished",
+        "run stopped before the group was trained",
+    }
+
+
+def _assert_exactly_once(records: list[dict[str, object]]) -> None:
+    """Every admitted episode is in the log once; every group is whole; trained groups are kept."""
+    episodes = [r["episode"] for r in records if r["type"] == "episode"]
+    ids = [e["id"] for e in episodes]  # type: ignore[index]
+    assert len(ids) == len(set(ids))
+    per_group: dict[str, int] = {}
+    for e in episodes:
+        per_group[e["group_id"]] = per_group.get(e["group_id"], 0) + 1  # type: ignore[index]
+    assert set(per_group.values()) == {4}  # demo group_size
+    assert len(per_group) == max(int(g[1:]) for g in per_group) + 1  # no admitted group missing
+    decisions = {
+        r["decision"]["group_id"]: r["decision"]["decision"]  # type: ignore[index]
+        for r in records
+        if r["type"] == "episode"
+    }
+    trained = [g for r in records if r["type"] == "batch" for g in r["groups"]]  # type: ignore[union-attr]
+    assert len(trained) == len(set(trained))
+    assert all(decisions[g] == "kept" for g in trained)
+
+
+def test_external_trainer_process_drives_the_loop(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The reference trainer in its own process, through batch files and the board only."""
+    shared = [
+        "--trainer.max_steps",
+        "2",
+        "--board.url",
+        str(tmp_path / "board"),
+        "--trainer.batch_dir",
+        str(tmp_path / "batches"),
+        "--fleet.local_engines",
+        "1",
+    ]
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.cli",
+            "train",
+            "--config",
+            "configs/demo.toml",
+            "--run.root",
+            str(tmp_path),
+            "--model.path",
+            str(tiny_model_dir),
+            "--log-format",
+            "json",
+            *shared,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        orch = subprocess.run(
+            _cmd(tmp_path, tiny_model_dir, "--trainer.mode", "external", *shared),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert orch.returncode == 0, orch.stderr[-3000:]
+        assert worker.wait(timeout=120) == 0
+    finally:
+        worker.kill()
+        worker.communicate()
+    board = Board(str(tmp_path / "board"), "demo")
+    assert board.versions() == [0, 1, 2]
+    assert sorted(p.name for p in (tmp_path / "batches").glob("batch-*.json")) == [
+        "batch-00000000.json",
+        "batch-00000001.json",
+    ]
+    assert "steps:     2" in orch.stdout

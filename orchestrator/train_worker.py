@@ -1,0 +1,70 @@
+"""``orchestrate train --config X``: the reference trainer as an external process.
+
+It speaks the batch protocol (:mod:`policies.batchfile`) exactly as any external trainer would:
+publish version 0 on the board if it is empty, then for each version ``v`` wait for
+``batch-<v>.json``, take the step, and publish ``v + 1``. Run the orchestrator with the same
+config and ``trainer.mode = "external"``; the two share ``board.url`` and ``trainer.batch_dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import structlog
+
+from orchestrator.config import load_config, parse_overrides
+from orchestrator.errors import ConfigError
+from orchestrator.log import configure
+from orchestrator.run import ensure_model
+from orchestrator.train_sink import trainer_settings
+from policies.batchfile import BatchFile, read_batch
+
+log = structlog.get_logger(__name__)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="orchestrate train",
+        description="The reference trainer as an external process (batch files + board).",
+    )
+    parser.add_argument("--config", type=Path, required=True)
+    parser.add_argument("--log-format", choices=["auto", "pretty", "json"], default="auto")
+    args, rest = parser.parse_known_args(argv)
+    cfg = load_config(args.config, {**parse_overrides(rest), "trainer.mode": "external"})
+    if cfg.board.url is None:
+        raise ConfigError(
+            "board.url: set it (outside the run directory) so that the trainer "
+            "and the orchestrator share one board"
+        )
+    configure(args.log_format, cfg.log.level)
+    from policies.board import Board
+    from policies.trainer import Trainer, TrainSample
+
+    batch_dir = cfg.trainer.batch_dir or cfg.run_dir / "batches"
+    board = Board(cfg.board_url, cfg.run.name, options=cfg.board.options)
+    model_dir = ensure_model(cfg)
+    trainer = Trainer(model_dir, board, trainer_settings(cfg), cfg.staleness.correction)
+    if board.latest() is None:
+        trainer.publish()
+    log.info("trainer_ready", version=trainer.version, batch_dir=str(batch_dir))
+    while trainer.version < cfg.trainer.max_steps:
+        wire = _wait_for_batch(batch_dir, trainer.version, cfg.board.poll_interval_s)
+        samples = [
+            TrainSample(
+                token_ids=s.token_ids,
+                mask=s.mask,
+                behaviour_logprobs=s.behaviour_logprobs,
+                reward=s.reward,
+            )
+            for s in wire.samples
+        ]
+        trainer.step(samples)  # publishes version + 1: the announcement
+    return 0
+
+
+def _wait_for_batch(directory: Path, version: int, poll_s: float) -> BatchFile:
+    while (wire := read_batch(directory, version)) is None:
+        time.sleep(poll_s)  # batch files arrive from another process
+    return wire

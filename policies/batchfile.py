@@ -1,0 +1,91 @@
+"""The batch protocol: how an out-of-process trainer gets batches and announces versions.
+
+The contract between the orchestrator and any trainer that is not the in-process reference
+trainer (a user's torchrun job, TRL, verl, or ``orchestrate train``):
+
+1. The orchestrator writes one file per trainer step, ``<batch dir>/batch-<v:08d>.json``, holding
+   a :class:`BatchFile` for trainer version ``v``. Files appear atomically (written to a temporary
+   name, fsynced, renamed), so a trainer never reads a partial batch. Samples are
+   group-contiguous: ``group_size`` consecutive samples answer the same task (GRPO).
+2. The trainer takes its optimizer step(s) on batch ``v`` and publishes version ``v + 1`` on the
+   board (:meth:`policies.board.Board.publish`). Moving the board's pointer *is* the
+   announcement: the orchestrator reads the pointer and sends batch ``v + 1`` once the trainer
+   has caught up. Optionally it writes ``batch-<v:08d>.metrics.json`` (a flat JSON object of
+   floats) before publishing; the orchestrator logs it with the step.
+3. Version 0 is published by the trainer before the run starts (the orchestrator waits for it).
+
+A sample's ``mask[t]`` is true where token ``t`` was sampled by the policy (the loss applies);
+``behaviour_logprobs[t]`` is the engine's log prob of that token (0 elsewhere); ``policy_versions``
+gives, per sampled segment, ``[start_token, end_token, version_start, version_end]`` so a trainer
+can compute per-token lag itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA = 1
+
+
+class BatchSample(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    episode_id: str
+    group_id: str
+    token_ids: list[int]
+    mask: list[bool]
+    behaviour_logprobs: list[float]
+    reward: float
+    policy_versions: list[tuple[int, int, int, int]] = Field(default_factory=list)
+
+
+class BatchFile(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    schema_version: int = SCHEMA
+    version: int = Field(ge=0, description="trainer version this batch is for")
+    group_size: int = Field(ge=1)
+    samples: list[BatchSample]
+
+
+def batch_path(directory: Path, version: int) -> Path:
+    return directory / f"batch-{version:08d}.json"
+
+
+def metrics_path(directory: Path, version: int) -> Path:
+    return directory / f"batch-{version:08d}.metrics.json"
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see all of it or nothing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_batch(directory: Path, batch: BatchFile) -> Path:
+    path = batch_path(directory, batch.version)
+    write_atomic(path, batch.model_dump_json().encode())
+    return path
+
+
+def read_batch(directory: Path, version: int) -> BatchFile | None:
+    """Batch ``version`` if it has been written, else None."""
+    try:
+        return BatchFile.model_validate_json(batch_path(directory, version).read_bytes())
+    except FileNotFoundError:
+        return None
+
+
+def read_metrics(directory: Path, version: int) -> dict[str, float]:
+    try:
+        raw = json.loads(metrics_path(directory, version).read_text())
+    except FileNotFoundError:
+        return {}
+    return {str(k): float(v) for k, v in raw.items() if isinstance(v, int | float)}

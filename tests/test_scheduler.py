@@ -1,0 +1,237 @@
+"""Admission, batching and exactly-once accounting over random fleets, on trio's mock clock."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import anyio
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import PreTrainedTokenizerBase
+from trio.testing import MockClock
+
+from environments.calculator import Calculator, CalculatorConfig
+from orchestrator.batcher import Batcher
+from orchestrator.episode import EpisodeRunner
+from orchestrator.pool import Pool
+from orchestrator.scheduler import Scheduler, VersionClock
+from orchestrator.train_sink import consume, drain
+from orchestrator.types import Batch, EndpointRef, Group, GroupDecision, SamplingParams
+from staleness.config import StalenessConfig
+from tests.fakes import ScriptedTransport
+
+
+@dataclass
+class FakeTrainer:
+    """Takes a random time per step; publishing makes engines catch up after a random delay."""
+
+    transport: ScriptedTransport
+    pool: Pool
+    rng: random.Random
+    version: int = 0
+    trained: list[tuple[int, Batch]] = field(default_factory=list)
+
+    async def train(self, batch: Batch) -> dict[str, float]:
+        await anyio.sleep(self.rng.uniform(0.1, 2.0))
+        self.trained.append((self.version, batch))
+        self.version += 1
+        return {"reward_mean": 0.0}
+
+
+@dataclass
+class Recorder:
+    groups: dict[str, GroupDecision] = field(default_factory=dict)
+    versions_seen: list[int] = field(default_factory=list)
+
+    def group(self, group: Group, decision: GroupDecision, trainer_version: int) -> None:
+        assert group.id not in self.groups, f"{group.id} recorded twice"
+        self.groups[group.id] = decision
+
+    async def step(self, batch: Batch, version: int, metrics: dict[str, float]) -> None:
+        self.versions_seen.append(version)
+
+
+async def _catch_up(
+    t: ScriptedTransport, pool: Pool, trainer: FakeTrainer, rng: random.Random, lagging: str
+) -> None:
+    """Engines apply the newest version after a delay; one endpoint lags far behind."""
+    while True:
+        await anyio.sleep(0.3)
+        for name in t.versions:
+            if name in t.dead:
+                continue
+            delay_ok = rng.random() < (0.15 if name == lagging else 0.7)
+            if delay_ok:
+                t.versions[name] = trainer.version
+        await pool.refresh_all()
+
+
+async def _run_fleet(
+    tokenizer: PreTrainedTokenizerBase, seed: int, max_lag: int, n_endpoints: int, kill: bool
+) -> None:
+    rng = random.Random(seed)
+    names = [f"e{i}" for i in range(n_endpoints)]
+    t = ScriptedTransport(
+        {n: 0 for n in names},
+        latency={n: rng.choice([0.05, 0.2, 1.0]) for n in names},
+        eos=tokenizer.eos_token_id,
+    )
+    if kill:
+        t.fail_after[names[0]] = rng.randint(0, 10)
+    pool = Pool(t, version_wait_s=600.0, poll_interval_s=0.3, max_inflight=3)
+    for n in names:
+        pool.add(EndpointRef(id=n, url=f"http://{n}"))
+    await pool.refresh_all()
+    env = Calculator(CalculatorConfig(num_tasks=8, seed=seed))
+    runner = EpisodeRunner(
+        env,
+        tokenizer,
+        pool,
+        sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=4),
+        max_turns=2,
+        episode_timeout_s=120.0,
+        max_context=2048,
+    )
+    clock = VersionClock(0)
+    groups_per_batch = 2
+    sched = Scheduler(
+        runner,
+        env.tasks(),
+        clock,
+        group_size=2,
+        groups_per_batch=groups_per_batch,
+        max_lag=max_lag,
+        max_concurrent_episodes=8,
+        seed=seed,
+    )
+    trainer = FakeTrainer(t, pool, rng)
+    batcher = Batcher(StalenessConfig(), groups_per_batch, max_lag, lambda: trainer.version)
+    recorder = Recorder()
+    send, recv = anyio.create_memory_object_stream[Group](max_buffer_size=groups_per_batch)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_catch_up, t, pool, trainer, rng, names[-1])
+        tg.start_soon(sched.run, send)
+        await consume(
+            recv,
+            batcher=batcher,
+            scheduler=sched,
+            sink=trainer,
+            clock=clock,
+            recorder=recorder,
+            max_steps=5,
+        )
+        tg.cancel_scope.cancel()
+    drain(recv)
+
+    assert trainer.version == 5
+    # Every recorded group was admitted; kept groups are in exactly one batch (or pending).
+    trained_ids = [g.id for _, b in trainer.trained for g in b.groups]
+    assert len(trained_ids) == len(set(trained_ids))
+    pending = {g.id for g in batcher.pending}
+    kept = {gid for gid, d in recorder.groups.items() if d.decision == "kept"}
+    assert kept == set(trained_ids) | pending
+    assert len(recorder.groups) <= sched.admitted
+    for d in recorder.groups.values():
+        assert d.decision == "kept" or d.reason
+    # No trained token is older than the lag budget at the version it was trained at.
+    for version, batch in trainer.trained:
+        for group in batch.groups:
+            for ep in group.episodes:
+                assert ep.stop_reason != "interrupted"
+                for seg in ep.segments:
+                    assert version - seg.policy_version.start <= max_lag
+                if ep.stop_reason == "model_error":
+                    assert ep.error is not None
+    # Requests were never sent outside their bounds.
+    for name, req, resp in t.served:
+        assert req.policy_version.admits(resp.policy_version.start), name
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    seed=st.integers(0, 10_000), max_lag=st.integers(0, 3), n=st.integers(1, 4), kill=st.booleans()
+)
+def test_admission_and_exactly_once_over_random_fleets(
+    tokenizer: PreTrainedTokenizerBase, seed: int, max_lag: int, n: int, kill: bool
+) -> None:
+    if kill and n == 1:
+        n = 2  # someone must survive the kill
+    anyio.run(
+        _run_fleet,
+        tokenizer,
+        seed,
+        max_lag,
+        n,
+        kill,
+        backend="trio",
+        backend_options={"clock": MockClock(autojump_threshold=0)},
+    )
+
+
+def test_synchronous_mode_trains_only_on_policy(tokenizer: PreTrainedTokenizerBase) -> None:
+    anyio.run(
+        _run_fleet,
+        tokenizer,
+        7,
+        0,
+        3,
+        False,
+        backend="trio",
+        backend_options={"clock": MockClock(autojump_threshold=0)},
+    )
+
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:datasets")
+
+
+async def _cancel_mid_flight(tokenizer: PreTrainedTokenizerBase) -> None:
+    t = ScriptedTransport({"a": 0}, latency={"a": 5.0}, eos=tokenizer.eos_token_id)
+    pool = Pool(t, version_wait_s=60.0, poll_interval_s=1.0, max_inflight=2)
+    pool.add(EndpointRef(id="a", url="http://a"))
+    await pool.refresh_all()
+    env = Calculator(CalculatorConfig(num_tasks=4))
+    runner = EpisodeRunner(
+        env,
+        tokenizer,
+        pool,
+        sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=4),
+        max_turns=2,
+        episode_timeout_s=60.0,
+        max_context=2048,
+    )
+    sched = Scheduler(
+        runner,
+        env.tasks(),
+        VersionClock(0),
+        group_size=3,
+        groups_per_batch=2,
+        max_lag=1,
+        max_concurrent_episodes=4,
+        seed=0,
+    )
+    send, recv = anyio.create_memory_object_stream[Group](max_buffer_size=2)
+    with anyio.move_on_after(2.0):
+        await sched.run(send)
+    drain(recv)
+    groups = sched.abandoned()
+    assert len(groups) == sched.admitted == 4  # (0 + 1 + max_lag) * groups_per_batch
+    for g in groups:
+        assert [e.id for e in g.episodes] == [f"{g.id}-{i}" for i in range(3)]
+        assert {e.stop_reason for e in g.episodes} == {"interrupted"}
+    started = [e for g in groups for e in g.episodes if e.token_ids]
+    assert len(started) == 4  # max_concurrent_episodes were mid-call, with their prompts
+
+
+def test_cancelled_run_accounts_for_every_admitted_episode(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    anyio.run(
+        _cancel_mid_flight,
+        tokenizer,
+        backend="trio",
+        backend_options={"clock": MockClock(autojump_threshold=0)},
+    )

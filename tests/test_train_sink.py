@@ -1,0 +1,98 @@
+"""The out-of-process trainer boundary: batch files in, versions announced on the board."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from orchestrator.errors import TrainerError
+from orchestrator.train_sink import ExternalTrainer, batch_samples
+from orchestrator.types import Batch, Episode, Group, SamplingParams, Segment
+from policies.batchfile import metrics_path, read_batch, write_atomic
+from policies.board import Board
+from policies.lane import VersionStamp
+
+pytestmark = pytest.mark.anyio
+
+
+def _episode(i: int, reward: float) -> Episode:
+    seg = Segment(
+        turn=0,
+        prompt_len=3,
+        token_ids=[7, 8],
+        logprobs=[-0.5, -0.25],
+        finish_reason="stop",
+        policy_version=VersionStamp(start=0, end=0),
+        endpoint="e",
+        latency_s=0.1,
+        sampling=SamplingParams(temperature=1, top_p=1, top_k=0, max_tokens=4),
+    )
+    return Episode(
+        id=f"g0-{i}",
+        group_id="g0",
+        task_id="t",
+        environment="calc",
+        token_ids=[1, 2, 3, 7, 8],
+        prompt_len=3,
+        segments=[seg],
+        reward=reward,
+        stop_reason="done",
+        admitted_at_version=0,
+        started_at=0.0,
+        finished_at=1.0,
+    )
+
+
+def _batch() -> Batch:
+    group = Group(id="g0", task_id="t", episodes=[_episode(0, 1.0), _episode(1, 0.0)])
+    return Batch(version=0, groups=[group], decisions=[])
+
+
+def test_masks_cover_exactly_the_sampled_tokens() -> None:
+    (a, b) = batch_samples(_batch().groups)
+    assert a.mask == [False, False, False, True, True]
+    assert a.behaviour_logprobs == [0.0, 0.0, 0.0, -0.5, -0.25]
+    assert (a.reward, b.reward) == (1.0, 0.0)
+
+
+async def test_external_trainer_round_trip(tmp_path: Path) -> None:
+    board = Board(str(tmp_path / "board"), "run")
+    board.publish(0, {"w": torch.zeros(2)}, view_name="float32")
+    batches = tmp_path / "batches"
+    seen: list[int] = []
+
+    def external() -> None:  # a trainer in "another process": reads the file, publishes v1
+        while (wire := read_batch(batches, 0)) is None:
+            time.sleep(0.01)
+        seen.append(len(wire.samples))
+        write_atomic(metrics_path(batches, 0), b'{"loss": 0.5}')
+        board.publish(1, {"w": torch.ones(2)}, view_name="float32")
+
+    worker = threading.Thread(target=external)
+    worker.start()
+    sink = ExternalTrainer(
+        board, batches, group_size=2, poll_interval_s=0.01, step_timeout_s=30, version=0
+    )
+    metrics = await sink.train(_batch())
+    worker.join()
+    assert sink.version == 1
+    assert seen == [2]
+    assert metrics["loss"] == 0.5
+    wire = read_batch(batches, 0)
+    assert wire is not None
+    assert wire.samples[0].policy_versions == [(3, 5, 0, 0)]
+
+
+async def test_external_trainer_timeout_names_the_key(tmp_path: Path) -> None:
+    board = Board(str(tmp_path / "board"), "run")
+    board.publish(0, {"w": torch.zeros(2)}, view_name="float32")
+    sink = ExternalTrainer(
+        board, tmp_path / "b", group_size=2, poll_interval_s=0.01, step_timeout_s=0.2, version=0
+    )
+    with pytest.raises(TrainerError, match=r"timeouts\.trainer_step_s"):
+        await sink.train(_batch())
+    assert read_batch(tmp_path / "b", 0) is not None  # the batch was handed over, not lost
