@@ -19,12 +19,12 @@ import anyio
 import pytest
 import torch
 from aiohttp import web
-from transformers import AutoModelForCausalLM
 
 from policies.adapters.standalone import serve_sidecar
 from policies.adapters.vllm_worker import SprawlWorkerExtension
 from policies.batching import QuiesceMode
 from policies.board import Board
+from tests.boards import publish_scaled, tiny_board
 
 pytestmark = pytest.mark.anyio
 Reply = Callable[[dict[str, Any]], Awaitable[Any]]
@@ -89,22 +89,9 @@ async def sidecar(engine_url: str, kind: str, board: Board, **kw: Any) -> AsyncI
         tg.cancel_scope.cancel()
 
 
-def _publish(board: Board, version: int, model_dir: Path, scale: float = 1.0) -> None:
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    view = {
-        k: (v * scale).to(torch.bfloat16)
-        for k, v in model.state_dict().items()
-        if k != "lm_head.weight"
-    }
-    board.publish(version, view, view_name="bfloat16")
-
-
 @pytest.fixture
 def board(tmp_path: Path, tiny_model_dir: Path) -> Board:
-    b = Board(str(tmp_path / "board"), "run")
-    b.create(tiny_model_dir)
-    _publish(b, 0, tiny_model_dir)
-    return b
+    return tiny_board(tmp_path, tiny_model_dir)
 
 
 async def _generate(url: str, body: dict[str, Any]) -> tuple[int, Any]:
@@ -192,7 +179,7 @@ async def test_sglang_materializes_and_reloads_from_disk(
         async with anyio.create_task_group() as tg:
             tg.start_soon(call)
             await anyio.sleep(0.2)  # the first choice is in flight at the engine
-            _publish(board, 1, tiny_model_dir, scale=0.5)
+            publish_scaled(board, 1, tiny_model_dir, scale=0.5)
             await _wait_version(url, 1)
         status, body = result["out"]
     assert status == 200
@@ -282,7 +269,7 @@ async def test_vllm_workers_that_disagree_keep_the_old_version(
     answers = itertools.chain([["a", "a"]], itertools.repeat(["a", "b"]))
     fake = vllm_fake(lambda: next(answers))
     async with fake_server(fake) as engine, sidecar(engine, "vllm", board) as url:
-        _publish(board, 1, tiny_model_dir, scale=0.5)
+        publish_scaled(board, 1, tiny_model_dir, scale=0.5)
         await _wait_failures(url, 1)
         async with aiohttp.ClientSession() as s, s.get(f"{url}/v1/policy") as r:
             assert (await r.json())["applied_version"] == 0

@@ -16,26 +16,14 @@ from transformers import AutoModelForCausalLM
 
 from policies.board import Board
 from policies.server import serve_board
+from tests.boards import publish_scaled, tiny_board
 
 pytestmark = pytest.mark.anyio
 
 
-def _publish(board: Board, version: int, model_dir: Path, scale: float = 1.0) -> None:
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    view = {
-        k: (v * scale).to(torch.bfloat16)
-        for k, v in model.state_dict().items()
-        if k != "lm_head.weight"
-    }
-    board.publish(version, view, view_name="bfloat16")
-
-
 @pytest.fixture
 def board(tmp_path: Path, tiny_model_dir: Path) -> Board:
-    b = Board(str(tmp_path / "board"), "run")
-    b.create(tiny_model_dir)
-    _publish(b, 0, tiny_model_dir)
-    return b
+    return tiny_board(tmp_path, tiny_model_dir)
 
 
 @asynccontextmanager
@@ -104,7 +92,7 @@ async def test_version_bounds_409_and_activation(board: Board, tiny_model_dir: P
         assert body["error"]["applied_version"] == 0
         assert headers["Retry-After"] == "1"
 
-        _publish(board, 1, tiny_model_dir, scale=0.5)
+        publish_scaled(board, 1, tiny_model_dir, scale=0.5)
         await _post(s, f"{url}/v1/policy/notify", {})
         await _wait_version(s, url, 1)
         status, body, _ = await _post(
@@ -121,7 +109,7 @@ async def test_version_bounds_409_and_activation(board: Board, tiny_model_dir: P
 async def test_catch_up_from_ten_versions_behind(board: Board, tiny_model_dir: Path) -> None:
     async with engine(board, poll_interval_s=3600) as url, aiohttp.ClientSession() as s:
         for v in range(1, 11):
-            _publish(board, v, tiny_model_dir, scale=1.0 - v / 100)
+            publish_scaled(board, v, tiny_model_dir, scale=1.0 - v / 100)
         await _post(s, f"{url}/v1/policy/notify", {})
         await _wait_version(s, url, 10)
         async with s.get(f"{url}/metrics") as r:
@@ -134,7 +122,7 @@ async def test_catch_up_from_ten_versions_behind(board: Board, tiny_model_dir: P
 
 async def test_corrupted_version_is_never_served(board: Board, tiny_model_dir: Path) -> None:
     async with engine(board) as url, aiohttp.ClientSession() as s:
-        _publish(board, 1, tiny_model_dir, scale=0.5)
+        publish_scaled(board, 1, tiny_model_dir, scale=0.5)
         vdir = Path(board.root) / "versions" / "00000001"
         data = [f for f in vdir.iterdir() if f.name != "manifest.json"]  # the patch or anchor
         assert data

@@ -11,15 +11,15 @@ from typing import Any
 import aiohttp
 import anyio
 import pytest
-import torch
 from prometheus_client import CollectorRegistry
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from policies.batching import Generation, QuiesceMode
 from policies.board import Board
 from policies.lane import GenerateChoice, GenerateRequest
 from policies.server import run_lane, serve_board
 from policies.sidecar import Sidecar
+from tests.boards import publish_scaled, tiny_board
 
 pytestmark = pytest.mark.anyio
 
@@ -40,22 +40,9 @@ TOOLS = [
 MESSAGES = [{"role": "user", "content": "What is 37 * 12?"}]
 
 
-def _publish(board: Board, version: int, model_dir: Path, scale: float = 1.0) -> None:
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    view = {
-        k: (v * scale).to(torch.bfloat16)
-        for k, v in model.state_dict().items()
-        if k != "lm_head.weight"
-    }
-    board.publish(version, view, view_name="bfloat16")
-
-
 @pytest.fixture
 def board(tmp_path: Path, tiny_model_dir: Path) -> Board:
-    b = Board(str(tmp_path / "board"), "run")
-    b.create(tiny_model_dir)
-    _publish(b, 0, tiny_model_dir)
-    return b
+    return tiny_board(tmp_path, tiny_model_dir)
 
 
 @asynccontextmanager
@@ -137,7 +124,7 @@ async def test_pause_mode_response_spanning_an_update(board: Board, tiny_model_d
         async with anyio.create_task_group() as tg:
             tg.start_soon(call)
             await anyio.sleep(0.3)
-            _publish(board, 1, tiny_model_dir, scale=0.5)
+            publish_scaled(board, 1, tiny_model_dir, scale=0.5)
             await _post(s, f"{url}/v1/policy/notify", {})
         assert result["status"] == 200
         body = result["body"]
@@ -223,7 +210,7 @@ async def shared_url(
 ) -> AsyncIterator[str]:
     b = Board(str(tmp_path_factory.mktemp("shared") / "board"), "run")
     b.create(tiny_model_dir)
-    _publish(b, 0, tiny_model_dir)
+    publish_scaled(b, 0, tiny_model_dir)
     async with engine(b) as url:
         yield url
 
