@@ -35,6 +35,7 @@ from orchestrator.live import LiveView
 from orchestrator.live import wanted as live_wanted
 from orchestrator.metrics import RunMetrics, Tee
 from orchestrator.pool import Pool
+from orchestrator.scalars import Scalars
 from orchestrator.scheduler import Scheduler, VersionClock
 from orchestrator.train_sink import (
     ExternalTrainer,
@@ -224,7 +225,8 @@ async def _loop(
     send, recv = anyio.create_memory_object_stream[Group](
         max_buffer_size=cfg.scheduler.groups_per_batch
     )
-    recorder = _RunRecorder(trajlog, summary)
+    scalars = Scalars(cfg.run_dir / "tensorboard")
+    recorder = _RunRecorder(trajlog, summary, scalars)
     metrics = RunMetrics()  # Prometheus, served on the admin API's /metrics
     view = LiveView(pool.endpoints.values(), cfg.trainer.max_steps) if live_wanted() else None
     # the log, the metrics and (on a terminal) the live view all read the same events
@@ -270,22 +272,26 @@ async def _loop(
                 group_id=group.id, decision="dropped", reason=reason, max_lag=0
             )
             recorder.group(group, decision, sink.version)
+        scalars.close()
 
 
 class _RunRecorder:
-    """Writes the trajectory log and keeps the summary."""
+    """Writes the trajectory log and the TensorBoard scalars, and keeps the summary."""
 
-    def __init__(self, trajlog: TrajectoryLog, summary: RunSummary) -> None:
+    def __init__(self, trajlog: TrajectoryLog, summary: RunSummary, scalars: Scalars) -> None:
         self.trajlog = trajlog
         self.summary = summary
+        self.scalars = scalars
 
     def group(self, group: Group, decision: GroupDecision, trainer_version: int) -> None:
         self.trajlog.write_group(group, decision, trainer_version=trainer_version)
+        self.scalars.group(group, decision)
         self.summary.episodes += len(group.episodes)
         self.summary.dropped_groups += decision.decision == "dropped"
 
     async def step(self, batch: Batch, version: int, metrics: dict[str, float]) -> None:
         self.trajlog.write_batch(batch, version, metrics)
+        self.scalars.step(version, metrics)
         self.summary.steps += 1
         self.summary.rewards.append(metrics["reward_mean"])
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from orchestrator.trajlog import read_log
 from policies.board import Board
@@ -70,6 +71,15 @@ def test_demo_loop_two_steps(tmp_path: Path, tiny_model_dir: Path) -> None:
     batches = [r for r in records if r["type"] == "batch"]
     assert [b["produced_version"] for b in batches] == [1, 2]
     _assert_exactly_once(records)
+
+    scalars = EventAccumulator(str(tmp_path / "demo" / "tensorboard"))
+    scalars.Reload()
+    rewards = scalars.Scalars("trainer/reward_mean")
+    assert [p.step for p in rewards] == [1, 2]
+    assert [p.value for p in rewards] == pytest.approx(
+        [b["metrics"]["reward_mean"] for b in batches]
+    )
+    assert "rollout/drop_rate" in scalars.Tags()["scalars"]
     segments = [s for e in episodes for s in e["segments"]]
     assert segments, "no model call reached the log"
     for seg in segments:
