@@ -2,10 +2,11 @@
 
     orchestrate --config X.toml [--print-config] [--log-format auto|pretty|json] [--section.key V …]
     orchestrate init-model --out DIR [--size tiny|small] [--seed N] [--sft-steps N]
-    orchestrate serve --board URL --run NAME [--port P] [--host H] [--device cpu|cuda] [--token T]
+    orchestrate serve (--model DIR | --board URL [--run NAME]) [--port P] [--host H]
+                      [--device cpu|cuda] [--token T]
     orchestrate versions --board URL [--run NAME] [--json]
     orchestrate materialize --board URL [--run NAME] --version N --out DIR
-    orchestrate bench codec|engine|sparsity|scheduler|async [...]
+    orchestrate bench codec|engine|sync|sparsity|scheduler|async [...]
     orchestrate fleet list|add|remove --orchestrator URL|RUN_DIR [--id ID --url URL]
     orchestrate train --config X.toml [--section.key V …]   (an external reference trainer)
     orchestrate sidecar --engine-url URL --engine-kind vllm|sglang|openai --board URL [--port P]
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import anyio
 import structlog
+from anyio.abc import TaskStatus
 
 from environments.errors import EnvError
 from orchestrator.config import load_config, parse_overrides
@@ -93,9 +95,12 @@ def _init_model(argv: list[str]) -> int:
 def _serve(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="orchestrate serve",
-        description="Serve the board's newest version with the reference engine + sidecar.",
+        description="Serve a model dir (fixed version 0) or the board's newest version with the "
+        "reference engine + sidecar.",
     )
-    parser.add_argument("--board", required=True, help="board URL (fsspec) or path")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", type=Path, help="HF model dir, served as fixed version 0")
+    source.add_argument("--board", help="board URL (fsspec) or path")
     parser.add_argument("--run", default="demo", help="run name on the board")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
@@ -122,24 +127,26 @@ def _serve(argv: list[str]) -> int:
     parser.add_argument("--log-format", choices=["auto", "pretty", "json"], default="auto")
     args = parser.parse_args(argv)
     configure(args.log_format)
-    from policies.server import serve_board, tls_context
+    from policies.server import serve_board, serve_model, tls_context
+
+    tls = tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
+
+    async def serve(task_status: TaskStatus[int]) -> None:
+        if args.model is not None:
+            await serve_model(
+                args.model, host=args.host, port=args.port, device=args.device,
+                token=args.token, tls=tls, task_status=task_status,
+            )  # fmt: skip
+        else:
+            await serve_board(
+                args.board, args.run, host=args.host, port=args.port, device=args.device,
+                token=args.token, poll_interval_s=args.poll_interval,
+                activation=args.activation, tls=tls, task_status=task_status,
+            )  # fmt: skip
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
-            port = await tg.start(
-                lambda task_status: serve_board(
-                    args.board,
-                    args.run,
-                    host=args.host,
-                    port=args.port,
-                    device=args.device,
-                    token=args.token,
-                    poll_interval_s=args.poll_interval,
-                    activation=args.activation,
-                    tls=tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None,
-                    task_status=task_status,
-                )
-            )
+            port = await tg.start(serve)
             scheme = "https" if args.tls_cert else "http"
             sys.stdout.write(json.dumps({"url": f"{scheme}://{args.host}:{port}"}) + "\n")
             sys.stdout.flush()
@@ -189,6 +196,7 @@ def _bench(argv: list[str]) -> int:
     benches: dict[str, str] = {
         "codec": "policies.bench_codec",
         "engine": "policies.bench_engine",
+        "sync": "policies.bench_sync",
         "async": "orchestrator.bench_async",
         "scheduler": "orchestrator.bench_scheduler",
     }

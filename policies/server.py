@@ -9,8 +9,9 @@ tool schema) gets a 4xx JSON error naming the field, and the server keeps runnin
 conflicts get 409 ``policy_version_unavailable`` with ``Retry-After``. TLS is optional
 (:func:`tls_context` from a PEM certificate and key).
 
-The same server fronts the standalone sidecar (``policies.adapters``): :func:`run_lane` serves
-any :class:`Sidecar` whose backend is an external engine.
+:func:`serve_board` follows a board; :func:`serve_model` serves a plain model dir as the fixed
+version 0. The same server fronts the standalone sidecar (``policies.adapters``):
+:func:`run_lane` serves any :class:`Sidecar` whose backend is an external engine.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from anyio.abc import TaskStatus
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
+from safetensors.torch import load_file
 from transformers import PreTrainedTokenizerBase
 
 from policies.batching import QuiesceMode
@@ -290,6 +292,59 @@ async def serve_board(
             poll_interval_s=poll_interval_s,
             registry=registry,
             activation=activation,
+        )
+        await run_lane(
+            sidecar,
+            host=host,
+            port=port,
+            token=token,
+            registry=registry,
+            tokenizer=engine.tokenizer,
+            tls=tls,
+            task_status=task_status,
+        )
+
+
+async def serve_model(
+    model_dir: Path,
+    *,
+    host: str,
+    port: int,
+    device: str,
+    token: str | None,
+    tls: ssl.SSLContext | None = None,
+    task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve a plain HF model dir as the fixed version 0 (no board) until cancelled.
+
+    The weights (every ``*.safetensors`` in the dir, in their stored dtype) are copied into the
+    engine once; the sidecar is in fixed-version mode, so it never polls, every response is
+    stamped 0 and bounds excluding 0 get 409. Its board is an empty private directory that is
+    never read; it only names the run (the dir's name) in ``/v1/models`` and responses.
+    """
+
+    def load() -> Engine:
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise EngineError(f"{model_dir} holds no *.safetensors weights")
+        weights: dict[str, torch.Tensor] = {}
+        for f in files:
+            weights.update(load_file(f))
+        floats = {t.dtype for t in weights.values() if t.is_floating_point()}
+        dtype = floats.pop() if len(floats) == 1 else torch.float32
+        engine = Engine(model_dir, device=device, dtype=dtype)
+        engine.activate(weights, version=0)
+        return engine
+
+    engine = await anyio.to_thread.run_sync(load)
+    with tempfile.TemporaryDirectory(prefix="sprawl-fixed-") as tmp:
+        registry = CollectorRegistry()
+        sidecar = Sidecar(
+            LocalBackend(engine),
+            Board(tmp, model_dir.name),
+            poll_interval_s=3600.0,
+            registry=registry,
+            fixed_version=0,
         )
         await run_lane(
             sidecar,
