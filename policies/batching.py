@@ -215,7 +215,11 @@ class BatchScheduler:
                         self._drop_finished()
                 except Exception as exc:  # a failed forward must not kill the engine
                     log.exception("batch_step_failed", rows=len(self._rows))
-                    self._fail_all(EngineError(f"generation failed: {exc}"))
+                    error = EngineError(f"generation failed: {exc}")
+                    for job in joining:  # jobs taken from the queue but not yet rows
+                        if not job.future.done():
+                            job.future.set_exception(error)
+                    self._fail_all(error)
 
     def _room_for(self, job: _Job) -> bool:
         return not self._rows or len(self._rows) + job.req.n <= self.max_rows

@@ -206,3 +206,23 @@ def test_patched_engine_matches_a_fresh_load(tiny_model_dir: Path) -> None:
             fresh.close()
     finally:
         live.close()
+
+
+def test_a_failed_forward_fails_every_joining_request_instead_of_hanging() -> None:
+    class Broken(torch.nn.Module):
+        def forward(self, *args: object, **kwargs: object) -> None:
+            raise RuntimeError("forward exploded")
+
+    from policies.batching import BatchScheduler
+    from policies.errors import EngineError
+    from policies.lane import GenerateRequest
+
+    sched = BatchScheduler(Broken(), device=torch.device("cpu"), max_rows=8)
+    futures = [
+        sched.submit(GenerateRequest(prompt_token_ids=[1, 2], max_tokens=2, seed=i), 2, frozenset())
+        for i in range(3)
+    ]
+    for future in futures:
+        with pytest.raises(EngineError, match="forward exploded"):
+            future.result(timeout=30)
+    sched.close()

@@ -1,0 +1,66 @@
+"""``orchestrate bench sync`` at a small size: its JSON, and that the sparse paths are exact."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from policies import bench_sync
+from policies.bench_sync import Link, adam_step, main, same_bits, synthetic_view
+
+
+def test_link_takes_the_time_its_bytes_need() -> None:
+    link = Link(80.0)  # 10 MB/s
+    t0 = time.perf_counter()
+    link.carry(500_000)
+    link.carry(500_000)
+    elapsed = time.perf_counter() - t0
+    assert 0.1 <= elapsed < 0.3
+    assert link.bytes == 1_000_000
+
+
+def test_adam_step_moves_values_by_one_ulp_and_stays_finite() -> None:
+    view = synthetic_view(1)
+    view["edge"] = torch.tensor([0.0, -0.0, 3.3895e38, 1.0], dtype=torch.bfloat16)
+    step = adam_step(view, 0.5, torch.Generator().manual_seed(0))
+    assert not same_bits(view, step)
+    for name, t in view.items():
+        a, b = t.view(torch.int16).int(), step[name].view(torch.int16).int()
+        assert int((a - b).abs().max()) <= 1
+        assert torch.isfinite(step[name].float()).all()
+
+
+@pytest.mark.slow
+def test_bench_sync_small_run(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # main() configures logging for a process; in the test session it would bind the captured
+    # stream (closed after this test) for every later test
+    monkeypatch.setattr(bench_sync, "configure", lambda **_: None)
+    argv = ["--model", str(tiny_model_dir), "--size-mb", "16", "--pause-trials", "4", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert out["link_mbit_s"] == 100.0
+    for part in ("demo", "synthetic"):
+        r = out[part]
+        assert r["exact"] is True
+        assert r["full"]["bytes"] >= r["view_bytes"]
+        assert 0 < r["sync"]["patch_bytes"] < r["view_bytes"] / 10
+        assert r["sync"]["publish_to_serving_s"] > 0
+        assert r["speedup"] == pytest.approx(
+            r["full"]["s"] / r["sync"]["publish_to_serving_s"], rel=0.1
+        )
+    syn = out["synthetic"]
+    assert syn["view_bytes"] == 16 * 2**20
+    # 16 MiB over 100 Mbit/s cannot arrive in under 16 * 2**20 * 8 / 1e8 s
+    assert syn["full"]["s"] >= 16 * 2**20 * 8 / 1e8
+    cu = syn["catch_up"]
+    assert cu["exact"] is True
+    assert (cu["squashed"]["patches"], cu["chained"]["patches"]) == (1, 8)
+    assert cu["squashed"]["bytes"] < cu["chained"]["bytes"]
+    pause = out["demo"]["pause"]
+    assert 0 <= pause["p50_ms"] <= pause["p99_ms"]
