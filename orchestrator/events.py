@@ -68,6 +68,8 @@ class EventSink(Protocol):
 
 
 class NullEvents:
+    """An event sink that ignores everything; subclass it to handle only some events."""
+
     def emit(self, kind: str, **fields: Any) -> None:
         pass
 

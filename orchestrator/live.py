@@ -24,9 +24,10 @@ from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
+from orchestrator.events import NullEvents
+
 if TYPE_CHECKING:
     from orchestrator.pool import Endpoint
-    from policies.lane import VersionBounds
 
 
 def wanted(stream: Any = None) -> bool:
@@ -35,7 +36,7 @@ def wanted(stream: Any = None) -> bool:
     return bool(getattr(stream, "isatty", lambda: False)())
 
 
-class LiveView:
+class LiveView(NullEvents):
     def __init__(self, endpoints: Iterable[Endpoint], max_steps: int) -> None:
         self.endpoints = endpoints
         self.max_steps = max_steps
@@ -54,22 +55,6 @@ class LiveView:
         elif kind == "decide":
             self.groups[f["decision"]] += 1
             self.lags[f["max_lag"]] += 1
-
-    def route(
-        self,
-        endpoints: Iterable[Endpoint],
-        bounds: VersionBounds,
-        affinity: str | None,
-        exclude: Iterable[str],
-        chosen: Endpoint | None,
-    ) -> None:
-        pass
-
-    def endpoint(self, ep: Endpoint) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
     # -- drawing --------------------------------------------------------------------------------
     def frame(self) -> Group:

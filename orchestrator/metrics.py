@@ -28,7 +28,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from orchestrator.events import EventSink
+from orchestrator.events import EventSink, NullEvents
 
 if TYPE_CHECKING:
     from orchestrator.pool import Endpoint
@@ -66,7 +66,7 @@ class Tee:
             s.close()
 
 
-class RunMetrics:
+class RunMetrics(NullEvents):
     """Prometheus counters, gauges and histograms driven by orchestrator events."""
 
     def __init__(self) -> None:
@@ -137,9 +137,6 @@ class RunMetrics:
         self.healthy.labels(ep.id).set(1.0 if ep.healthy else 0.0)
         if ep.applied_version is not None:
             self.applied.labels(ep.id).set(ep.applied_version)
-
-    def close(self) -> None:
-        pass
 
     def exposition(self) -> bytes:
         """The current values in Prometheus text format."""
