@@ -34,7 +34,6 @@ covered: GPU determinism (cuBLAS/atomics would need ``torch.use_deterministic_al
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import tomllib
@@ -52,6 +51,7 @@ from orchestrator.errors import ConfigError, TrajlogError
 from orchestrator.inspect_log import resolve_log
 from orchestrator.trajlog import EpisodeRecord, batch_records, episode_records, run_header
 from orchestrator.types import Batch, Episode, Group
+from policies.digests import state_digest
 from staleness.config import StalenessConfig
 from staleness.metrics import DropByDuration, drop_by_duration
 
@@ -271,18 +271,6 @@ def logged_batches(path: Path) -> list[Batch]:
     return out
 
 
-def state_digest(state: Mapping[str, torch.Tensor]) -> str:
-    """sha256 over every tensor's name, dtype, shape and bytes, in name order."""
-    import torch
-
-    h = hashlib.sha256()
-    for name in sorted(state):
-        t = state[name].detach().cpu().contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-        h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 def train(path: Path, cfg: Config, out: Path, seed: int) -> tuple[str, list[dict[str, float]]]:
     """Replay every logged batch through a fresh trainer; the final weights' digest and metrics."""
     from orchestrator.train_sink import batch_samples, trainer_settings
@@ -351,5 +339,5 @@ def main(argv: list[str], console: Console | None = None) -> int:
     digest, metrics = train(path, cfg, args.out or path.parent / "replay", seed)
     for i, m in enumerate(metrics):
         console.print(f"step {i + 1}: loss={m['loss']:.6g} reward_mean={m['reward_mean']:.4g}")
-    console.print(f"weights sha256 {digest}")
+    console.print(f"weights digest {digest}")
     return 0

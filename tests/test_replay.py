@@ -191,4 +191,4 @@ def test_train_replay_is_bit_identical(tmp_path: Path, tiny_model_dir: Path) -> 
     argv = [str(tmp_path / "log"), "--train", "--config", str(toml)]
     argv += ["--out", str(tmp_path / "d")]
     assert main(argv, Console(file=out, width=200, color_system=None)) == 0
-    assert f"weights sha256 {first}" in out.getvalue()
+    assert f"weights digest {first}" in out.getvalue()
