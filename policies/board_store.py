@@ -7,8 +7,8 @@ failure becomes :class:`BoardError` whose message has the URL's credentials, con
 and ``AWS_*`` credentials from the environment removed, and which does not chain the original
 exception (tracebacks cannot leak it either).
 
-Not covered: listing consistency on eventually consistent stores beyond what fsspec offers
-(listings bypass fsspec's cache).
+Not covered: listing consistency on eventually consistent stores beyond what the store offers
+(fsspec's listings cache is off unless ``storage_options`` turn it on).
 """
 
 from __future__ import annotations
@@ -47,7 +47,10 @@ class Store:
 
     def __init__(self, url: str, storage_options: Mapping[str, object] | None = None) -> None:
         self.safe_url = redact(url)
-        self.fs, self.root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+        # Another process publishes under us: a cached listing would hide versions written
+        # after it (fsspec answers "not found" from a parent listing it holds), so none is kept.
+        options = {"use_listings_cache": False, **dict(storage_options or {})}
+        self.fs, self.root = fsspec.core.url_to_fs(url, **options)
         self.root = self.root.rstrip("/")
         protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else self.fs.protocol
         self.local = any(p in ("file", "local") for p in protocols)
@@ -102,7 +105,6 @@ class Store:
         def scan() -> list[str]:
             if self.local:
                 return [d for d in os.listdir(root) if os.path.exists(f"{root}/{d}/{name}")]
-            self.fs.invalidate_cache(root)
             out = []
             for path in self.fs.find(root):
                 parts = str(path).rsplit("/", 2)

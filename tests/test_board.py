@@ -45,7 +45,11 @@ def s3_endpoint() -> Iterator[str]:
 
 
 def _s3_options(endpoint: str) -> dict[str, object]:
-    return {"client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+    # every Board gets its own filesystem object and caches, as in separate processes
+    return {
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+        "skip_instance_cache": True,
+    }
 
 
 @pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.slow)])
@@ -301,6 +305,18 @@ def test_a_reader_racing_a_publisher_never_sees_a_partial_version(make_board: Ma
     assert not errors, errors
     assert 9 in seen
     assert len(seen) >= 2
+
+
+def test_a_listing_taken_mid_publish_does_not_hide_the_version_later(make_board: MakeBoard) -> None:
+    states = _chain(3)
+    publisher, reader = make_board(), make_board()
+    _publish_all(publisher, states[:2])
+    # the reader lists while version 2 is half written (its patch is there, its manifest not yet)
+    publisher.store.write(f"{publisher._vdir(2)}/from-00000001.patch", b"in flight")
+    assert reader.versions() == [0, 1]
+    publisher.publish(2, states[2], view_name="bfloat16")
+    assert reader.latest() == 2
+    assert _same(reader.load(2)[1], states[2])
 
 
 # -- retention -------------------------------------------------------------------------------------
