@@ -186,6 +186,7 @@ class EpisodeRunner:
                     logprobs=choice.logprobs,
                     finish_reason=choice.finish_reason,
                     policy_version=resp.policy_version,
+                    bounds=req.policy_version,
                     endpoint=endpoint.id,
                     latency_s=time.perf_counter() - t0,
                     attempts=attempts,

@@ -23,6 +23,7 @@ from policies.lane import (
     GenerateRequest,
     GenerateResponse,
     PolicyState,
+    VersionBounds,
     VersionStamp,
 )
 
@@ -60,6 +61,9 @@ class Segment(_Record):
     logprobs: list[float]
     finish_reason: FinishReason
     policy_version: VersionStamp
+    bounds: VersionBounds = Field(
+        default_factory=VersionBounds, description="the policy versions the request accepted"
+    )
     endpoint: str
     latency_s: float
     attempts: int = 1

@@ -142,6 +142,7 @@ class Board:
         self._head: Manifest | None = None
         self._manifests: dict[int, Manifest] = {}
         self._seen_latest: int | None = None
+        self._bad_patches: set[tuple[int, str]] = set()
 
     # -- storage edge ----------------------------------------------------------------------------
     def _vdir(self, version: int) -> str:
@@ -165,7 +166,7 @@ class Board:
         self, version: int, view: Mapping[str, torch.Tensor], *, view_name: str
     ) -> Manifest:
         """Write ``version`` (a delta, or an anchor when due), then move the pointer to it."""
-        latest = self.latest()
+        latest = self._durable_latest()
         if latest is not None and version <= latest:
             raise BoardError(f"pointer only moves forward: version {version} <= current {latest}")
         opts = self.options
@@ -243,6 +244,23 @@ class Board:
             self.gc(version - opts.retain_versions + 1)
         return manifest
 
+    def _durable_latest(self) -> int | None:
+        """The pointer's version; if the pointer names a version without a manifest (damaged),
+        the newest version that has one, so the next publish repairs the pointer."""
+        latest = self.latest()
+        if latest is None:
+            return None
+        try:
+            self.manifest(latest)
+            return latest
+        except VersionCorrupt:
+            raise
+        except BoardError:
+            found = self.store.dirs_with(f"{self.root}/versions", MANIFEST)
+            newest = max((int(d) for d in found if d.isdigit()), default=None)
+            log.error("board.pointer_dangling", run=self.run, pointer=latest, newest=newest)
+            return newest
+
     # -- reading ---------------------------------------------------------------------------------
     def latest(self) -> int | None:
         """The version the pointer names, or None before the first publish."""
@@ -311,7 +329,7 @@ class Board:
             found_anchor = any(m.kind == "anchor" for m in manifests.values())
             if found_anchor and (not direct or (have is not None and v <= have)):
                 break
-            manifests[v] = self.manifest(v)
+            manifests[v] = self._usable(self.manifest(v))
         route = board_plan.plan(manifests, have if direct else None, want)
         if route is None:
             raise BoardError(
@@ -325,6 +343,13 @@ class Board:
             anchor_bytes=route.anchor_bytes,
             steps=route.steps,
         )
+
+    def _usable(self, m: Manifest) -> Manifest:
+        """``m`` without the patches that failed verification here (plans route around them)."""
+        bad = [p for p in m.patches if (m.version, p.file) in self._bad_patches]
+        if not bad:
+            return m
+        return m.model_copy(update={"patches": [p for p in m.patches if p not in bad]})
 
     def read_patch(self, step: Step) -> bytes:
         """The bytes of one planned patch (verify them by applying with :meth:`advance`)."""
@@ -369,6 +394,17 @@ class Board:
         return target
 
     def _apply(
+        self, view: MutableMapping[str, torch.Tensor], step: Step, digest: str | None
+    ) -> str:
+        try:
+            return self._apply_verified(view, step, digest)
+        except VersionCorrupt:
+            # the file itself is wrong (damaged, truncated, or another version's patch): later
+            # plans from this reader avoid it (squashed patches or an anchor route around it)
+            self._bad_patches.add((step.version, step.file))
+            raise
+
+    def _apply_verified(
         self, view: MutableMapping[str, torch.Tensor], step: Step, digest: str | None
     ) -> str:
         data = self.read_patch(step)

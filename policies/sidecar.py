@@ -22,12 +22,15 @@ Guarantees:
 - a version that fails verification is never activated: the old one keeps serving, the failure is
   logged and counted, and the sidecar moves on to the next newer version when one appears; an
   activation the engine fails (e.g. an external engine briefly unreachable) is logged, counted
-  and retried at the next reconcile;
+  and retried at the next reconcile; a version the pointer names but that cannot be read or
+  reached (missing manifest, no route) is not refused: it is tried again at the next reconcile;
 - board URLs are logged with their credentials (``user:password@``, query strings) removed.
 
 Catch-up: the sidecar always targets the newest version; the board plans the route (squashed
 patches when far behind, an anchor when too far) and :class:`LocalBackend` applies it to a CPU
-shadow of the served view, falling back to the nearest anchor when a patch fails.
+shadow of the served view, falling back to the nearest anchor when a patch fails; a patch file
+that failed verification is never planned again by this sidecar (a damaged, truncated or
+misplaced patch is routed around through squashed patches or a later anchor).
 
 Not covered: more than one staged version at a time (a newer version published while one is
 being staged is picked up by the next reconcile).
@@ -48,7 +51,7 @@ from policies.batching import Generation, OutOfBounds, QuiesceMode
 from policies.board import Board
 from policies.board_types import Manifest
 from policies.engine import Engine
-from policies.errors import BoardError, EngineError, PolicyError
+from policies.errors import BoardError, EngineError, PatchError, PolicyError, VersionCorrupt
 from policies.lane import (
     GenerateRequest,
     GenerateResponse,
@@ -125,7 +128,13 @@ class LocalBackend:
                     "patch_failed_reloading_anchor", version=version, error=redact(str(exc))
                 )
                 shadow = {}
-                manifest = board.advance(shadow, None, version)
+                try:
+                    manifest = board.advance(shadow, None, version)
+                except PolicyError as again:
+                    if isinstance(again, (VersionCorrupt, PatchError)):
+                        raise
+                    raise exc from None  # no other route: the version stays refused
+
             self._shadow, self._shadow_version = shadow, version
             return manifest
 
@@ -253,6 +262,13 @@ class Sidecar:
         try:
             await self.backend.stage(self.board, target)
         except PolicyError as exc:
+            if not isinstance(exc, (VersionCorrupt, PatchError)):
+                # not on the board (yet), or no route to it: nothing failed verification, so
+                # it is tried again at the next reconcile rather than refused for good
+                log.warning("version_unavailable", version=target, error=redact(str(exc)))
+                self.staged_version = None
+                self.state = "serving" if self.applied_version is not None else "starting"
+                return
             self._refused.add(target)
             self.metrics.failures.inc()
             log.error(
@@ -284,9 +300,17 @@ class Sidecar:
         log.info(
             "version_activated",
             version=target,
+            digest=self._digest(target),
             pause_ms=round(pause * 1e3, 2),
             mode=self.activation,
         )
+
+    def _digest(self, version: int) -> str | None:
+        """The board's digest of ``version`` (what the activated view was verified against)."""
+        try:
+            return self.board.manifest(version).digest
+        except BoardError:
+            return None
 
     # -- serving --------------------------------------------------------------------------------
     def _conflict(self, req: GenerateRequest, applied: int | None) -> VersionNotServed:

@@ -263,6 +263,58 @@ def test_flipped_truncated_or_missing_files_are_refused(make_board: MakeBoard) -
         make_board().manifest(2)
 
 
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda b: b[: len(b) // 2],  # truncated
+        lambda b: b[:-40] + bytes([b[-40] ^ 0x10]) + b[-39:],  # corrupted
+    ],
+    ids=["truncated", "corrupted"],
+)
+def test_a_reader_routes_around_a_patch_that_failed_verification(
+    make_board: MakeBoard, damage: Callable[[bytes], bytes]
+) -> None:
+    states = _chain(4)
+    board = make_board(anchor_every=100)
+    _publish_all(board, states)
+    _flip(board, "versions/00000003/from-00000002.patch", damage)
+    reader = make_board()
+    held = {n: t.clone() for n, t in states[2].items()}
+    with pytest.raises(VersionCorrupt, match="version 3"):
+        reader.advance(held, 2, 3)
+    view = {n: t.clone() for n, t in states[2].items()}
+    reader.advance(view, 2, 3)  # the damaged patch is not planned again: 0 → 3 instead
+    assert _same(view, states[3])
+
+
+def test_a_misplaced_patch_is_refused_and_routed_around(make_board: MakeBoard) -> None:
+    states = _chain(4)
+    board = make_board(anchor_every=100)
+    _publish_all(board, states)
+    other = board.fs.cat_file(f"{board.root}/versions/00000002/from-00000001.patch")
+    _flip(board, "versions/00000003/from-00000002.patch", lambda _: other)  # reordered
+    reader = make_board()
+    with pytest.raises(VersionCorrupt, match="makes"):
+        reader.advance({n: t.clone() for n, t in states[2].items()}, 2, 3)
+    assert _same(reader.load(3)[1], states[3])
+
+
+def test_a_pointer_naming_a_missing_version_is_repaired_by_the_next_publish(
+    make_board: MakeBoard,
+) -> None:
+    states = _chain(4)
+    board = make_board()
+    _publish_all(board, states[:3])
+    board.store.write(f"{board.root}/POINTER", b'{"version": 9}')
+    reader = make_board()
+    assert reader.latest() == 9
+    with pytest.raises(BoardError, match="version 9"):
+        reader.load(9)
+    make_board().publish(3, states[3], view_name="bfloat16")  # e.g. a restarted trainer
+    assert reader.latest() == 3
+    assert _same(reader.load(3)[1], states[3])
+
+
 def test_a_reader_racing_a_publisher_never_sees_a_partial_version(make_board: MakeBoard) -> None:
     states = _chain(10)
     digests: dict[int, str] = {}

@@ -140,6 +140,28 @@ async def test_corrupted_version_is_never_served(board: Board, tiny_model_dir: P
         assert (status, body["policy_version"]["start"]) == (200, 0)
 
 
+async def test_a_dangling_pointer_is_not_refused_for_good(
+    board: Board, tiny_model_dir: Path
+) -> None:
+    async with engine(board) as url, aiohttp.ClientSession() as s:
+        board.store.write(f"{board.root}/POINTER", b'{"version": 2}')  # names a missing version
+        await _post(s, f"{url}/v1/policy/notify", {})
+        await anyio.sleep(0.5)
+        async with s.get(f"{url}/v1/policy") as r:
+            assert (await r.json())["applied_version"] == 0
+        publish_scaled(Board(board.url, board.run), 1, tiny_model_dir, scale=0.5)
+        publish_scaled(Board(board.url, board.run), 2, tiny_model_dir, scale=0.25)
+        await _post(s, f"{url}/v1/policy/notify", {})
+        with anyio.fail_after(10):
+            while True:  # version 2 exists now and is applied, though it was missing before
+                async with s.get(f"{url}/v1/policy") as r:
+                    if (await r.json())["applied_version"] == 2:
+                        break
+                await anyio.sleep(0.1)
+        async with s.get(f"{url}/metrics") as r:
+            assert "sprawl_version_failures_total 0.0" in await r.text()
+
+
 async def test_auth_required_except_health(board: Board) -> None:
     async with engine(board, token="s3cret") as url, aiohttp.ClientSession() as s:
         status, body, _ = await _post(s, f"{url}/v1/generate", _req())
