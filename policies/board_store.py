@@ -22,6 +22,7 @@ from typing import TypeVar
 
 import fsspec
 
+from policies import failpoints
 from policies.errors import BoardError, PolicyError
 
 T = TypeVar("T")
@@ -77,6 +78,7 @@ class Store:
         return data
 
     def write(self, path: str, data: bytes) -> None:
+        data = failpoints.mutate("board.write", path, data)
         try:
             self.call(f"writing {path}", lambda: self._put(path, data))
         except FileNotFoundError:  # a missing bucket or directory: the board is unusable
