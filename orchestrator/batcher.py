@@ -82,8 +82,18 @@ class Batcher:
         self.decisions.append(decision)
         if decision.decision == "kept":
             self.pending.append(group)
+        return decision, self.take()
+
+    def restore(self, kept: list[tuple[Group, GroupDecision]]) -> None:
+        """Put kept groups of a run before a restart back in front of the queue, as decided
+        then (:mod:`orchestrator.resume`); :meth:`take` batches them first."""
+        self.pending = [g for g, _ in kept] + self.pending
+        self.decisions = [d for _, d in kept] + self.decisions
+
+    def take(self) -> Batch | None:
+        """The oldest ``groups_per_batch`` pending groups as a batch, if that many wait."""
         if len(self.pending) < self.groups_per_batch:
-            return decision, None
+            return None
         groups, self.pending = (
             self.pending[: self.groups_per_batch],
             self.pending[self.groups_per_batch :],
@@ -95,4 +105,4 @@ class Batcher:
             decisions=[d for d in self.decisions if d.group_id in ids],
         )
         self.decisions = [d for d in self.decisions if d.group_id not in ids]
-        return decision, batch
+        return batch

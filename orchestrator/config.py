@@ -36,6 +36,12 @@ class RunConfig(_Section):
     """Seed for the trainer, task order and sampling."""
     overwrite: bool = True
     """Start from scratch when the run directory exists (False: refuse to start)."""
+    resume: bool = False
+    """Continue the run in the existing run directory after a crash or a stop (SIGKILL, Ctrl-C)
+    instead of starting from scratch: the trainer resumes from its checkpoint (needs
+    ``trainer.checkpoint`` for the in-process trainer), the logs are appended to and reconciled
+    (``orchestrator/resume.py``). Keep the other settings as they were (``trainer.max_steps``
+    may grow)."""
 
 
 class ModelConfig(_Section):
@@ -223,6 +229,15 @@ class Config(_Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     admin: AdminConfig = Field(default_factory=AdminConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+
+    @model_validator(mode="after")
+    def _resume_has_a_checkpoint(self) -> Config:
+        if self.run.resume and self.trainer.mode == "in_process" and not self.trainer.checkpoint:
+            raise ValueError(
+                "run.resume needs trainer.checkpoint = true (the in-process trainer resumes "
+                "from its checkpoint in <run dir>/trainer/ckpt)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _external_trainer_shares_a_board(self) -> Config:

@@ -15,19 +15,31 @@ event: ``seq`` (0, 1, 2, … in emission order), ``t`` (Unix time), ``kind`` and
 - ``version_unavailable`` — a 409 (``endpoint``, ``applied_version``); ``call_failed`` — a failed
   call (``endpoint``, ``error``, ``attempt``, ``failover``: whether it is retried elsewhere);
 - ``trainer_version`` — the trainer clock moved (``version``);
-- ``admit`` — the scheduler admitted group ``index`` (``admitted`` so far, ``budget``);
-  ``release`` — ``n`` dropped groups gave their admission slots back;
+- ``admit`` — the scheduler admitted group ``index`` (``group_id``, e.g. ``"g000012"``,
+  ``task_id``, ``admitted`` so far, ``budget``); written to disk before the group's first model
+  call; ``release`` — ``n`` dropped groups gave their admission slots back;
 - ``decide`` — the staleness decision of a group (``group_id``, ``trainer_version``,
-  ``decision``, ``max_lag``, ``reason``).
+  ``decision``, ``max_lag``, ``reason``);
+- ``unbatched`` — at the end of a run, kept groups still waiting for a full batch
+  (``group_ids``, ``reason``);
+- ``lost`` — on a restart (``run.resume``), admitted groups with no record: they were in flight
+  when the orchestrator was killed (``group_ids``, ``reason``);
+- ``resumed`` — a restart continued the run (``trainer_version``, ``next_index``, ``admitted``,
+  ``dropped``, ``restored``: kept groups put back into the batcher, ``reconstructed``: the
+  ``produced_version`` of a batch record rebuilt from the log, or null, ``lost``: a count).
+
+Events in :data:`DURABLE` (``admit``, ``unbatched``, ``lost``, ``resumed``) flush the log at once,
+so the exactly-once accounting (:mod:`orchestrator.accounting`) survives a SIGKILL.
 
 :func:`resimulate` re-derives the decisions from the log with the orchestrator's own code: each
 ``route`` through :meth:`orchestrator.pool.Pool._pick` on the logged endpoint states, each
 ``admit`` through :meth:`orchestrator.scheduler.Scheduler.budget` on the state rebuilt from the
-``trainer_version`` and ``release`` events before it, and — given the trajectory log — each
-``decide`` through :meth:`orchestrator.batcher.Batcher.decide`. A complete, faithful log gives
-zero mismatches. Not covered: the *timing* of events (which call reached the pool first) is
-taken from the log, not re-simulated; events buffered when the process was killed (at most
-``flush_every − 1``) are lost.
+``trainer_version``, ``release`` and ``resumed`` events before it, and — given the trajectory
+log — each ``decide`` through :meth:`orchestrator.batcher.Batcher.decide` (but the drops of a
+stopping run, :data:`STOP_REASONS`). A complete, faithful log gives zero mismatches. Not
+covered: the *timing* of events (which call reached the pool first) is taken from the log, not
+re-simulated; events buffered when the process was killed (at most ``flush_every − 1``, never a
+durable one) are lost.
 """
 
 from __future__ import annotations
@@ -93,6 +105,16 @@ class NullEvents:
 NULL_EVENTS: EventSink = NullEvents()
 
 
+DURABLE = frozenset({"admit", "unbatched", "lost", "resumed"})
+"""Event kinds :class:`EventLog` writes to disk as soon as they are emitted."""
+
+STOPPED_UNTRAINED = "run stopped before the group was trained"
+STOPPED_UNFINISHED = "run stopped before the group finished"
+STOP_REASONS = frozenset({STOPPED_UNTRAINED, STOPPED_UNFINISHED})
+"""Drop reasons of groups the run's stop (not the staleness policy) decided: re-simulation
+skips them."""
+
+
 def endpoint_state(ep: Endpoint, now: float) -> dict[str, Any]:
     """The routing-relevant state of one endpoint."""
     return {
@@ -108,21 +130,23 @@ def endpoint_state(ep: Endpoint, now: float) -> dict[str, Any]:
 
 
 class EventLog:
-    """Appends events to ``directory``, one zstd frame per ``flush_every`` events (and on close)."""
+    """Appends events to ``directory``, one zstd frame per ``flush_every`` events, on every
+    :data:`DURABLE` event, and on close. ``first_seq`` continues the numbering of a resumed run
+    (a restart appends new parts to the same directory)."""
 
-    def __init__(self, directory: Path, *, flush_every: int = 64) -> None:
+    def __init__(self, directory: Path, *, flush_every: int = 64, first_seq: int = 0) -> None:
         from orchestrator.trajlog import FrameWriter
 
         self._writer = FrameWriter(directory, "events")
         self.flush_every = flush_every
         self._buffer: list[dict[str, Any]] = []
-        self._seq = 0
+        self._seq = first_seq
         self._endpoints: dict[str, tuple[bool, int | None]] = {}
 
     @classmethod
-    def for_run(cls, directory: Path, cfg: Config) -> EventLog:
+    def for_run(cls, directory: Path, cfg: Config, *, first_seq: int = 0) -> EventLog:
         """An event log opened with the ``run`` event the decisions depend on."""
-        log = cls(directory)
+        log = cls(directory, first_seq=first_seq)
         log.emit(
             "run",
             run=cfg.run.name,
@@ -135,7 +159,7 @@ class EventLog:
     def emit(self, kind: str, **fields: Any) -> None:
         self._buffer.append({"seq": self._seq, "t": time.time(), "kind": kind, **fields})
         self._seq += 1
-        if len(self._buffer) >= self.flush_every:
+        if kind in DURABLE or len(self._buffer) >= self.flush_every:
             self.flush()
 
     def route(
@@ -280,6 +304,9 @@ def _admissions(events: Sequence[dict[str, Any]], result: Resimulation) -> None:
             state.clock.version = ev["version"]
         elif kind == "release":
             state.dropped += ev["n"]
+        elif kind == "resumed":  # a restart carries the admission state over
+            state.clock.version = ev["trainer_version"]
+            state.dropped = ev["dropped"]
         elif kind == "admit":
             budget = Scheduler.budget(state)  # type: ignore[arg-type]
             result.checked["admit"] += 1
@@ -309,7 +336,7 @@ def _decisions(
     batcher = Batcher(policy, run["groups_per_batch"], run["max_lag"], lambda: version[0])
     groups = {g.id: g for g, _, _ in groups_of(episode_records(trajectories))}
     for ev in events:
-        if ev["kind"] != "decide" or ev["group_id"] not in groups:
+        if ev["kind"] != "decide" or ev["group_id"] not in groups or ev["reason"] in STOP_REASONS:
             continue
         version[0] = ev["trainer_version"]
         got = batcher.decide(groups[ev["group_id"]])

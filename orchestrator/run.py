@@ -23,13 +23,14 @@ import anyio
 import structlog
 
 from environments.loader import load_environment
+from orchestrator import resume
 from orchestrator.admin import serve_admin
 from orchestrator.batcher import Batcher
 from orchestrator.client import HttpTransport
 from orchestrator.config import Config
 from orchestrator.episode import EpisodeRunner
 from orchestrator.errors import ConfigError
-from orchestrator.events import EventLog
+from orchestrator.events import STOPPED_UNFINISHED, STOPPED_UNTRAINED, EventLog
 from orchestrator.fleet import local_fleet
 from orchestrator.live import LiveView
 from orchestrator.live import wanted as live_wanted
@@ -101,6 +102,9 @@ def ensure_model(cfg: Config) -> Path:
 
 
 def prepare_run_dir(cfg: Config) -> Path:
+    """A fresh run directory (with ``config.json``), or the existing one with ``run.resume``."""
+    if cfg.run.resume:
+        return resume.check_run_dir(cfg)
     run_dir = cfg.run_dir
     if run_dir.exists():
         if not cfg.run.overwrite:
@@ -121,15 +125,28 @@ async def run(cfg: Config) -> RunSummary:
     env = load_environment(cfg.environment.cls, cfg.environment.args)
     env.tool_timeout_s = cfg.timeouts.tool_s
     run_dir = prepare_run_dir(cfg)
+    logged = resume.read_run(run_dir) if cfg.run.resume else None
     summary = RunSummary(run_dir=run_dir)
     model_dir = await anyio.to_thread.run_sync(ensure_model, cfg)
     board = Board(cfg.board_url, cfg.run.name, options=cfg.board.options)
-    sink = await _trainer_sink(cfg, run_dir, model_dir, board)
+    sink = await _trainer_sink(cfg, run_dir, model_dir, board, logged)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     trajlog = TrajectoryLog(
-        run_dir / "trajectories", run=cfg.run.name, config=cfg.model_dump(mode="json")
+        run_dir / "trajectories",
+        run=cfg.run.name,
+        config=cfg.model_dump(mode="json"),
+        append=cfg.run.resume,
     )
-    trajlog.events = EventLog.for_run(run_dir / "events", cfg)
+    trajlog.events = EventLog.for_run(
+        run_dir / "events", cfg, first_seq=logged.next_seq if logged else 0
+    )
+    rec = None
+    if logged is not None:
+        rec = resume.start(logged, trajlog, trainer_version=sink.version, cfg=cfg)
+        if sink.version >= cfg.trainer.max_steps:  # nothing left to train
+            trajlog.close()
+            summary.seconds = time.perf_counter() - t0
+            return summary
     log.info("run_started", run_dir=str(run_dir), board=cfg.board_url)
 
     async with anyio.create_task_group() as tg:
@@ -170,6 +187,7 @@ async def run(cfg: Config) -> RunSummary:
                         trajlog,
                         summary,
                         getattr(tokenizer, "model_max_length", 2048),
+                        rec,
                     )
                 finally:
                     summary.served = {e.id: dict(e.served) for e in pool.endpoints.values()}
@@ -189,6 +207,7 @@ async def _loop(
     trajlog: TrajectoryLog,
     summary: RunSummary,
     model_max_length: int,
+    rec: resume.Reconciliation | None,
 ) -> None:
     clock = VersionClock(sink.version)
     max_context = min(int(model_max_length), 2048)
@@ -215,6 +234,8 @@ async def _loop(
         max_lag=cfg.scheduler.max_lag,
         max_concurrent_episodes=cfg.scheduler.max_concurrent_episodes,
         seed=cfg.run.seed,
+        first_index=rec.next_index if rec else 0,
+        dropped=rec.dropped if rec else 0,
     )
     batcher = Batcher(
         cfg.staleness,
@@ -222,6 +243,8 @@ async def _loop(
         cfg.scheduler.max_lag,
         lambda: sink.version,
     )
+    if rec is not None:
+        batcher.restore(rec.restored)
     send, recv = anyio.create_memory_object_stream[Group](
         max_buffer_size=cfg.scheduler.groups_per_batch
     )
@@ -265,13 +288,22 @@ async def _loop(
     finally:
         # Groups finished but not yet consumed, and groups still in flight, when the run
         # stopped: recorded as data, never lost.
-        unconsumed = [(g, "run stopped before the group was trained") for g in drain(recv)]
-        abandoned = [(g, "run stopped before the group finished") for g in sched.abandoned()]
+        unconsumed = [(g, STOPPED_UNTRAINED) for g in drain(recv)]
+        abandoned = [(g, STOPPED_UNFINISHED) for g in sched.abandoned()]
         for group, reason in unconsumed + abandoned:
             decision = GroupDecision(
                 group_id=group.id, decision="dropped", reason=reason, max_lag=0
             )
             recorder.group(group, decision, sink.version)
+        if batcher.pending:  # kept, never trained: the accounting needs them named
+            reason = (
+                "trainer.max_steps reached before the group's batch was complete"
+                if sink.version >= cfg.trainer.max_steps
+                else "run stopped before the group's batch was complete"
+            )
+            trajlog.events.emit(
+                "unbatched", group_ids=[g.id for g in batcher.pending], reason=reason
+            )
         scalars.close()
 
 
@@ -296,14 +328,18 @@ class _RunRecorder:
         self.summary.rewards.append(metrics["reward_mean"])
 
 
-async def _trainer_sink(cfg: Config, run_dir: Path, model_dir: Path, board: Board) -> TrainerSink:
-    """The in-process reference trainer (publishes version 0 now), or an external trainer
-    reached through batch files (waits for it to publish version 0)."""
+async def _trainer_sink(
+    cfg: Config, run_dir: Path, model_dir: Path, board: Board, logged: resume.LoggedRun | None
+) -> TrainerSink:
+    """The in-process reference trainer (publishes version 0 now, or resumes from its
+    checkpoint), or an external trainer reached through batch files (waits for it to publish
+    version 0, or the version a resumed run continues from)."""
     if cfg.trainer.mode == "external":
         batch_dir = cfg.trainer.batch_dir or run_dir / "batches"
-        log.info("waiting_for_external_trainer", batch_dir=str(batch_dir), board=cfg.board_url)
+        wanted = resume.external_version(batch_dir, logged) if logged else 0
+        log.info("waiting_for_external_trainer", batch_dir=str(batch_dir), version=wanted)
         with anyio.fail_after(cfg.timeouts.trainer_step_s):
-            latest = await board_version_above(board, -1, cfg.board.poll_interval_s)
+            latest = await board_version_above(board, wanted - 1, cfg.board.poll_interval_s)
         return ExternalTrainer(
             board,
             batch_dir,
@@ -315,11 +351,13 @@ async def _trainer_sink(cfg: Config, run_dir: Path, model_dir: Path, board: Boar
     from policies.trainer import Trainer
 
     ckpt = run_dir / "trainer" / "ckpt" if cfg.trainer.checkpoint else None
-    settings = trainer_settings(cfg, checkpoint_dir=ckpt)
+    settings = trainer_settings(cfg, checkpoint_dir=ckpt, resume=cfg.run.resume)
     trainer = await anyio.to_thread.run_sync(
         lambda: Trainer(model_dir, board, settings, cfg.staleness.correction)
     )
-    await anyio.to_thread.run_sync(trainer.publish)
+    # resumed: the board is at the checkpoint's version or one behind (the checkpoint is
+    # written first); ensure_published refuses a board ahead of it
+    await anyio.to_thread.run_sync(trainer.ensure_published if cfg.run.resume else trainer.publish)
     return InProcessTrainer(trainer)
 
 

@@ -86,7 +86,13 @@ class Scheduler:
         max_lag: int,
         max_concurrent_episodes: int,
         seed: int,
+        first_index: int = 0,
+        dropped: int = 0,
     ) -> None:
+        """``first_index`` and ``dropped`` continue a resumed run (:mod:`orchestrator.resume`):
+        groups ``0 … first_index − 1`` were admitted before the restart (group ids are never
+        reused, and their tasks are skipped in the seeded task stream), and ``dropped`` of them
+        will never be trained, so their admission slots are free."""
         self.runner = runner
         self.tasks = tasks
         self.clock = clock
@@ -95,8 +101,9 @@ class Scheduler:
         self.max_lag = max_lag
         self.limiter = anyio.CapacityLimiter(max_concurrent_episodes)
         self.seed = seed
-        self.admitted = 0
-        self.dropped = 0
+        self.first_index = first_index
+        self.admitted = first_index  # every index below first_index was admitted
+        self.dropped = dropped
         self._in_flight: dict[str, _Flight] = {}
 
     def abandoned(self) -> list[Group]:
@@ -144,19 +151,32 @@ class Scheduler:
         return VersionBounds(min=max(admitted_at, self.clock.version - self.max_lag))
 
     def _task_stream(self) -> Iterator[dict[str, Any]]:
-        for epoch in itertools.count():
+        """Tasks from index ``first_index`` on, in the same order a fresh run would see them."""
+        n = len(self.tasks)
+        first_epoch, skip = divmod(self.first_index, n) if n else (0, 0)
+        for epoch in itertools.count(first_epoch):
             order = self.tasks.shuffle(seed=self.seed + epoch)
-            yield from order
+            yield from order.select(range(skip, n)) if skip else order
+            skip = 0
 
     async def run(self, out: MemoryObjectSendStream[Group]) -> None:
         """Admit and run groups until cancelled, sending each finished group to ``out``."""
         async with out, anyio.create_task_group() as tg:
-            for n, task in enumerate(self._task_stream()):
+            for n, task in enumerate(self._task_stream(), start=self.first_index):
                 while self.admitted >= self.budget():
                     await self.clock.changed()
                 self.admitted += 1
-                self.events.emit("admit", index=n, admitted=self.admitted, budget=self.budget())
                 group_id = f"g{n:06d}"
+                # durable before the group's first model call (the event log flushes on
+                # admit): the exactly-once accounting (orchestrator/accounting.py) relies on it
+                self.events.emit(
+                    "admit",
+                    index=n,
+                    group_id=group_id,
+                    task_id=str(task["id"]),
+                    admitted=self.admitted,
+                    budget=self.budget(),
+                )
                 # Registered before the task starts, so a group cancelled before it ran is
                 # still accounted for by abandoned().
                 self._in_flight[group_id] = _Flight(

@@ -7,7 +7,8 @@ runs end to end. A dropped group gives its admission slot back to the scheduler.
 
 Guarantee: every group received is recorded exactly once (kept or dropped, with a reason), and
 every kept group is in exactly one batch handed to the sink, or is still pending in the batcher
-when the run stops (the recorder has it as kept and the last summary says how many).
+when the run stops (the run then lists it in an ``unbatched`` event). Groups a resumed run put
+back into the batcher (:meth:`~orchestrator.batcher.Batcher.restore`) are trained first.
 """
 
 from __future__ import annotations
@@ -81,9 +82,14 @@ async def board_version_above(board: Board, version: int, poll_interval_s: float
 
 
 def trainer_settings(
-    cfg: Config, *, seed: int | None = None, checkpoint_dir: Path | None = None
+    cfg: Config,
+    *,
+    seed: int | None = None,
+    checkpoint_dir: Path | None = None,
+    resume: bool = False,
 ) -> TrainerSettings:
-    """The reference trainer's settings from a run config (``[trainer]`` + sampling + groups)."""
+    """The reference trainer's settings from a run config (``[trainer]`` + sampling + groups);
+    ``resume``: restore the checkpoint in ``checkpoint_dir`` if there is one."""
     from policies.trainer import TrainerSettings
 
     t = cfg.trainer
@@ -103,6 +109,7 @@ def trainer_settings(
         entropy_coef=t.entropy_coef,
         loss_agg=t.loss_agg,
         checkpoint_dir=checkpoint_dir,
+        resume=resume,
     )
 
 
@@ -203,21 +210,27 @@ async def consume(
     The caller cancels the producers and then :func:`drain`\ s ``groups``, so that no finished
     group meets a closed stream or is left unrecorded.
     """
-    async for group in groups:
-        decision, batch = batcher.add(group)
-        recorder.group(group, decision, sink.version)
-        if decision.decision == "dropped":
-            log.info("group_dropped", group=group.id, reason=decision.reason)
-            await scheduler.release_dropped(1)
-        if batch is None:
-            continue
+
+    async def train(batch: Batch) -> bool:
+        """One trainer step; True once ``max_steps`` is reached."""
         metrics = await sink.train(batch)
         with anyio.CancelScope(shield=True):  # a trained batch is always recorded
             await recorder.step(batch, sink.version, metrics)
         await clock.advance(sink.version)
         if on_version is not None:
             await on_version()
-        if sink.version >= max_steps:
+        return sink.version >= max_steps
+
+    while (restored := batcher.take()) is not None:  # groups restored by a resumed run
+        if await train(restored):
+            return
+    async for group in groups:
+        decision, batch = batcher.add(group)
+        recorder.group(group, decision, sink.version)
+        if decision.decision == "dropped":
+            log.info("group_dropped", group=group.id, reason=decision.reason)
+            await scheduler.release_dropped(1)
+        if batch is not None and await train(batch):
             return
 
 

@@ -4,6 +4,14 @@ It speaks the batch protocol (:mod:`policies.batchfile`) exactly as any external
 publish version 0 on the board if it is empty, then for each version ``v`` wait for
 ``batch-<v>.json``, take the step, and publish ``v + 1``. Run the orchestrator with the same
 config and ``trainer.mode = "external"``; the two share ``board.url`` and ``trainer.batch_dir``.
+
+Restart after a crash: with ``trainer.checkpoint`` (the default) every step is checkpointed into
+``<run dir>/trainer/ckpt`` before it is published. A trainer started on a board that already has
+versions resumes from that checkpoint, republishes its version if the crash came between the
+checkpoint and the publish, and continues with the batch file of its version: batch files stay on
+disk, so a step the crash interrupted is taken once, on restart (it had published nothing). A
+board ahead of the checkpoint (another run's, or no checkpoint) is refused with
+:class:`~policies.errors.CheckpointError`. On an empty board it starts from the model.
 """
 
 from __future__ import annotations
@@ -45,10 +53,12 @@ def main(argv: list[str]) -> int:
     batch_dir = cfg.trainer.batch_dir or cfg.run_dir / "batches"
     board = Board(cfg.board_url, cfg.run.name, options=cfg.board.options)
     model_dir = ensure_model(cfg)
-    trainer = Trainer(model_dir, board, trainer_settings(cfg), cfg.staleness.correction)
-    if board.latest() is None:
-        trainer.publish()
-    log.info("trainer_ready", version=trainer.version, batch_dir=str(batch_dir))
+    ckpt = cfg.run_dir / "trainer" / "ckpt" if cfg.trainer.checkpoint else None
+    resume = ckpt is not None and board.latest() is not None
+    settings = trainer_settings(cfg, checkpoint_dir=ckpt, resume=resume)
+    trainer = Trainer(model_dir, board, settings, cfg.staleness.correction)
+    trainer.ensure_published()  # version 0 on a new board; the checkpoint's after a crash
+    log.info("trainer_ready", version=trainer.version, batch_dir=str(batch_dir), resumed=resume)
     while trainer.version < cfg.trainer.max_steps:
         wire = _wait_for_batch(batch_dir, trainer.version, cfg.board.poll_interval_s)
         samples = [

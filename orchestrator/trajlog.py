@@ -264,14 +264,18 @@ class TrajectoryLog:
         config: dict[str, Any] | None = None,
         rotate_bytes: int = 64 << 20,
         fsync: bool = False,
+        append: bool = False,
     ) -> None:
+        """``append``: continue the log of a resumed run; an existing ``run.json`` (the run's
+        original header) is kept, and new records go to new parts."""
         directory.mkdir(parents=True, exist_ok=True)
         self.directory = directory
         self.run = run
-        header = RunRecord(run=run, started_at=time.time(), config=config)
-        tmp = directory / "run.json.tmp"
-        tmp.write_text(header.model_dump_json(indent=2))
-        tmp.replace(directory / "run.json")
+        if not (append and (directory / "run.json").exists()):
+            header = RunRecord(run=run, started_at=time.time(), config=config)
+            tmp = directory / "run.json.tmp"
+            tmp.write_text(header.model_dump_json(indent=2))
+            tmp.replace(directory / "run.json")
         kw: dict[str, Any] = {"rotate_bytes": rotate_bytes, "fsync": fsync}
         self._episodes = FrameWriter(directory, "episodes", **kw)
         self._batches = FrameWriter(directory, "batches", **kw)

@@ -246,3 +246,34 @@ def test_admissions_and_staleness_decisions_resimulate_exactly(tmp_path: Path) -
     admit = next(e for e in tampered if e["kind"] == "admit" and e["index"] == 10)
     admit["budget"] += 1
     assert [m.split(":")[0] for m in resimulate(tampered).mismatches] == [f"admit #{admit['seq']}"]
+
+
+def test_durable_events_reach_disk_at_once_and_seq_continues(tmp_path: Path) -> None:
+    """``admit`` (and the other accounting events) are on disk before the next step of the run:
+    a SIGKILL right after cannot lose them. A restart numbers its events after the last one."""
+    log = EventLog(tmp_path, flush_every=64)
+    log.emit("served", endpoint="a")
+    log.emit("admit", index=0, group_id="g000000", task_id="t0", admitted=1, budget=2)
+    assert [e["kind"] for e in read_events(tmp_path)] == ["served", "admit"]
+    log.emit("served", endpoint="a")
+    assert len(read_events(tmp_path)) == 2  # an ordinary event waits for flush_every
+    log.close()
+    resumed = EventLog(tmp_path, first_seq=3)
+    resumed.emit("lost", group_ids=["g000001"], reason="in flight when the orchestrator stopped")
+    assert [e["seq"] for e in read_events(tmp_path)] == [0, 1, 2, 3]
+    resumed.close()
+
+
+def test_resimulation_carries_admission_state_across_a_restart() -> None:
+    run = {"kind": "run", "max_lag": 1, "groups_per_batch": 2}
+    events = [
+        run,
+        {"kind": "resumed", "trainer_version": 3, "dropped": 2},
+        # budget (3 + 1 + 1) * 2 + 2 = 12: the restart continues from the restored state
+        {"kind": "admit", "seq": 9, "index": 9, "admitted": 10, "budget": 12},
+    ]
+    assert resimulate(events).ok
+    events[1] = {"kind": "resumed", "trainer_version": 3, "dropped": 0}
+    assert resimulate(events).mismatches == [
+        "admit #9: logged budget 12 (admitted 10), re-sim budget 10"
+    ]

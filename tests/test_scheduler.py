@@ -235,3 +235,29 @@ def test_cancelled_run_accounts_for_every_admitted_episode(
         backend="trio",
         backend_options={"clock": MockClock(autojump_threshold=0)},
     )
+
+
+def test_a_resumed_scheduler_continues_the_task_stream_and_the_budget() -> None:
+    """Group ids are never reused and a restart sees the tasks a fresh run would have seen next."""
+    tasks = Calculator(CalculatorConfig(num_tasks=8)).tasks()
+
+    def scheduler(**resume: int) -> Scheduler:
+        return Scheduler(
+            None,  # type: ignore[arg-type]  # the task stream and the budget need no runner
+            tasks,
+            VersionClock(3),
+            group_size=2,
+            groups_per_batch=2,
+            max_lag=1,
+            max_concurrent_episodes=4,
+            seed=5,
+            **resume,
+        )
+
+    fresh = scheduler()
+    resumed = scheduler(first_index=11, dropped=2)
+    stream = [t["id"] for t, _ in zip(fresh._task_stream(), range(30), strict=False)]
+    again = [t["id"] for t, _ in zip(resumed._task_stream(), range(19), strict=False)]
+    assert again == stream[11:]
+    assert resumed.admitted == 11
+    assert resumed.budget() == fresh.budget() + 2

@@ -6,15 +6,19 @@ import threading
 import time
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 
+from orchestrator.batcher import Batcher
 from orchestrator.errors import TrainerError
-from orchestrator.train_sink import ExternalTrainer, batch_samples
-from orchestrator.types import Batch, Episode, Group, SamplingParams, Segment
+from orchestrator.scheduler import VersionClock
+from orchestrator.train_sink import ExternalTrainer, batch_samples, consume
+from orchestrator.types import Batch, Episode, Group, GroupDecision, SamplingParams, Segment
 from policies.batchfile import metrics_path, read_batch, write_atomic
 from policies.board import Board
 from policies.lane import VersionStamp
+from staleness.config import StalenessConfig
 
 pytestmark = pytest.mark.anyio
 
@@ -96,3 +100,60 @@ async def test_external_trainer_timeout_names_the_key(tmp_path: Path) -> None:
     with pytest.raises(TrainerError, match=r"timeouts\.trainer_step_s"):
         await sink.train(_batch())
     assert read_batch(tmp_path / "b", 0) is not None  # the batch was handed over, not lost
+
+
+class _CountingSink:
+    """A trainer that only counts: each batch is one version."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        self.batches: list[Batch] = []
+
+    async def train(self, batch: Batch) -> dict[str, float]:
+        self.batches.append(batch)
+        self.version += 1
+        return {"reward_mean": 0.0}
+
+
+class _Steps:
+    def __init__(self) -> None:
+        self.versions: list[int] = []
+
+    def group(self, group: Group, decision: GroupDecision, trainer_version: int) -> None:
+        raise AssertionError("restored groups are not recorded again")
+
+    async def step(self, batch: Batch, version: int, metrics: dict[str, float]) -> None:
+        self.versions.append(version)
+
+
+async def test_groups_restored_by_a_restart_are_trained_first_as_decided() -> None:
+    """A resumed run's kept groups (restored into the batcher) form batches before any new
+    group arrives, oldest first, with their logged decisions; the rest wait."""
+    kept = [
+        (
+            Group(id=f"g{i}", task_id="t", episodes=[_episode(0, 1.0)]),
+            GroupDecision(group_id=f"g{i}", decision="kept", reason="", max_lag=1),
+        )
+        for i in range(5)
+    ]
+    sink = _CountingSink(version=3)
+    batcher = Batcher(StalenessConfig(), 2, 1, lambda: sink.version)
+    batcher.restore(kept)
+    send, recv = anyio.create_memory_object_stream[Group](1)
+    send.close()  # no new group arrives
+    recorder = _Steps()
+    with recv:
+        await consume(
+            recv,
+            batcher=batcher,
+            scheduler=None,  # type: ignore[arg-type]  # nothing is dropped
+            sink=sink,
+            clock=VersionClock(3),
+            recorder=recorder,
+            max_steps=10,
+        )
+    assert [[g.id for g in b.groups] for b in sink.batches] == [["g0", "g1"], ["g2", "g3"]]
+    assert [b.version for b in sink.batches] == [3, 4]
+    assert [d.max_lag for d in sink.batches[0].decisions] == [1, 1]
+    assert recorder.versions == [4, 5]
+    assert [g.id for g in batcher.pending] == ["g4"]
