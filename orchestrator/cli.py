@@ -11,6 +11,7 @@
     orchestrate train --config X.toml [--section.key V …]   (an external reference trainer)
     orchestrate sidecar --engine-url URL --engine-kind vllm|sglang|openai --board URL [--port P]
     orchestrate experiment lag --config X.toml [--steps N] [--out DIR] [--section.key V …]
+    orchestrate chaos --config X.toml --fault NAME|all … [--runs N] [--out DIR] [--json]
     orchestrate inspect LOG [--episode ID]
     orchestrate replay LOG (--what-if POLICIES.toml [--model DIR] | --train --config X.toml)
     orchestrate report RUN_DIR [--out FILE]
@@ -238,6 +239,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "replay": _delegate("orchestrator.replay"),
     "report": _delegate("orchestrator.report"),
     "experiment": _delegate("orchestrator.experiment"),
+    "chaos": _delegate("orchestrator.chaos.cli"),
     "sidecar": _delegate("policies.adapters.standalone"),
 }
 

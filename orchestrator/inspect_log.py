@@ -3,7 +3,9 @@
     orchestrate inspect LOG [--episode ID] [--limit N] [--width W]
 
 Without ``--episode``: an overview (episodes, groups kept/dropped, stop reasons, lag histogram,
-calls per endpoint and version), one row per trainer step, and the first ``--limit`` episodes.
+calls per endpoint and version), one row per trainer step, and the first ``--limit`` episodes;
+given a run directory, also the exactly-once accounting of its groups
+(:func:`orchestrator.accounting.account`) and every violation of it.
 With ``--episode ID``: that episode's header (task, reward and its components, stop reason,
 staleness decision, duration) and its chat transcript — each role, each assistant turn stamped
 with the model call that produced it (policy version start→end, endpoint, tokens, latency),
@@ -28,6 +30,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from orchestrator.accounting import Accounting, account
 from orchestrator.errors import TrajlogError
 from orchestrator.trajlog import BatchRecord, EpisodeRecord, batch_records, episode_records
 
@@ -212,7 +215,21 @@ def main(argv: list[str], console: Console | None = None) -> int:
         render_episode(find_episode(records, args.episode), console)
     else:
         render_summary(records, batch_records(path), console, args.limit)
+        if (args.log / "events").is_dir():  # a run directory: check the exactly-once rule too
+            render_accounting(account(args.log), console)
     return 0
+
+
+def render_accounting(acc: Accounting, console: Console) -> None:
+    """One line of where every admitted group ended, then each violation of exactly-once."""
+    c = acc.counts()
+    console.print(
+        f"accounting: {c['admitted']} groups admitted — {c['trained']} trained, "
+        f"{c['dropped']} dropped, {c['unbatched']} unbatched, {c['lost']} lost in flight: "
+        + ("every group accounted for once" if acc.ok else f"{len(acc.problems)} violations")
+    )
+    for problem in acc.problems:
+        console.print(f"  [red]{problem}[/red]")
 
 
 def resolve_log(path: Path) -> Path:

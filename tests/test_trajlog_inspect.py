@@ -11,6 +11,7 @@ from rich.console import Console
 from test_trajlog import write_synthetic_log
 
 from orchestrator.errors import TrajlogError
+from orchestrator.events import EventLog
 from orchestrator.inspect_log import main, summarize
 from orchestrator.trajlog import batch_records, episode_records
 
@@ -39,6 +40,19 @@ def test_summary_counts_match_the_records(tmp_path: Path) -> None:
     assert "2→3" in out
     assert len(re.findall(r"g\d{6}-e\d", out)) == 5  # --limit rows
     assert records[0].episode.id in out
+
+
+def test_a_run_directory_also_shows_its_accounting(tmp_path: Path) -> None:
+    write_synthetic_log(tmp_path / "run" / "trajectories", steps=2, seed=3)
+    gids = sorted({r.decision.group_id for r in episode_records(tmp_path / "run" / "trajectories")})
+    events = EventLog(tmp_path / "run" / "events")
+    for i, gid in enumerate([*gids, "g999999"]):  # the last was admitted and never recorded
+        events.emit("admit", index=i, group_id=gid, task_id="t")
+    events.close()
+    out = _render([str(tmp_path / "run")])
+    assert f"accounting: {len(gids) + 1} groups admitted" in out
+    assert "1 violations" in out
+    assert "g999999: unaccounted for" in out
 
 
 def test_transcript_shows_roles_tools_reward_and_versions(tmp_path: Path) -> None:

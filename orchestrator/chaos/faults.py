@@ -1,0 +1,307 @@
+"""The faults ``orchestrate chaos`` injects, each into a real run of the loop.
+
+Every fault names the trainer version after which it strikes (``at_version``), the config it
+needs (``overrides``), environment variables for the processes (``env``: failpoints, see
+:mod:`policies.failpoints`), and what the harness does at that moment (``inject``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import psutil
+
+from orchestrator.chaos.harness import ChaosError, Ctx
+from orchestrator.chaos.link import FaultyLink, LinkMode
+from orchestrator.events import read_events
+from orchestrator.trajlog import iter_records
+
+Inject = Callable[[Ctx], Awaitable[None]]
+Evidence = Callable[["Seen"], str | None]
+
+
+async def _nothing(_ctx: Ctx) -> None:
+    return None
+
+
+@dataclass
+class Seen:
+    """What a finished trial left behind, for a fault to show that it really struck."""
+
+    run_dir: Path
+    log_dir: Path
+
+    def events(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in read_events(self.run_dir) if e.get("kind") == kind]
+
+    def lines(self, pattern: str, *globs: str) -> list[str]:
+        """Log lines (engine logs, the harness's process logs) that contain ``pattern``."""
+        paths = [p for g in globs for d in (self.run_dir / "logs", self.log_dir) for p in d.glob(g)]
+        return [
+            line
+            for p in paths
+            for line in p.read_text(errors="replace").splitlines()
+            if pattern in line
+        ]
+
+    def errors(self, needle: str) -> int:
+        return sum(
+            needle in str((r["episode"].get("error") or {}).get("message", ""))
+            for r in iter_records(self.run_dir / "trajectories", "episodes")
+        )
+
+
+def _failed_calls(endpoint: str) -> Evidence:
+    def seen(s: Seen) -> str | None:
+        n = sum(e["endpoint"] == endpoint for e in s.events("call_failed"))
+        down = sum(e["id"] == endpoint and not e["healthy"] for e in s.events("endpoint"))
+        return f"{n} failed calls, {down}× marked unhealthy" if n or down else None
+
+    return seen
+
+
+def _slow_calls(s: Seen) -> str | None:
+    slow = [e for e in s.events("served") if e["endpoint"] == "chaos-link"]
+    return f"{len(slow)} calls through the slow link" if slow else None
+
+
+def _patch_refused(s: Seen) -> str | None:
+    fired = s.lines("failpoint.fired", "orchestrator.log")
+    caught = s.lines("patch_failed_reloading_anchor", "engine-*.log") + s.lines(
+        "version_refused", "engine-*.log"
+    )
+    if not fired or not caught:
+        return None
+    return f"damaged on write, caught {len(caught)}× by the replicas"
+
+
+def _pointer_skipped(s: Seen) -> str | None:
+    n = len(s.lines("version_unavailable", "engine-*.log"))
+    return f"{n}× not found by the replicas, kept serving" if n else None
+
+
+def _logged(pattern: str, glob: str) -> Evidence:
+    def seen(s: Seen) -> str | None:
+        return f"{pattern} logged" if s.lines(pattern, glob) else None
+
+    return seen
+
+
+def _resumed(s: Seen) -> str | None:
+    resumed = s.events("resumed")
+    return f"resumed at v{resumed[0].get('trainer_version')}" if resumed else None
+
+
+def _episode_errors(needle: str) -> Evidence:
+    def seen(s: Seen) -> str | None:
+        n = s.errors(needle)
+        return f"{n} episodes recorded the error" if n else None
+
+    return seen
+
+
+def _always(_s: Seen) -> str | None:
+    return "no fault injected"
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    what: str
+    inject: Inject = _nothing
+    evidence: Evidence = _always
+    """What the logs show when the fault really struck (None: it did not, the trial is void)."""
+    at_version: int = 1
+    overrides: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    external_trainer: bool = False
+
+
+# -- replicas --------------------------------------------------------------------------------------
+async def _kill_replica(ctx: Ctx) -> None:
+    ctx.engine("engine-0").send_signal(signal.SIGKILL)
+
+
+async def _hang_replica(ctx: Ctx) -> None:
+    proc = ctx.engine("engine-0")
+    proc.send_signal(signal.SIGSTOP)  # alive, holds its connections, answers nothing
+
+    async def resume() -> None:  # only so that the run's own shutdown can stop it promptly
+        with contextlib.suppress(psutil.Error):
+            proc.send_signal(signal.SIGCONT)
+
+    ctx.cleanups.append(resume)
+
+
+def _link(mode: LinkMode) -> Inject:
+    async def inject(ctx: Ctx) -> None:
+        fleet = await ctx.admin("GET", "/v1/fleet")
+        upstream = next((e["url"] for e in fleet["endpoints"] if e["id"] == "engine-0"), None)
+        if upstream is None:
+            raise ChaosError("engine-0 is not in the fleet")
+        link = FaultyLink(upstream, mode)
+        url = await link.start()
+        ctx.cleanups.append(link.close)
+        ctx.aliases["chaos-link"] = "engine-0"
+        await ctx.admin("POST", "/v1/fleet", {"id": "chaos-link", "url": url})
+        await ctx.admin("DELETE", "/v1/fleet/engine-0")  # engine-0 is reached only through it
+        ctx.notes.append(f"engine-0 behind a {mode} link")
+
+    return inject
+
+
+# -- board -----------------------------------------------------------------------------------------
+def _damaged_patch(action: str) -> dict[str, str]:
+    rule = {"site": "board.write", "match": "*/versions/00000002/from-00000001.patch"}
+    return {"SPRAWL_FAULTS": json.dumps([{**rule, "action": action}])}
+
+
+async def _dangling_pointer(ctx: Ctx) -> None:
+    latest = await ctx.latest()
+    missing = (latest or 0) + 50
+    pointer = f"{ctx.board.root}/POINTER"
+    await anyio.to_thread.run_sync(
+        ctx.board.store.write, pointer, json.dumps({"version": missing}).encode()
+    )
+    ctx.notes.append(f"pointer set to missing v{missing}")
+
+
+# -- trainer and orchestrator ----------------------------------------------------------------------
+async def _kill_trainer(ctx: Ctx) -> None:
+    assert ctx.trainer is not None
+    ctx.trainer.send_signal(signal.SIGKILL)
+    ctx.trainer.wait()
+    await anyio.sleep(1.0)
+    ctx.start_trainer()
+
+
+async def _kill_orchestrator(ctx: Ctx) -> None:
+    assert ctx.orchestrator is not None
+    ctx.orchestrator.send_signal(signal.SIGKILL)
+    ctx.orchestrator.wait()
+    await anyio.sleep(1.0)
+    ctx.start_orchestrator(**{"run.resume": True})
+
+
+# -- environment and sandbox -----------------------------------------------------------------------
+async def _crash_sandboxes(ctx: Ctx) -> None:
+    """SIGKILL every sandbox process that appears during the next few seconds."""
+
+    async def killer() -> None:
+        killed = 0
+        with anyio.move_on_after(6.0):
+            while True:
+                assert ctx.orchestrator is not None
+                try:
+                    procs = psutil.Process(ctx.orchestrator.pid).children(recursive=True)
+                except psutil.Error:
+                    return
+                for p in procs:
+                    try:
+                        if p.name() == "bwrap":
+                            p.send_signal(signal.SIGKILL)
+                            killed += 1
+                    except psutil.Error:
+                        continue
+                await anyio.sleep(0.05)
+        ctx.notes.append(f"{killed} sandbox processes killed")
+
+    assert ctx.background is not None
+    ctx.background.start_soon(killer)
+
+
+FAULTS: dict[str, Fault] = {
+    f.name: f
+    for f in (
+        Fault("none", "no fault: the baseline"),
+        Fault(
+            "replica-kill",
+            "SIGKILL of a replica mid-episode",
+            _kill_replica,
+            _failed_calls("engine-0"),
+        ),
+        Fault(
+            "replica-hang",
+            "a replica stops answering (SIGSTOP)",
+            _hang_replica,
+            _failed_calls("engine-0"),
+        ),
+        Fault(
+            "replica-500",
+            "a replica answers every generate with 500",
+            _link("error"),
+            _failed_calls("chaos-link"),
+        ),
+        Fault(
+            "replica-garbage",
+            "a replica answers with malformed bodies",
+            _link("garbage"),
+            _failed_calls("chaos-link"),
+        ),
+        Fault("slow-link", "0.5 s added to every call to one replica", _link("slow"), _slow_calls),
+        Fault(
+            "patch-corrupt",
+            "one bit flipped in version 2's patch on the board",
+            evidence=_patch_refused,
+            at_version=2,
+            env=_damaged_patch("corrupt"),
+        ),
+        Fault(
+            "patch-truncated",
+            "version 2's patch cut in half on the board",
+            evidence=_patch_refused,
+            at_version=2,
+            env=_damaged_patch("truncate"),
+        ),
+        Fault(
+            "patch-reordered",
+            "version 2's patch replaced by version 1's",
+            evidence=_patch_refused,
+            at_version=2,
+            env=_damaged_patch("reorder"),
+        ),
+        Fault(
+            "pointer-missing",
+            "the board pointer names a missing version",
+            _dangling_pointer,
+            _pointer_skipped,
+        ),
+        Fault(
+            "trainer-kill",
+            "SIGKILL of the (external) trainer, then a restart",
+            _kill_trainer,
+            _logged("trainer_resumed", "trainer.log"),
+            at_version=2,
+            overrides={"trainer.checkpoint": True},
+            external_trainer=True,
+        ),
+        Fault(
+            "orchestrator-kill",
+            "SIGKILL of the orchestrator, then a restart from its log and checkpoint",
+            _kill_orchestrator,
+            _resumed,
+            at_version=2,
+            overrides={"trainer.checkpoint": True},
+        ),
+        Fault(
+            "sandbox-crash",
+            "sandbox processes SIGKILLed while they run",
+            _crash_sandboxes,
+            _episode_errors("sandbox check failed"),
+            overrides={"environment.cls": "orchestrator.chaos.envs:SandboxChecked"},
+        ),
+        Fault(
+            "env-raises",
+            "the environment raises on a third of its tasks",
+            evidence=_episode_errors("injected environment failure"),
+            overrides={"environment.cls": "orchestrator.chaos.envs:Raising"},
+        ),
+    )
+}
