@@ -8,7 +8,9 @@ them), ``encode_cold_gbps`` (hashing included), ``apply_gbps`` (in place, base v
 every written tensor verified), ``apply_unverified_gbps`` and ``exact``; the same figures for
 *int32 index + raw value* and *dense XOR + zstd level 1*; and ``memcpy_gbps`` (``copy_`` of the
 whole view) measured in the same run. Throughputs are bytes of view per second (GB = 1e9 B);
-each timing is the best of ``--repeats``.
+each timing is the best of ``--repeats``. Every timed run follows a timed memcpy, and the ratios
+``encode_vs_memcpy``, ``apply_time_vs_copy`` and ``apply_unverified_time_vs_copy`` compare each
+codec timing with the memcpy timed next to it.
 """
 
 from __future__ import annotations
@@ -35,15 +37,37 @@ _TENSOR_ELEMS = 1 << 24
 State = dict[str, torch.Tensor]
 
 
-def _best(fn: Callable[[Any], Any], repeats: int, setup: Callable[[], Any] = lambda: None) -> float:
-    """Best wall time of ``fn(setup())`` over ``repeats`` runs (``setup`` is not timed)."""
-    best = float("inf")
-    for _ in range(repeats):
-        arg = setup()
+class _Timer:
+    """Best-of-``repeats`` timings, each run paired with a copy of the whole view just before it.
+
+    On a shared machine the memory bandwidth swings from second to second; a ratio between a
+    codec timing and the memcpy timed moments before it is steadier than one between timings
+    taken minutes apart.
+    """
+
+    def __init__(self, view: State, repeats: int) -> None:
+        self._view, self._dst, self.repeats = view, _copy(view), repeats
+        self.copies: list[float] = []
+
+    def _copy_time(self) -> float:
         start = time.perf_counter()
-        fn(arg)
-        best = min(best, time.perf_counter() - start)
-    return best
+        for k, v in self._view.items():
+            self._dst[k].copy_(v)
+        return time.perf_counter() - start
+
+    def best(
+        self, fn: Callable[[Any], Any], setup: Callable[[], Any] = lambda: None
+    ) -> tuple[float, float]:
+        """Best wall time of ``fn(setup())`` (``setup`` untimed) and best of the paired copies."""
+        best = copy = float("inf")
+        for _ in range(self.repeats):
+            arg = setup()
+            copy = min(copy, self._copy_time())
+            start = time.perf_counter()
+            fn(arg)
+            best = min(best, time.perf_counter() - start)
+        self.copies.append(copy)
+        return best, copy
 
 
 def make_view(size_mb: int, seed: int) -> State:
@@ -93,38 +117,46 @@ def _gbps(nbytes: int, seconds: float) -> float:
 
 
 def _row(
-    name: str, patch_bytes: int, changed: int, full: int, enc: float, app: float, exact: bool
+    name: str,
+    patch_bytes: int,
+    changed: int,
+    full: int,
+    enc: tuple[float, float],
+    app: tuple[float, float],
+    exact: bool,
 ) -> dict[str, Any]:
+    """A report row; ``enc``/``app`` are (codec, paired copy) seconds from :meth:`_Timer.best`."""
     return {
         "codec": name,
         "patch_bytes": patch_bytes,
         "bits_per_changed_element": 8 * patch_bytes / max(changed, 1),
         "full_bytes": full,
-        "encode_gbps": _gbps(full, enc),
-        "apply_gbps": _gbps(full, app),
+        "encode_gbps": _gbps(full, enc[0]),
+        "encode_vs_memcpy": enc[1] / enc[0],
+        "apply_gbps": _gbps(full, app[0]),
+        "apply_time_vs_copy": app[0] / app[1],
         "exact": exact,
     }
 
 
-def _bench_sprawl(base: State, target: State, full: int, repeats: int) -> dict[str, Any]:
+def _bench_sprawl(base: State, target: State, full: int, timer: _Timer) -> dict[str, Any]:
     bsums, tsums = checksums(base), checksums(target)
     bdig = state_digest(base, known=bsums)
     patch = encode_patch(base, target, base_digest=bdig, target_checksums=tsums)
-    enc = _best(
-        lambda _: encode_patch(base, target, base_digest=bdig, target_checksums=tsums), repeats
-    )
-    cold = _best(lambda _: encode_patch(base, target), repeats)
-    app = _best(lambda s: apply_patch(s, patch, base_digest=bdig), repeats, lambda: _copy(base))
-    raw = _best(
-        lambda s: apply_patch(s, patch, base_digest=bdig, verify=False),
-        repeats,
-        lambda: _copy(base),
+    enc = timer.best(lambda _: encode_patch(base, target, base_digest=bdig, target_checksums=tsums))
+    cold = timer.best(lambda _: encode_patch(base, target))
+    app = timer.best(lambda s: apply_patch(s, patch, base_digest=bdig), lambda: _copy(base))
+    raw = timer.best(
+        lambda s: apply_patch(s, patch, base_digest=bdig, verify=False), lambda: _copy(base)
     )
     result = apply_patch(_copy(base), patch, base_digest=bdig)
     changed = read_patch_header(patch).changed
     row = _row("sprawl", len(patch), changed, full, enc, app, _equal(result, target))
     row.update(
-        changed=changed, encode_cold_gbps=_gbps(full, cold), apply_unverified_gbps=_gbps(full, raw)
+        changed=changed,
+        encode_cold_gbps=_gbps(full, cold[0]),
+        apply_unverified_gbps=_gbps(full, raw[0]),
+        apply_unverified_time_vs_copy=raw[0] / raw[1],
     )
     return row
 
@@ -145,10 +177,10 @@ def _apply_index_raw(state: State, p: dict[str, tuple[np.ndarray, np.ndarray]]) 
         flat.index_put_((torch.from_numpy(idx.astype(np.int64)),), torch.from_numpy(vals))
 
 
-def _bench_index_raw(base: State, target: State, full: int, repeats: int) -> dict[str, Any]:
+def _bench_index_raw(base: State, target: State, full: int, timer: _Timer) -> dict[str, Any]:
     patch = _index_raw(base, target)
-    enc = _best(lambda _: _index_raw(base, target), repeats)
-    app = _best(lambda s: _apply_index_raw(s, patch), repeats, lambda: _copy(base))
+    enc = timer.best(lambda _: _index_raw(base, target))
+    app = timer.best(lambda s: _apply_index_raw(s, patch), lambda: _copy(base))
     state = _copy(base)
     _apply_index_raw(state, patch)
     changed = sum(i.size for i, _ in patch.values())
@@ -170,10 +202,10 @@ def _apply_xor_zstd(state: State, p: dict[str, bytes]) -> None:
         flat ^= torch.frombuffer(bytearray(d.decompress(blob)), dtype=torch.int16)
 
 
-def _bench_xor_zstd(base: State, target: State, full: int, repeats: int) -> dict[str, Any]:
+def _bench_xor_zstd(base: State, target: State, full: int, timer: _Timer) -> dict[str, Any]:
     patch = _xor_zstd(base, target)
-    enc = _best(lambda _: _xor_zstd(base, target), repeats)
-    app = _best(lambda s: _apply_xor_zstd(s, patch), repeats, lambda: _copy(base))
+    enc = timer.best(lambda _: _xor_zstd(base, target))
+    app = timer.best(lambda s: _apply_xor_zstd(s, patch), lambda: _copy(base))
     state = _copy(base)
     _apply_xor_zstd(state, patch)
     changed = sum(
@@ -186,29 +218,19 @@ def _bench_xor_zstd(base: State, target: State, full: int, repeats: int) -> dict
 def run(size_mb: int, repeats: int, densities: tuple[float, ...] = DENSITIES) -> dict[str, Any]:
     """Run the whole benchmark and return its report.
 
-    memcpy is measured again right before each codec's row (``memcpy_gbps`` in the row), and the
-    row's ratios use that adjacent figure, so a machine shared with other work still yields
-    comparable ratios; the report's ``memcpy_gbps`` is the best of all of them.
+    Every codec timing is paired with a memcpy timed just before it (:class:`_Timer`); a row's
+    ratios use those pairs and its ``memcpy_gbps`` is the best of its pairs, the report's the
+    best of all.
     """
     base = make_view(size_mb, seed=0)
     full = sum(t.numel() * t.element_size() for t in base.values())
-    dst = _copy(base)
-
-    def memcpy() -> float:
-        return _gbps(full, _best(lambda _: [dst[k].copy_(base[k]) for k in base], max(repeats, 3)))
-
     rows = []
     for i, density in enumerate(densities):
         target = adam_like(base, density, seed=i + 1)
         for bench in (_bench_sprawl, _bench_index_raw, _bench_xor_zstd):
-            copy_gbps = memcpy()
-            row = bench(base, target, full, repeats)
-            row.update(
-                density=density,
-                memcpy_gbps=copy_gbps,
-                encode_vs_memcpy=row["encode_gbps"] / copy_gbps,
-                apply_time_vs_copy=copy_gbps / row["apply_gbps"],
-            )
+            timer = _Timer(base, repeats)
+            row = bench(base, target, full, timer)
+            row.update(density=density, memcpy_gbps=_gbps(full, min(timer.copies)))
             rows.append(row)
     return {
         "size_mb": size_mb,
@@ -270,7 +292,7 @@ def _table(report: dict[str, Any]) -> None:
     table = Table(
         title=f"patch codec on a {report['size_mb']} MiB bf16 view — best memcpy "
         f"{report['memcpy_gbps']:.2f} GB/s ({report['threads']} threads); ratios use the "
-        "memcpy measured next to each row"
+        "memcpy timed next to each timing"
     )
     for col in (
         "density",
@@ -281,6 +303,7 @@ def _table(report: dict[str, Any]) -> None:
         "encode/memcpy",
         "apply GB/s",
         "apply/copy time",
+        "unverified",
         "exact",
     ):
         table.add_column(col, justify="right")
@@ -294,6 +317,7 @@ def _table(report: dict[str, Any]) -> None:
             f"{r['encode_vs_memcpy']:.0%}",
             f"{r['apply_gbps']:.2f}",
             f"{r['apply_time_vs_copy']:.0%}",
+            f"{r['apply_unverified_time_vs_copy']:.0%}" if "apply_unverified_gbps" in r else "–",
             str(r["exact"]),
         )
     Console().print(table)

@@ -47,33 +47,48 @@ Dense chunks store no positions. Values, in order: sparse changes, bitmask chang
 unit of every dense chunk (chunk order), each transformed by CODING — 0 ``xor`` (base ^ target),
 1 ``delta`` (zigzag of target - base, wrapping), 2 ``odelta`` (the same after mapping
 sign-magnitude floats to ordered integers) — and split into ``width`` byte planes, low byte
-first. The encoder picks the coding with the lowest order-0 entropy on the first 64k changes.
+first. The encoder picks the coding with the lowest order-0 entropy on the first 16k values.
+
+Modules: this one encodes (and re-exports the rest); :mod:`policies.codec_format` holds the frame
+and header, :mod:`policies.codec_apply` applies patches, :mod:`policies.codec_ops` reads and
+writes sections (numba-compiled loops in :mod:`policies.codec_kernels` and
+:mod:`policies.codec_kernels_apply`; vectorized numpy reference of the format alongside).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import struct
-from collections.abc import Iterable, Mapping, MutableMapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import structlog
 import torch
 import xxhash
 import zstandard
 
+from policies.codec_apply import apply_patch
+from policies.codec_format import (
+    CHUNK,
+    CODEC,
+    FORMAT,
+    MAGIC,
+    U32,
+    PatchHeader,
+    TensorRecord,
+    read_patch_header,
+)
 from policies.codec_ops import (
     BITMASK,
     DENSE,
     SPARSE,
     Coding,
-    apply_section,
     decode_positions,
     encode_positions,
     encode_section,
+    find_changes,
     unit_view,
     varint_planes,
     varint_values,
@@ -117,62 +132,8 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 
-MAGIC = b"SPRWLPT1"
-FORMAT = 1
-CODEC = f"sprawl-patch/{FORMAT}"
-"""The codec's name and format version, as a board manifest records it."""
-CHUNK = 1 << 16
-_U32 = struct.Struct("<I")
-
-Op = Literal["patch", "full", "alias"]
-
-
-@dataclass(frozen=True)
-class TensorRecord:
-    """How one target tensor is carried in a patch."""
-
-    name: str
-    op: Op
-    dtype: str
-    shape: tuple[int, ...]
-    checksum: str
-    units: int
-    width: int
-    changed: int
-    offset: int
-    length: int
-    alias_of: str | None
-
-
-@dataclass(frozen=True)
-class PatchHeader:
-    """What a patch says about itself (read without applying it)."""
-
-    format: int
-    base_digest: str
-    target_digest: str
-    chunk: int
-    tensors: tuple[TensorRecord, ...]
-    removed: tuple[str, ...]
-    patch_bytes: int
-
-    @property
-    def changed(self) -> int:
-        """Units that differ in patched tensors (whole-shipped tensors count all their units)."""
-        return sum(t.changed for t in self.tensors if t.op != "alias")
-
-    @property
-    def units(self) -> int:
-        return sum(t.units for t in self.tensors if t.op != "alias")
-
-    @property
-    def density(self) -> float:
-        return self.changed / self.units if self.units else 0.0
-
-    @property
-    def checksums(self) -> dict[str, str]:
-        """The target's per-tensor xxh3-128 checksums (what a manifest records)."""
-        return {t.name: t.checksum for t in self.tensors}
+_IN_FLIGHT = 2
+"""Tensors whose sections may wait to be written and compressed while the next is scanned."""
 
 
 # -- encoding -------------------------------------------------------------------------------------
@@ -187,21 +148,30 @@ def _width(t: torch.Tensor) -> int:
     raise PatchError(f"unsupported element size {size} for dtype {t.dtype}")
 
 
-def _compress(raw: bytes, level: int) -> bytes:
+def _compress(raw: bytes | memoryview, level: int) -> bytes:
     # zstd's multi-threaded mode emits the same bytes for any worker count ≥ 1; below a few MiB
     # it would not split the input anyway.
     threads = 2 if len(raw) > 1 << 22 else 0
     return zstandard.ZstdCompressor(level=level, threads=threads).compress(raw)
 
 
-def _encode_tensor(
+def _patch_job(
     base: torch.Tensor, target: torch.Tensor, pool: ThreadPoolExecutor, level: int, chunk: int
-) -> tuple[bytes, int]:
+) -> tuple[Callable[[], bytes], int]:
+    """Scan ``base → target`` now (on ``pool``); return the job that writes and compresses the
+    section (empty when nothing changed), and the changed unit count."""
     width = _width(target)
     b = unit_view(raw_bytes(base), width)
     t = unit_view(raw_bytes(target), width)
-    raw, changed = encode_section(b, t, target.dtype.is_floating_point, pool, chunk)
-    return (_compress(raw, level) if changed else b""), changed
+    changes = find_changes(b, t, pool, chunk)
+    floating = target.dtype.is_floating_point
+
+    def job() -> bytes:
+        if not changes.changed:
+            return b""
+        return _compress(encode_section(b, t, changes, floating, chunk).data, level)
+
+    return job, changes.changed
 
 
 def encode_patch(
@@ -226,10 +196,12 @@ def encode_patch(
     bdig = base_digest if base_digest is not None else state_digest(base)
     tdig = digest_of((k, dtype_name(t), list(t.shape), sums[k]) for k, t in target.items())
     records: list[dict[str, Any]] = []
-    body: list[bytes] = []
-    offset = 0
+    sections: list[Future[bytes] | None] = []
     primary: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], str], str] = {}
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        # Tensors are scanned in turn (each on the whole pool) while the sections of the last
+        # few are written and compressed on the same pool; at most _IN_FLIGHT wait.
+        pending: deque[Future[bytes]] = deque()
         for name in sorted(target):
             t = target[name]
             rec: dict[str, Any] = {
@@ -243,20 +215,28 @@ def encode_patch(
             rec["units"] = t.numel() * t.element_size() // rec["width"]
             key = storage_key(t)
             b = base.get(name)
+            section: Future[bytes] | None = None
             if key in primary:
-                rec.update(op="alias", alias_of=primary[key], changed=0, section=b"")
+                rec.update(op="alias", alias_of=primary[key], changed=0)
             elif b is None or dtype_name(b) != rec["dtype"] or tuple(b.shape) != tuple(t.shape):
-                section = _compress(raw_bytes(t).tobytes(), level)
-                rec.update(op="full", changed=rec["units"], section=section)
+                section = pool.submit(_compress, raw_bytes(t).data, level)
+                rec.update(op="full", changed=rec["units"])
             else:
-                section, changed = _encode_tensor(b, t, pool, level, chunk)
-                rec.update(op="patch", changed=changed, section=section)
+                job, changed = _patch_job(b, t, pool, level, chunk)
+                section = pool.submit(job)
+                rec.update(op="patch", changed=changed)
             primary.setdefault(key, name)
-            section = rec.pop("section")
-            rec.update(offset=offset, length=len(section))
-            offset += len(section)
-            body.append(section)
             records.append(rec)
+            sections.append(section)
+            if section is not None:
+                pending.append(section)
+                if len(pending) > _IN_FLIGHT:
+                    pending.popleft().result()
+        body = [s.result() if s is not None else b"" for s in sections]
+    offset = 0
+    for rec, data in zip(records, body, strict=True):
+        rec.update(offset=offset, length=len(data))
+        offset += len(data)
     header = {
         "format": FORMAT,
         "base_digest": bdig,
@@ -266,7 +246,7 @@ def encode_patch(
         "tensors": records,
     }
     hbytes = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
-    frame = b"".join([MAGIC, _U32.pack(len(hbytes)), hbytes, *body])
+    frame = b"".join([MAGIC, U32.pack(len(hbytes)), hbytes, *body])
     log.info(
         "patch.encoded",
         base=bdig,
@@ -276,166 +256,6 @@ def encode_patch(
         changed=sum(r["changed"] for r in records if r["op"] != "alias"),
     )
     return frame + xxhash.xxh3_128_digest(frame)
-
-
-# -- decoding -------------------------------------------------------------------------------------
-
-
-def _parse(patch: bytes) -> tuple[PatchHeader, memoryview]:
-    view = memoryview(patch)
-    if len(view) < len(MAGIC) + _U32.size + 16 or bytes(view[:8]) != MAGIC:
-        raise PatchCorrupt("not a sprawl patch (bad magic or too short)")
-    if xxhash.xxh3_128_digest(view[:-16]) != bytes(view[-16:]):
-        raise PatchCorrupt("patch frame checksum mismatch: the patch is damaged or truncated")
-    (hlen,) = _U32.unpack_from(view, 8)
-    start = 12 + hlen
-    try:
-        h = json.loads(bytes(view[12:start]))
-        recs = tuple(
-            TensorRecord(
-                name=r["name"],
-                op=r["op"],
-                dtype=r["dtype"],
-                shape=tuple(r["shape"]),
-                checksum=r["checksum"],
-                units=r["units"],
-                width=r["width"],
-                changed=r["changed"],
-                offset=r["offset"],
-                length=r["length"],
-                alias_of=r["alias_of"],
-            )
-            for r in h["tensors"]
-        )
-        header = PatchHeader(
-            format=h["format"],
-            base_digest=h["base_digest"],
-            target_digest=h["target_digest"],
-            chunk=h["chunk"],
-            tensors=recs,
-            removed=tuple(h["removed"]),
-            patch_bytes=len(view),
-        )
-    except (ValueError, KeyError, TypeError) as exc:
-        raise PatchCorrupt(f"unreadable patch header: {exc}") from exc
-    if header.chunk % 8 or not 8 <= header.chunk <= 1 << 21:
-        raise PatchCorrupt(f"bad chunk size {header.chunk}")
-    if any(r.width not in (1, 2, 4, 8) or r.offset < 0 or r.length < 0 for r in recs):
-        raise PatchCorrupt("bad tensor record")
-    if header.format != FORMAT:
-        raise PatchCorrupt(f"unsupported patch format {header.format} (expected {FORMAT})")
-    body = view[start:-16]
-    if any(r.offset + r.length > len(body) for r in recs):
-        raise PatchCorrupt("a tensor section extends past the patch body")
-    return header, body
-
-
-def read_patch_header(patch: bytes) -> PatchHeader:
-    """Verify the frame and return the header (base/target digests, tensors, change counts)."""
-    return _parse(patch)[0]
-
-
-def _decompress(data: memoryview, name: str) -> bytes:
-    try:
-        return zstandard.ZstdDecompressor().decompress(data)
-    except zstandard.ZstdError as exc:
-        raise PatchCorrupt(f"{name}: section does not decompress: {exc}") from exc
-
-
-def _apply_section(dst: torch.Tensor, rec: TensorRecord, data: bytes, chunk: int) -> None:
-    units = unit_view(dst.reshape(-1).view(torch.uint8).numpy(), rec.width)
-    if units.size != rec.units:
-        raise PatchBaseMismatch(f"{rec.name}: base has {units.size} units, patch {rec.units}")
-    try:
-        apply_section(units, data, chunk)
-    except ValueError as exc:
-        raise PatchCorrupt(f"{rec.name}: {exc}") from exc
-
-
-def _target_tensor(rec: TensorRecord, data: bytes) -> torch.Tensor:
-    dtype = getattr(torch, rec.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise PatchCorrupt(f"{rec.name}: unknown dtype {rec.dtype}")
-    buf = bytearray(data)
-    if len(buf) != rec.units * rec.width:
-        raise PatchCorrupt(f"{rec.name}: {len(buf)} bytes for {rec.units} units")
-    flat = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-    return flat.view(dtype).reshape(rec.shape)
-
-
-def apply_patch(
-    base: MutableMapping[str, torch.Tensor],
-    patch: bytes,
-    *,
-    in_place: bool = True,
-    base_digest: str | None = None,
-    verify: bool = True,
-) -> dict[str, torch.Tensor]:
-    """Apply ``patch`` to ``base`` and return the target state.
-
-    ``in_place=True`` writes into the base tensors and the base mapping (no copy of the view);
-    ``in_place=False`` leaves ``base`` untouched. ``base_digest`` vouches for the base (e.g. the
-    digest a previous apply returned) instead of hashing it. If a checksum check fails after
-    writing in place, the base is partially patched: reload it from a verified version.
-    """
-    header, body = _parse(patch)
-    bdig = base_digest if base_digest is not None else state_digest(base)
-    if bdig != header.base_digest:
-        raise PatchBaseMismatch(
-            f"patch expects base {header.base_digest}, got base {bdig}: apply the patch to the "
-            "version it was made from (or fetch a patch or anchor for this base)"
-        )
-    out: dict[str, torch.Tensor] = {}
-    base_groups: dict[int, list[str]] = {}
-    for name, t in base.items():
-        base_groups.setdefault(t.untyped_storage().data_ptr(), []).append(name)
-    target_group = {r.name: r.alias_of or r.name for r in header.tensors}
-    for rec in header.tensors:
-        if rec.op == "alias":
-            if rec.alias_of not in out:
-                raise PatchCorrupt(f"{rec.name}: alias of unknown tensor {rec.alias_of}")
-            out[rec.name] = out[rec.alias_of]
-            continue
-        section = body[rec.offset : rec.offset + rec.length]
-        if rec.op == "full":
-            out[rec.name] = _target_tensor(rec, _decompress(section, rec.name))
-        elif rec.op == "patch":
-            src = base.get(rec.name)
-            if src is None or dtype_name(src) != rec.dtype or tuple(src.shape) != rec.shape:
-                raise PatchBaseMismatch(
-                    f"{rec.name}: base lacks this tensor as {rec.dtype}{list(rec.shape)}"
-                )
-            if src.device.type != "cpu":
-                raise PatchError(f"{rec.name}: apply_patch works on CPU tensors, got {src.device}")
-            dst = src.detach()
-            sharers = base_groups.get(dst.untyped_storage().data_ptr(), [])
-            shared = any(target_group.get(s, s) != rec.name for s in sharers if s != rec.name)
-            if not in_place or (rec.length and (shared or not dst.is_contiguous())):
-                dst = dst.contiguous().clone()
-            if rec.length:
-                _apply_section(dst, rec, _decompress(section, rec.name), header.chunk)
-            out[rec.name] = dst
-        else:
-            raise PatchCorrupt(f"{rec.name}: unknown op {rec.op}")
-        if verify and (rec.op == "full" or rec.length):
-            got = tensor_checksum(out[rec.name])
-            if got != rec.checksum:
-                raise PatchChecksumMismatch(
-                    f"{rec.name}: patched tensor checksum {got} != target {rec.checksum}"
-                )
-    log.info(
-        "patch.applied",
-        base=header.base_digest,
-        target=header.target_digest,
-        changed=header.changed,
-        bytes=header.patch_bytes,
-        verified=verify,
-    )
-    if in_place:
-        for name in header.removed:
-            base.pop(name, None)
-        base.update(out)
-    return out
 
 
 def squash(base: Mapping[str, torch.Tensor], patches: Iterable[bytes], *, level: int = 3) -> bytes:

@@ -1,13 +1,16 @@
-"""Pure array transforms of the patch codec: positions, values and byte planes.
+"""Array transforms of the patch codec: positions, values, byte planes and whole sections.
 
-Everything here is a function of numpy arrays (no I/O, no framing; torch only for its fast
-gather/scatter); :mod:`policies.codec`
-frames the results. The wire format these produce is specified in the ``policies.codec``
-docstring: chunk modes (0 unchanged, :data:`SPARSE`, :data:`BITMASK`, :data:`DENSE`), gap varints
-split into byte planes, packed bitmasks, and values transformed by a :data:`Coding` and split
-into ``width`` byte planes, low byte first.
+:mod:`policies.codec` frames what this module produces. The wire format is specified in the
+``policies.codec`` docstring: chunk modes (0 unchanged, :data:`SPARSE`, :data:`BITMASK`,
+:data:`DENSE`), gap varints split into byte planes, packed bitmasks, and values transformed by a
+:data:`Coding` and split into ``width`` byte planes, low byte first. Whole sections are found,
+written and applied (:func:`find_changes`, :func:`encode_section`, :func:`apply_section`) by the
+compiled loops of :mod:`policies.codec_kernels` and :mod:`policies.codec_kernels_apply`; the
+vectorized numpy functions here (:func:`encode_positions`, :func:`decode_positions`,
+:func:`transform`, :func:`varint_planes`) are the readable reference the tests hold them to.
 
-Guarantees: :func:`untransform` inverts :func:`transform` for every coding and unsigned width;
+Guarantees: :func:`apply_section` applies exactly what :func:`encode_section` wrote, and raises
+``ValueError`` without writing anything for a section that does not fit the tensor;
 :func:`decode_positions` inverts :func:`encode_positions` and raises ``ValueError`` (never reads
 out of range) on inconsistent input; :func:`varint_values` inverts :func:`varint_planes` for
 integers below 2**56.
@@ -16,21 +19,28 @@ integers below 2**56.
 from __future__ import annotations
 
 import struct
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
-import torch
+
+from policies.codec_kernels import (
+    scan_changes,
+    varint_lengths,
+    write_bitmasks,
+    write_values,
+    write_varints,
+)
+from policies.codec_kernels_apply import ERRORS, apply_changes
 
 Coding = Literal["xor", "delta", "odelta"]
 SPARSE, BITMASK, DENSE = 1, 2, 3
 MAX_PLANES = 8
+SAMPLE = 16384
+"""Stored values :func:`pick_coding` looks at."""
 CODINGS: tuple[Coding, ...] = ("xor", "delta", "odelta")
-_JOB_WORDS = 1 << 20
-_scratch = threading.local()
 UInt = npt.NDArray[np.unsignedinteger[Any]]
 I64 = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
@@ -41,48 +51,9 @@ def unit_view(raw: U8, width: int) -> UInt:
     return raw.view(np.dtype(f"<u{width}"))
 
 
-def find_changes(b: UInt, t: UInt, pool: ThreadPoolExecutor) -> tuple[I64, UInt, UInt]:
-    """Sorted positions where ``b`` and ``t`` differ, with the base and target units there.
-
-    Compares 8-byte words first (most words are equal), then the units inside changed words;
-    the word scan runs in slices on ``pool`` (numpy releases the GIL).
-    """
-    lanes = 8 // b.itemsize
-    shift = lanes.bit_length() - 1
-    nwords = b.size // lanes
-    bw = b[: nwords * lanes].view(np.uint64)
-    tw = t[: nwords * lanes].view(np.uint64)
-
-    def job(s: int) -> tuple[I64, UInt, UInt]:
-        e = min(s + _JOB_WORDS, nwords)
-        scratch = getattr(_scratch, "mask", None)
-        if scratch is None:  # one reusable mask per worker thread: no page faults per slice
-            scratch = _scratch.mask = np.empty(_JOB_WORDS, dtype=bool)
-        w = np.flatnonzero(np.not_equal(bw[s:e], tw[s:e], out=scratch[: e - s]))
-        w += s
-        be = bw[w].view(b.dtype)
-        te = tw[w].view(b.dtype)
-        i = np.flatnonzero(be != te)
-        return (w[i >> shift] << shift) | (i & (lanes - 1)), be[i], te[i]
-
-    parts = list(pool.map(job, range(0, nwords, _JOB_WORDS)))
-    tail = np.flatnonzero(b[nwords * lanes :] != t[nwords * lanes :]) + nwords * lanes
-    parts.append((tail, b[tail], t[tail]))
-    return (
-        np.concatenate([p[0] for p in parts]).astype(np.int64, copy=False),
-        np.concatenate([p[1] for p in parts]),
-        np.concatenate([p[2] for p in parts]),
-    )
-
-
 def _zigzag(d: UInt) -> UInt:
     one, top = d.dtype.type(1), d.dtype.type(d.dtype.itemsize * 8 - 1)
     return (d << one) ^ (np.zeros_like(d) - (d >> top))
-
-
-def _unzigzag(z: UInt) -> UInt:
-    one = z.dtype.type(1)
-    return (z >> one) ^ (np.zeros_like(z) - (z & one))
 
 
 def _ordered(u: UInt) -> UInt:
@@ -91,26 +62,13 @@ def _ordered(u: UInt) -> UInt:
     return np.where(u & sign, ~u, u | sign)
 
 
-def _unordered(o: UInt) -> UInt:
-    sign = o.dtype.type(1 << (o.dtype.itemsize * 8 - 1))
-    return np.where(o & sign, o ^ sign, ~o)
-
-
 def transform(b: UInt, t: UInt, coding: Coding) -> UInt:
-    """Values stored for a change from ``b`` to ``t`` (inverse: :func:`untransform`)."""
+    """Values stored for a change from ``b`` to ``t`` (the compiled codec's reference)."""
     if coding == "xor":
         return b ^ t
     if coding == "delta":
         return _zigzag(t - b)
     return _zigzag(_ordered(t) - _ordered(b))
-
-
-def untransform(b: UInt, z: UInt, coding: Coding) -> UInt:
-    if coding == "xor":
-        return b ^ z
-    if coding == "delta":
-        return b + _unzigzag(z)
-    return _unordered(_ordered(b) + _unzigzag(z))
 
 
 def _entropy_bits(plane: U8) -> float:
@@ -120,8 +78,9 @@ def _entropy_bits(plane: U8) -> float:
 
 
 def pick_coding(b: UInt, t: UInt, floating: bool) -> Coding:
-    """The coding whose byte planes have the lowest order-0 entropy on the first 64k changes."""
-    b, t = b[:65536], t[:65536]
+    """The coding whose byte planes have the lowest order-0 entropy on the first :data:`SAMPLE`
+    changes ``b → t``."""
+    b, t = b[:SAMPLE], t[:SAMPLE]
     order: tuple[Coding, ...] = ("delta", "odelta", "xor") if floating else ("delta", "xor")
     costs = [sum(_entropy_bits(p) for p in _planes(transform(b, t, c))) for c in order]
     return order[int(np.argmin(costs))]
@@ -129,16 +88,6 @@ def pick_coding(b: UInt, t: UInt, floating: bool) -> Coding:
 
 def _planes(values: UInt) -> U8:
     return np.ascontiguousarray(values.view(np.uint8).reshape(-1, values.itemsize).T)
-
-
-def to_planes(values: UInt) -> U8:
-    """Split units into byte planes, low byte first (all low bytes, then the next byte, …)."""
-    return _planes(values).reshape(-1)
-
-
-def from_planes(raw: U8, n: int, width: int) -> UInt:
-    planes = raw[: n * width].reshape(width, n)
-    return np.ascontiguousarray(planes.T).view(np.dtype(f"<u{width}")).reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -261,32 +210,108 @@ def decode_positions(
 
 SECTION = struct.Struct("<BBQQ")
 """CODING u8 | K u8 | N_VALUES u64 | N_BITMASK u64 (then K × u64 plane lengths)."""
+_JOB_UNITS = 1 << 22
 
 
-def encode_section(
-    b: UInt, t: UInt, floating: bool, pool: ThreadPoolExecutor, chunk: int
-) -> tuple[bytes, int]:
-    """The uncompressed section turning units ``b`` into ``t``, and the changed unit count."""
-    pos, bv, tv = find_changes(b, t, pool)
-    if pos.size == 0:
-        return b"", 0
-    coding = pick_coding(bv, tv, floating)
-    enc = encode_positions(pos, b.size, chunk)
-    if enc.sparse_sel is None:
-        parts_b, parts_t = [bv], [tv]
-    else:
-        parts_b = [bv[enc.sparse_sel], bv[enc.bitmask_sel]]
-        parts_t = [tv[enc.sparse_sel], tv[enc.bitmask_sel]]
-    for c in enc.dense_chunks:
-        lo, hi = int(c) * chunk, min((int(c) + 1) * chunk, b.size)
-        parts_b.append(b[lo:hi])
-        parts_t.append(t[lo:hi])
-    values = transform(np.concatenate(parts_b), np.concatenate(parts_t), coding)
-    lens = [p.size for p in enc.gap_planes]
-    head = SECTION.pack(CODINGS.index(coding), len(lens), values.size, enc.bitmasks.shape[0])
-    streams = [enc.modes, *enc.gap_planes, enc.bitmasks.reshape(-1), to_planes(values)]
-    raw = b"".join([head, struct.pack(f"<{len(lens)}Q", *lens), *(s.tobytes() for s in streams)])
-    return raw, int(pos.size)
+def _mask_sign(width: int) -> tuple[np.uint64, np.uint64]:
+    """All bits of a ``width``-byte unit, and its top bit, as the kernels' uint64 arguments."""
+    return np.uint64((1 << 8 * width) - 1), np.uint64(1 << (8 * width - 1))
+
+
+class Changes(NamedTuple):
+    """The changes of ``b → t`` by chunk mode (what :func:`encode_section` stores)."""
+
+    modes: U8
+    spos: I64
+    """Changed positions in sparse chunks; ``svals`` their (base, target) units as two rows."""
+    svals: UInt
+    bpos: I64
+    """Changed positions in bitmask chunks; ``bvals`` their (base, target) units."""
+    bvals: UInt
+    dense_changed: int
+    """Changed units in dense chunks (which store every unit)."""
+
+    @property
+    def changed(self) -> int:
+        return self.spos.size + self.bpos.size + self.dense_changed
+
+
+def find_changes(b: UInt, t: UInt, pool: ThreadPoolExecutor, chunk: int) -> Changes:
+    """Find and classify the changes of ``b → t`` (compiled; ~4 Mi-unit ranges on ``pool``)."""
+    n = b.size
+    nchunks = -(-n // chunk)
+    lanes = 8 // b.itemsize
+    bw = b[: n // lanes * lanes].view(np.uint64)
+    tw = t[: n // lanes * lanes].view(np.uint64)
+    modes = np.empty(nchunks, dtype=np.uint8)
+    step = max(1, _JOB_UNITS // chunk)
+
+    def job(c0: int) -> tuple[I64, UInt, I64, UInt, int]:
+        c1 = min(c0 + step, nchunks)
+        size = min(c1 * chunk, n) - c0 * chunk
+        spos = np.empty(size // 8 + 1, dtype=np.int64)
+        bpos = np.empty(size // 2 + 1, dtype=np.int64)
+        svals = np.empty((2, spos.size), dtype=b.dtype)
+        bvals = np.empty((2, bpos.size), dtype=b.dtype)
+        ns, nb, nd = scan_changes(b, t, bw, tw, c0, c1, chunk, modes, spos, svals, bpos, bvals)
+        return spos[:ns], svals[:, :ns], bpos[:nb], bvals[:, :nb], nd
+
+    parts = list(pool.map(job, range(0, nchunks, step)))
+    pos: list[I64] = [np.empty(0, dtype=np.int64)]
+    vals: list[UInt] = [np.empty((2, 0), dtype=b.dtype)]
+    return Changes(
+        modes=modes,
+        spos=np.concatenate(pos + [p[0] for p in parts]),
+        svals=np.concatenate(vals + [p[1] for p in parts], axis=1),
+        bpos=np.concatenate(pos + [p[2] for p in parts]),
+        bvals=np.concatenate(vals + [p[3] for p in parts], axis=1),
+        dense_changed=sum(p[4] for p in parts),
+    )
+
+
+def _sample(b: UInt, t: UInt, ch: Changes, chunk: int) -> tuple[UInt, UInt]:
+    """Base and target units of (at least) the first :data:`SAMPLE` stored values."""
+    vals = np.concatenate([ch.svals[:, :SAMPLE], ch.bvals[:, :SAMPLE]], axis=1)
+    dense = np.flatnonzero(ch.modes == DENSE)
+    if vals.shape[1] >= SAMPLE or not dense.size:
+        return vals[0], vals[1]
+    lo = int(dense[0]) * chunk
+    return np.concatenate([vals[0], b[lo : lo + chunk]]), np.concatenate(
+        [vals[1], t[lo : lo + chunk]]
+    )
+
+
+def encode_section(b: UInt, t: UInt, ch: Changes, floating: bool, chunk: int) -> U8:
+    """The uncompressed section storing changes ``ch`` of ``b → t`` (empty if none).
+
+    Written straight into one buffer by compiled loops: head, modes, gap planes, bitmasks,
+    value planes.
+    """
+    if not ch.changed:
+        return np.empty(0, dtype=np.uint8)
+    coding = CODINGS.index(pick_coding(*_sample(b, t, ch, chunk), floating))
+    lens = varint_lengths(ch.spos)
+    lens = lens[: np.count_nonzero(lens)]
+    dense = np.flatnonzero(ch.modes == DENSE)
+    n_vals = ch.spos.size + ch.bpos.size + dense.size * chunk
+    if dense.size and dense[-1] == ch.modes.size - 1:
+        n_vals -= ch.modes.size * chunk - b.size  # the last chunk is partial
+    n_bm = int(np.count_nonzero(ch.modes == BITMASK))
+    head = SECTION.pack(coding, lens.size, n_vals, n_bm) + lens.astype("<u8").tobytes()
+    row_bytes = n_bm * (chunk // 8)
+    size = len(head) + ch.modes.size + int(lens.sum()) + row_bytes + n_vals * b.itemsize
+    out = np.empty(size, dtype=np.uint8)
+    out[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+    off = len(head) + ch.modes.size
+    out[len(head) : off] = ch.modes
+    write_varints(ch.spos, out, off + np.cumsum(lens) - lens)
+    off += int(lens.sum())
+    out[off : off + row_bytes] = 0
+    write_bitmasks(ch.bpos, chunk, out, off)
+    mask, sign = _mask_sign(b.itemsize)
+    vstart = off + row_bytes
+    write_values(ch.svals, ch.bvals, b, t, ch.modes, chunk, coding, mask, sign, out, vstart, n_vals)
+    return out
 
 
 def apply_section(units: UInt, data: bytes, chunk: int) -> None:
@@ -301,28 +326,11 @@ def apply_section(units: UInt, data: bytes, chunk: int) -> None:
     start = SECTION.size + 8 * n_planes
     if code >= len(CODINGS) or n_planes > MAX_PLANES or buf.size < start:
         raise ValueError("bad section head")
-    coding = CODINGS[code]
-    lens = list(struct.unpack_from(f"<{n_planes}Q", data, SECTION.size))
-    n = units.size
-    width = units.itemsize
-    groups, dense, end = decode_positions(buf[start:], -(-n // chunk), n, chunk, lens, n_bm)
-    expected = sum(g.size for g in groups) + sum(
-        min((int(c) + 1) * chunk, n) - int(c) * chunk for c in dense
-    )
-    if expected != n_vals or start + end + n_vals * width != buf.size:
+    lens = np.frombuffer(data, dtype="<u8", count=n_planes, offset=SECTION.size)
+    if np.any(lens > buf.size) or max(n_vals, n_bm) > buf.size:
         raise ValueError("section sizes do not add up")
-    values = from_planes(buf[start + end :], n_vals, width)
-    signed = np.dtype(f"<i{width}")
-    flat = torch.from_numpy(units.view(signed))
-    cursor = 0
-    for pos in groups:
-        if pos.size:
-            idx = torch.from_numpy(pos)
-            old = flat.take(idx).numpy().view(units.dtype)
-            new = untransform(old, values[cursor : cursor + pos.size], coding)
-            flat.index_put_((idx,), torch.from_numpy(new.view(signed)))
-        cursor += pos.size
-    for c in dense:
-        lo, hi = int(c) * chunk, min((int(c) + 1) * chunk, n)
-        units[lo:hi] = untransform(units[lo:hi], values[cursor : cursor + hi - lo], coding)
-        cursor += hi - lo
+    mask, sign = _mask_sign(units.itemsize)
+    lens64 = lens.astype(np.int64)
+    err = apply_changes(units, buf, start, lens64, n_vals, n_bm, chunk, code, mask, sign)
+    if err:
+        raise ValueError(ERRORS[err])

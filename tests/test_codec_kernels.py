@@ -1,0 +1,124 @@
+"""The compiled section writer and reader against the numpy reference of the wire format."""
+
+from __future__ import annotations
+
+import struct
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from policies.codec_ops import (
+    CODINGS,
+    DENSE,
+    SECTION,
+    Coding,
+    apply_section,
+    encode_positions,
+    encode_section,
+    find_changes,
+    transform,
+)
+
+_POOL = ThreadPoolExecutor(max_workers=2)
+
+
+def _reference_section(b: np.ndarray, t: np.ndarray, chunk: int, coding: Coding) -> bytes:
+    """The section the wire format specifies, built with the vectorized numpy reference."""
+    pos = np.flatnonzero(b != t).astype(np.int64)
+    enc = encode_positions(pos, b.size, chunk)
+    at = [pos] if enc.sparse_sel is None else [pos[enc.sparse_sel], pos[enc.bitmask_sel]]
+    at += [np.arange(c * chunk, min((c + 1) * chunk, b.size)) for c in enc.dense_chunks]
+    idx = np.concatenate(at) if at else np.empty(0, dtype=np.int64)
+    values = transform(b[idx], t[idx], coding)
+    lens = [p.size for p in enc.gap_planes]
+    head = SECTION.pack(CODINGS.index(coding), len(lens), values.size, enc.bitmasks.shape[0])
+    planes = values.view(np.uint8).reshape(-1, b.itemsize).T
+    parts = [enc.modes, *enc.gap_planes, enc.bitmasks.reshape(-1), planes.reshape(-1)]
+    return head + struct.pack(f"<{len(lens)}Q", *lens) + b"".join(p.tobytes() for p in parts)
+
+
+@st.composite
+def unit_pairs(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, int]:
+    """Base and target units of a drawn width, changed at a drawn density, and a chunk size."""
+    dtype = np.dtype(f"<u{draw(st.sampled_from([1, 2, 4, 8]))}")
+    chunk = draw(st.sampled_from([8, 16, 64, 256]))
+    n = draw(st.integers(1, 5 * chunk + 7))
+    base = draw(hnp.arrays(dtype, n))
+    new = draw(hnp.arrays(dtype, n))
+    density = draw(st.sampled_from([0.01, 0.1, 0.3, 0.8, 1.0]))
+    keep = draw(hnp.arrays(np.float64, n, elements=st.floats(0, 1))) >= density
+    return base, np.where(keep, base, new), chunk
+
+
+@settings(max_examples=150, deadline=None)
+@given(unit_pairs())
+def test_compiled_sections_are_the_reference_layout(case: tuple[np.ndarray, ...]) -> None:
+    b, t, chunk = case
+    changes = find_changes(b, t, _POOL, chunk)
+    assert changes.changed == int(np.count_nonzero(b != t))
+    raw = encode_section(b, t, changes, b.dtype.itemsize > 1, chunk).tobytes()
+    if not changes.changed:
+        assert raw == b""
+        return
+    coding = CODINGS[raw[0]]
+    assert raw == _reference_section(b, t, chunk, coding)
+
+
+@settings(max_examples=150, deadline=None)
+@given(unit_pairs(), st.sampled_from(CODINGS))
+def test_reference_sections_apply_in_every_coding(
+    case: tuple[np.ndarray, ...], coding: Coding
+) -> None:
+    b, t, chunk = case
+    if np.array_equal(b, t):
+        return
+    units = b.copy()
+    apply_section(units, _reference_section(b, t, chunk, coding), chunk)
+    assert np.array_equal(units, t)
+
+
+def _section() -> tuple[np.ndarray, bytes, int]:
+    """A section using sparse, bitmask and dense chunks (two gap planes)."""
+    chunk = 256
+    rng = np.random.default_rng(0)
+    b = rng.integers(0, 2**16, 6 * chunk, dtype=np.uint16)
+    t = b.copy()
+    t[rng.choice(chunk, 3, replace=False)] += 1  # sparse, gaps ≥ 128 need a second byte
+    t[chunk : 2 * chunk : 3] += 2  # bitmask
+    t[2 * chunk : 3 * chunk] += 3  # dense
+    t[-1] -= 1  # sparse again after unchanged chunks
+    raw = encode_section(b, t, find_changes(b, t, _POOL, chunk), True, chunk).tobytes()
+    assert set(raw[SECTION.size + 16 : SECTION.size + 22]) == {0, 1, 2, DENSE}
+    return b, raw, chunk
+
+
+_B, _RAW, _CHUNK = _section()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, len(_RAW) - 1), st.integers(1, 255))
+def test_a_damaged_section_never_writes_out_of_place(i: int, flip: int) -> None:
+    """Any byte changed: refused with nothing written, or applied inside the tensor."""
+    bad = bytearray(_RAW)
+    bad[i] ^= flip
+    guard = np.zeros(3 * _B.size, dtype=np.uint16)
+    guard[_B.size : 2 * _B.size] = _B
+    units = guard[_B.size : 2 * _B.size]
+    try:
+        apply_section(units, bytes(bad), _CHUNK)
+    except ValueError:
+        assert np.array_equal(units, _B)
+    assert not guard[: _B.size].any()
+    assert not guard[2 * _B.size :].any()
+
+
+@pytest.mark.parametrize("cut", [0, 5, SECTION.size + 3, -40, -1])
+def test_a_truncated_section_is_refused(cut: int) -> None:
+    units = _B.copy()
+    with pytest.raises(ValueError, match=r"section|varint|bitmask|modes|planes|sparse"):
+        apply_section(units, _RAW[:cut], _CHUNK)
+    assert np.array_equal(units, _B)
