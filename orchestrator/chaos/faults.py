@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 import psutil
 
-from orchestrator.chaos.harness import ChaosError, Ctx
+from orchestrator.chaos.harness import ChaosError, Ctx, poll
 from orchestrator.chaos.link import FaultyLink, LinkMode
 from orchestrator.events import read_events
 from orchestrator.trajlog import iter_records
@@ -141,18 +141,31 @@ async def _hang_replica(ctx: Ctx) -> None:
 
 
 def _link(mode: LinkMode) -> Inject:
+    """``engine-0`` reachable only through a faulty link. The pool sends a burst of waiting calls
+    to whichever endpoint qualifies first, so ``engine-1`` is held out of rotation until the
+    link has taken two calls (its in-flight calls finish; calls that fail on the link wait for
+    it to come back): the fault is certain to strike, and then both share the load."""
+
     async def inject(ctx: Ctx) -> None:
-        fleet = await ctx.admin("GET", "/v1/fleet")
-        upstream = next((e["url"] for e in fleet["endpoints"] if e["id"] == "engine-0"), None)
-        if upstream is None:
-            raise ChaosError("engine-0 is not in the fleet")
-        link = FaultyLink(upstream, mode)
+        fleet = {e["id"]: e["url"] for e in (await ctx.admin("GET", "/v1/fleet"))["endpoints"]}
+        if "engine-0" not in fleet or "engine-1" not in fleet:
+            raise ChaosError(f"a link fault needs engine-0 and engine-1; the fleet is {fleet}")
+        link = FaultyLink(fleet["engine-0"], mode)
         url = await link.start()
         ctx.cleanups.append(link.close)
         ctx.aliases["chaos-link"] = "engine-0"
         await ctx.admin("POST", "/v1/fleet", {"id": "chaos-link", "url": url})
-        await ctx.admin("DELETE", "/v1/fleet/engine-0")  # engine-0 is reached only through it
-        ctx.notes.append(f"engine-0 behind a {mode} link")
+        await ctx.admin("DELETE", "/v1/fleet/engine-0")
+        await ctx.admin("DELETE", "/v1/fleet/engine-1")
+
+        async def readmit() -> None:
+            with anyio.move_on_after(30):
+                await poll(lambda: link.damaged >= 2)
+            await ctx.admin("POST", "/v1/fleet", {"id": "engine-1", "url": fleet["engine-1"]})
+            ctx.notes.append(f"engine-0 behind a {mode} link ({link.damaged} calls damaged)")
+
+        assert ctx.background is not None
+        ctx.background.start_soon(readmit)
 
     return inject
 
@@ -245,7 +258,12 @@ FAULTS: dict[str, Fault] = {
             _link("garbage"),
             _failed_calls("chaos-link"),
         ),
-        Fault("slow-link", "0.5 s added to every call to one replica", _link("slow"), _slow_calls),
+        Fault(
+            "slow-link",
+            "0.5 s added to every call to one replica",
+            _link("slow"),
+            _slow_calls,
+        ),
         Fault(
             "patch-corrupt",
             "one bit flipped in version 2's patch on the board",

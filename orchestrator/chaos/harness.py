@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +44,7 @@ log = structlog.get_logger(__name__)
 
 CHAOS_DEFAULTS: dict[str, Any] = {
     "trainer.max_steps": 4,
+    "trainer.entropy_coef": 0.01,  # every step moves the weights, so every patch is a real one
     "timeouts.call_s": 5.0,
     "timeouts.version_wait_s": 60.0,
     "timeouts.episode_s": 120.0,
@@ -70,13 +71,12 @@ class ChaosError(SprawlError):
 
 
 def _toml(value: Any) -> str:
+    """``value`` as a TOML value on the command line (strings, lists and tables as JSON)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):
         return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    return json.dumps(value)  # lists and tables of scalars read the same in TOML and JSON
+    return json.dumps(value)
 
 
 @dataclass
@@ -124,7 +124,7 @@ class Ctx:
     orchestrator: subprocess.Popen[bytes] | None = None
     trainer: subprocess.Popen[bytes] | None = None
     aliases: dict[str, str] = field(default_factory=dict)
-    cleanups: list[Any] = field(default_factory=list)
+    cleanups: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     background: TaskGroup | None = None
     """Where a fault that lasts a while runs (the trial waits for it before checking)."""
@@ -211,7 +211,12 @@ class Ctx:
 
     # -- admin API ------------------------------------------------------------------------------
     async def admin(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        url = json.loads((self.cfg.run_dir / "admin.json").read_text())["url"]
+        where = self.cfg.run_dir / "admin.json"  # written once the engines serve
+        with anyio.move_on_after(120):
+            await poll(where.exists)
+        if not where.exists():
+            raise ChaosError(f"the admin API did not come up within 120 s ({where})")
+        url = json.loads(where.read_text())["url"]
         headers = (
             {"Authorization": f"Bearer {self.cfg.admin.token}"} if self.cfg.admin.token else {}
         )
