@@ -19,11 +19,13 @@ from policies.board import Board
 pytestmark = pytest.mark.slow
 
 
-def _cmd(tmp_path: Path, model_dir: Path, *extra: str) -> list[str]:
+def _cmd(tmp_path: Path, model_dir: Path, *extra: str, command: str | None = None) -> list[str]:
+    """``orchestrate [command] --config configs/demo.toml`` on the tiny model under ``tmp_path``."""
     return [
         sys.executable,
         "-m",
         "orchestrator.cli",
+        *([command] if command else []),
         "--config",
         "configs/demo.toml",
         "--run.root",
@@ -162,21 +164,7 @@ def test_external_trainer_process_drives_the_loop(tmp_path: Path, tiny_model_dir
         "1",
     ]
     worker = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "orchestrator.cli",
-            "train",
-            "--config",
-            "configs/demo.toml",
-            "--run.root",
-            str(tmp_path),
-            "--model.path",
-            str(tiny_model_dir),
-            "--log-format",
-            "json",
-            *shared,
-        ],
+        _cmd(tmp_path, tiny_model_dir, *shared, command="train"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

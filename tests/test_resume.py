@@ -8,13 +8,13 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import IO
 
 import pytest
 import zstandard
+from test_demo import _cmd
 from test_trajlog import make_group
 
 from orchestrator.accounting import account
@@ -172,23 +172,9 @@ def test_resume_names_what_is_missing_or_changed(tmp_path: Path) -> None:
 
 # -- real runs, killed with SIGKILL ---------------------------------------------------------------
 def _orchestrate(tmp_path: Path, model_dir: Path, *extra: str, train: bool = False) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "orchestrator.cli",
-        *(["train"] if train else []),
-        "--config",
-        "configs/demo.toml",
-        "--run.root",
-        str(tmp_path),
-        "--model.path",
-        str(model_dir),
-        "--log-format",
-        "json",
-        "--trainer.max_steps",
-        "4",
-        *extra,
-    ]
+    return _cmd(
+        tmp_path, model_dir, "--trainer.max_steps", "4", *extra, command="train" if train else None
+    )
 
 
 def _kill_after(proc: subprocess.Popen[str], marker: str, count: int = 1) -> str:
