@@ -27,6 +27,7 @@ environments' formats (the example renderer is calculator-specific), batching th
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -181,14 +182,21 @@ def warm_start(
     seed: int = 0,
     eval_episodes: int = 32,
     temperature: float = 1.0,
+    max_operand: int = 99,
 ) -> SFTResult:
-    """Fine-tune ``model_dir`` in place for ``steps`` steps; measure the format before and after."""
+    """Fine-tune ``model_dir`` in place for ``steps`` steps; measure the format before and after.
+
+    ``max_operand`` is the calculator's difficulty (operands in 2..max_operand): train on the
+    distribution the RL run will see."""
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    env = calculator_env(num_tasks, seed + SFT_SEED_OFFSET)
+    env = calculator_env(num_tasks, seed + SFT_SEED_OFFSET, max_operand)
     chat = ChatTokens(tokenizer, env.tool_schemas())
     examples = _examples(env, chat)
-    before = format_score(model_dir, eval_episodes, temperature, seed) if eval_episodes else None
+    score = functools.partial(
+        format_score, model_dir, eval_episodes, temperature, seed, max_operand=max_operand
+    )
+    before = score() if eval_episodes else None
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
@@ -212,7 +220,7 @@ def warm_start(
         if step % 50 == 0 or step == steps - 1:
             log.info("sft_step", step=step, loss=round(loss_value, 4))
     _save_weights(model, model_dir)
-    after = format_score(model_dir, eval_episodes, temperature, seed) if eval_episodes else None
+    after = score() if eval_episodes else None
     result = SFTResult(
         steps=steps,
         examples=len(examples),
@@ -244,11 +252,12 @@ def format_score(
     *,
     max_turns: int = 3,
     max_tokens: int = 40,
+    max_operand: int = 99,
 ) -> FormatScore:
     """Sample ``episodes`` calculator episodes from ``model_dir``'s weights and score them."""
     engine = Engine(model_dir, dtype=torch.float32)
     engine.activate(load_file(model_dir / "model.safetensors"), version=0)
-    env = calculator_env(episodes, seed + 2 * SFT_SEED_OFFSET)
+    env = calculator_env(episodes, seed + 2 * SFT_SEED_OFFSET, max_operand)
     chat = ChatTokens(engine.tokenizer, env.tool_schemas())
 
     async def one(index: int, task: dict[str, Any]) -> tuple[bool, float, float]:

@@ -10,10 +10,22 @@ from pathlib import Path
 import pytest
 
 from orchestrator.cli import main as cli_main
-from orchestrator.experiment import ARMS, ArmResult, arm_config, lag_histogram, verdict
+from orchestrator.config import load_config
+from orchestrator.errors import ConfigError
+from orchestrator.experiment import (
+    ARMS,
+    ArmResult,
+    arm_config,
+    build_model,
+    calculator_max_operand,
+    lag_histogram,
+    sft_phases,
+    verdict,
+)
 from orchestrator.trajlog import FrameWriter
 
 DEMO = Path("configs/demo.toml")
+EXPERIMENT = Path("configs/experiment-lag.toml")
 
 
 def test_arm_configs_differ_only_in_lag_and_correction(tmp_path: Path) -> None:
@@ -78,6 +90,7 @@ def test_verdict_reports_noise_and_gaps() -> None:
         ]
     )
     assert "\n" not in line
+    assert line.startswith("on-policy reward, first→second half: 0.275→0.500 (rose")
     assert "corrected lag-4 0.505" in line
     assert "within noise of on-policy" in line.split(";")[1]
     assert "worse than on-policy" in line.split(";")[2]
@@ -101,6 +114,8 @@ def test_experiment_command_runs_at_reduced_size(tmp_path: Path, tiny_model_dir:
             str(out),
             "--sft-steps",
             "5",
+            "--sft-focus-steps",
+            "1",
             "--sft-eval",
             "2",
             "--scheduler.group_size",
@@ -122,9 +137,34 @@ def test_experiment_command_runs_at_reduced_size(tmp_path: Path, tiny_model_dir:
     assert [r[0] for r in rows[1:]] == ["1", "2"]
     assert (out / "rewards.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["verdict"].startswith("second-half mean reward")
+    assert summary["verdict"].startswith("on-policy reward, first→second half")
+    phases = json.loads((out / "model" / "sft.json").read_text())["phases"]
+    assert [(p["steps"], p["max_operand"]) for p in phases] == [(3, 99), (2, 99), (1, 99)]
+    assert phases[-1]["after"]["episodes"] == 2
     arms = {a["arm"]: a for a in summary["arms"]}
     assert set(arms["on_policy"]["lag_histogram"]) == {"0"}  # synchronous: never stale
     for arm in arms.values():
         assert len(arm["rewards"]) == 2
         assert all(0 <= int(lag) <= 4 for lag in arm["lag_histogram"])
+
+
+def test_flat_rewards_do_not_count_as_a_rise() -> None:
+    flat = [0.3, 0.5, 0.2, 0.6, 0.4, 0.3, 0.5, 0.2, 0.6, 0.4]
+    line = verdict([_result("on_policy", flat)])
+    assert "(within noise," in line.split("Second-half")[0]
+
+
+def test_sft_curriculum_ends_on_the_runs_difficulty() -> None:
+    assert sft_phases(1800, 100, 9) == [(1000, 6e-3, 99), (800, 4e-3, 99), (100, 3e-3, 9)]
+    assert sft_phases(0, 0, 9) == []
+    assert calculator_max_operand(load_config(EXPERIMENT)) == 9
+    assert calculator_max_operand(load_config(DEMO)) == 99
+    assert calculator_max_operand(load_config(Path("configs/guess.toml"))) == 99
+
+
+def test_a_model_warm_started_otherwise_is_refused_not_reused(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "sft.json").write_text(json.dumps({"steps": 1000}))  # the single-phase recipe
+    with pytest.raises(ConfigError, match=r"SFT phases of an older recipe, not \[\(1000"):
+        build_model(tmp_path, size="tiny", sft_steps=1800, seed=0, focus_steps=100, max_operand=9)
