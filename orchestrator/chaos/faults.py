@@ -83,8 +83,12 @@ def _patch_refused(s: Seen) -> str | None:
 
 
 def _pointer_skipped(s: Seen) -> str | None:
-    n = len(s.lines("version_unavailable", "engine-*.log"))
-    return f"{n}× not found by the replicas, kept serving" if n else None
+    """Replicas read the dangling pointer and kept serving (each publish also repaired it)."""
+    seen = len(s.lines("version_unavailable", "engine-*.log"))
+    repaired = len(s.lines("board.pointer_dangling", "orchestrator.log", "trainer.log"))
+    if not seen:
+        return None
+    return f"{seen}× not found by the replicas, {repaired}× repaired by the publisher"
 
 
 def _logged(pattern: str, glob: str) -> Evidence:
@@ -125,13 +129,29 @@ class Fault:
 
 
 # -- replicas --------------------------------------------------------------------------------------
+async def _busy(ctx: Ctx, endpoint: str, timeout_s: float = 30.0) -> int:
+    """Wait (≤ ``timeout_s``) until ``endpoint`` has calls in flight; how many it has."""
+    with anyio.move_on_after(timeout_s):
+        while True:
+            fleet = (await ctx.admin("GET", "/v1/fleet"))["endpoints"]
+            n = next((e["outstanding"] for e in fleet if e["id"] == endpoint), 0)
+            if n:
+                return int(n)
+            await anyio.sleep(0.02)
+    return 0
+
+
 async def _kill_replica(ctx: Ctx) -> None:
+    busy = await _busy(ctx, "engine-0")
     ctx.engine("engine-0").send_signal(signal.SIGKILL)
+    ctx.notes.append(f"killed with {busy} calls in flight")
 
 
 async def _hang_replica(ctx: Ctx) -> None:
+    busy = await _busy(ctx, "engine-0")
     proc = ctx.engine("engine-0")
     proc.send_signal(signal.SIGSTOP)  # alive, holds its connections, answers nothing
+    ctx.notes.append(f"stopped with {busy} calls in flight")
 
     async def resume() -> None:  # only so that the run's own shutdown can stop it promptly
         with contextlib.suppress(psutil.Error):
@@ -141,10 +161,11 @@ async def _hang_replica(ctx: Ctx) -> None:
 
 
 def _link(mode: LinkMode) -> Inject:
-    """``engine-0`` reachable only through a faulty link. The pool sends a burst of waiting calls
-    to whichever endpoint qualifies first, so ``engine-1`` is held out of rotation until the
-    link has taken two calls (its in-flight calls finish; calls that fail on the link wait for
-    it to come back): the fault is certain to strike, and then both share the load."""
+    """``engine-0`` reachable only through a faulty link, from version 0 on. The pool sends a
+    burst of waiting calls to whichever endpoint qualifies first, so ``engine-1`` is held out of
+    rotation until the link has taken two calls (its in-flight calls finish; calls that fail on
+    the link wait for it to come back): every group admitted after version 1 meets the link, so
+    the fault is certain to strike; then both share the load."""
 
     async def inject(ctx: Ctx) -> None:
         fleet = {e["id"]: e["url"] for e in (await ctx.admin("GET", "/v1/fleet"))["endpoints"]}
@@ -161,8 +182,8 @@ def _link(mode: LinkMode) -> Inject:
         async def readmit() -> None:
             with anyio.move_on_after(30):
                 await poll(lambda: link.damaged >= 2)
-            await ctx.admin("POST", "/v1/fleet", {"id": "engine-1", "url": fleet["engine-1"]})
             ctx.notes.append(f"engine-0 behind a {mode} link ({link.damaged} calls damaged)")
+            await ctx.admin("POST", "/v1/fleet", {"id": "engine-1", "url": fleet["engine-1"]})
 
         assert ctx.background is not None
         ctx.background.start_soon(readmit)
@@ -177,13 +198,33 @@ def _damaged_patch(action: str) -> dict[str, str]:
 
 
 async def _dangling_pointer(ctx: Ctx) -> None:
+    """The pointer names a version 50 ahead that does not exist, for 2 s: each publish repairs
+    it and the harness breaks it again (so the replicas, not only the publisher, meet it), then
+    it is left naming the newest real version, as the next publish would."""
     latest = await ctx.latest()
     missing = (latest or 0) + 50
     pointer = f"{ctx.board.root}/POINTER"
-    await anyio.to_thread.run_sync(
-        ctx.board.store.write, pointer, json.dumps({"version": missing}).encode()
-    )
-    ctx.notes.append(f"pointer set to missing v{missing}")
+    board = ctx.board
+
+    def named() -> int | None:
+        raw = board.store.read(pointer)
+        return int(json.loads(raw)["version"])
+
+    def point(version: int) -> None:
+        board.store.write(pointer, json.dumps({"version": version}).encode())
+
+    async def keep_dangling() -> None:
+        with anyio.move_on_after(2.0):
+            while ctx.orchestrator is not None and ctx.orchestrator.poll() is None:
+                if await anyio.to_thread.run_sync(named) != missing:
+                    await anyio.to_thread.run_sync(point, missing)
+                await anyio.sleep(0.1)
+        if await anyio.to_thread.run_sync(named) == missing:
+            await anyio.to_thread.run_sync(point, max(board.versions()))
+        ctx.notes.append(f"pointer named missing v{missing} for 2 s")
+
+    assert ctx.background is not None
+    ctx.background.start_soon(keep_dangling)
 
 
 # -- trainer and orchestrator ----------------------------------------------------------------------
@@ -251,18 +292,21 @@ FAULTS: dict[str, Fault] = {
             "a replica answers every generate with 500",
             _link("error"),
             _failed_calls("chaos-link"),
+            at_version=0,
         ),
         Fault(
             "replica-garbage",
             "a replica answers with malformed bodies",
             _link("garbage"),
             _failed_calls("chaos-link"),
+            at_version=0,
         ),
         Fault(
             "slow-link",
             "0.5 s added to every call to one replica",
             _link("slow"),
             _slow_calls,
+            at_version=0,
         ),
         Fault(
             "patch-corrupt",

@@ -220,13 +220,18 @@ class Ctx:
         headers = (
             {"Authorization": f"Bearer {self.cfg.admin.token}"} if self.cfg.admin.token else {}
         )
-        async with (
-            aiohttp.ClientSession() as s,
-            s.request(method, f"{url}{path}", json=body, headers=headers) as r,
-        ):
-            if r.status >= 400:
-                raise ChaosError(f"admin API {method} {path}: HTTP {r.status}: {await r.text()}")
-            return await r.json()
+        try:
+            async with (
+                aiohttp.ClientSession() as s,
+                s.request(method, f"{url}{path}", json=body, headers=headers) as r,
+            ):
+                if r.status >= 400:
+                    raise ChaosError(
+                        f"admin API {method} {path}: HTTP {r.status}: {await r.text()}"
+                    )
+                return await r.json()
+        except aiohttp.ClientError as exc:  # the run has ended (or died): its API is gone
+            raise ChaosError(f"admin API {method} {path}: {exc}") from None
 
 
 @dataclass

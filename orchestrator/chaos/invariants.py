@@ -106,7 +106,7 @@ def check(
                     "with the board's digest"
                 )
     v.failed_or_dropped = errors + len(acc.lost) * group_size
-    v.final_version = board.latest()
+    v.final_version = max(board.versions(), default=None)  # a real version, not a bare pointer
     if v.final_version is None or v.final_version < max_steps:
         v.problems.append(f"the trainer reached v{v.final_version}, not v{max_steps}")
     v.problems += [f"left running: {p}" for p in v.leftover]
