@@ -38,6 +38,18 @@ def _cmd(tmp_path: Path, model_dir: Path, *extra: str, command: str | None = Non
     ]
 
 
+def _external_trainer_args(tmp_path: Path) -> list[str]:
+    """A board and batch directory that outlive the run directory, shared with the trainer."""
+    return [
+        "--board.url",
+        str(tmp_path / "board"),
+        "--trainer.batch_dir",
+        str(tmp_path / "batches"),
+        "--fleet.local_engines",
+        "1",
+    ]
+
+
 def _pids(stderr: str) -> list[int]:
     pids = []
     for line in stderr.splitlines():
@@ -153,16 +165,7 @@ def _assert_exactly_once(records: list[dict[str, object]]) -> None:
 
 def test_external_trainer_process_drives_the_loop(tmp_path: Path, tiny_model_dir: Path) -> None:
     """The reference trainer in its own process, through batch files and the board only."""
-    shared = [
-        "--trainer.max_steps",
-        "2",
-        "--board.url",
-        str(tmp_path / "board"),
-        "--trainer.batch_dir",
-        str(tmp_path / "batches"),
-        "--fleet.local_engines",
-        "1",
-    ]
+    shared = ["--trainer.max_steps", "2", *_external_trainer_args(tmp_path)]
     worker = subprocess.Popen(
         _cmd(tmp_path, tiny_model_dir, *shared, command="train"),
         stdout=subprocess.PIPE,

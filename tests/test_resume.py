@@ -14,7 +14,7 @@ from typing import IO
 
 import pytest
 import zstandard
-from test_demo import _cmd
+from test_demo import _cmd, _external_trainer_args
 from test_trajlog import make_group
 
 from orchestrator.accounting import account
@@ -272,14 +272,7 @@ def test_an_orchestrator_killed_mid_run_resumes_to_max_steps(
 def test_an_external_trainer_killed_mid_run_resumes_from_its_checkpoint(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    shared = [
-        "--board.url",
-        str(tmp_path / "board"),
-        "--trainer.batch_dir",
-        str(tmp_path / "batches"),
-        "--fleet.local_engines",
-        "1",
-    ]
+    shared = _external_trainer_args(tmp_path)
 
     logs = contextlib.ExitStack()  # files, not pipes: nobody reads them until the end
     orch_log = logs.enter_context((tmp_path / "orchestrator.log").open("w"))
@@ -334,14 +327,7 @@ def test_an_orchestrator_killed_with_an_external_trainer_resumes(
 ) -> None:
     """The trainer goes on through the orchestrator's death; the restart waits for the version
     the batch files say the trainer owes it, and continues from there."""
-    shared = [
-        "--board.url",
-        str(tmp_path / "board"),
-        "--trainer.batch_dir",
-        str(tmp_path / "batches"),
-        "--fleet.local_engines",
-        "1",
-    ]
+    shared = _external_trainer_args(tmp_path)
     external = ["--trainer.mode", "external", *shared]
     with (tmp_path / "trainer.log").open("w") as log, (tmp_path / "orch.log").open("w") as olog:
         worker = subprocess.Popen(
