@@ -182,7 +182,7 @@ def _link(mode: LinkMode) -> Inject:
         async def readmit() -> None:
             with anyio.move_on_after(30):
                 await poll(lambda: link.damaged >= 2)
-            ctx.notes.append(f"engine-0 behind a {mode} link ({link.damaged} calls damaged)")
+            ctx.notes.append(f"engine-0 behind the {mode} link ({link.damaged} calls damaged)")
             await ctx.admin("POST", "/v1/fleet", {"id": "engine-1", "url": fleet["engine-1"]})
 
         assert ctx.background is not None
