@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from transformers import PreTrainedTokenizerBase
 
+from policies.batching import Generation
 from policies.errors import BadRequest
 from policies.lane import (
     ChatChoice,
@@ -190,20 +191,8 @@ class OpenAIRoutes:
                     token_ids=c.token_ids,
                 )
             )
-        start, end = stamps(gen, self.sidecar.applied_version)
-        completion = sum(len(c.token_ids) for c in gen.choices)
         return ChatCompletionResponse(
-            id=f"chatcmpl-{uuid.uuid4().hex[:16]}",
-            created=int(time.time()),
-            model=self.sidecar.board.run,
-            choices=choices,
-            usage=OpenAIUsage(
-                prompt_tokens=len(prompt),
-                completion_tokens=completion,
-                total_tokens=len(prompt) + completion,
-            ),
-            prompt_token_ids=prompt,
-            policy_version=VersionStamp(start=start, end=end),
+            id=f"chatcmpl-{uuid.uuid4().hex[:16]}", choices=choices, **self._envelope(gen, prompt)
         )
 
     # -- completions ----------------------------------------------------------------------------
@@ -241,18 +230,22 @@ class OpenAIRoutes:
                     token_ids=c.token_ids,
                 )
             )
+        return CompletionResponse(
+            id=f"cmpl-{uuid.uuid4().hex[:16]}", choices=choices, **self._envelope(gen, prompt)
+        )
+
+    def _envelope(self, gen: Generation, prompt: list[int]) -> dict[str, Any]:
+        """The fields both OpenAI responses share: time, model, usage, prompt ids, versions."""
         start, end = stamps(gen, self.sidecar.applied_version)
         completion = sum(len(c.token_ids) for c in gen.choices)
-        return CompletionResponse(
-            id=f"cmpl-{uuid.uuid4().hex[:16]}",
-            created=int(time.time()),
-            model=self.sidecar.board.run,
-            choices=choices,
-            usage=OpenAIUsage(
+        return {
+            "created": int(time.time()),
+            "model": self.sidecar.board.run,
+            "usage": OpenAIUsage(
                 prompt_tokens=len(prompt),
                 completion_tokens=completion,
                 total_tokens=len(prompt) + completion,
             ),
-            prompt_token_ids=prompt,
-            policy_version=VersionStamp(start=start, end=end),
-        )
+            "prompt_token_ids": prompt,
+            "policy_version": VersionStamp(start=start, end=end),
+        }
