@@ -151,10 +151,7 @@ async def _memory(model: Path, episodes: int, hold_s: float) -> dict[str, float]
 
     from transformers import AutoTokenizer
 
-    from environments.calculator import Calculator, CalculatorConfig
-    from orchestrator.episode import EpisodeRunner
-    from orchestrator.simulate import SimEndpoint, SimFleet
-    from orchestrator.types import SamplingParams
+    from orchestrator.simulate import SimEndpoint, SimFleet, calculator_runner
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     fleet = SimFleet(
@@ -165,19 +162,17 @@ async def _memory(model: Path, episodes: int, hold_s: float) -> dict[str, float]
         sigma=0.01,
     )
     pool = Pool(fleet, version_wait_s=600.0, poll_interval_s=600.0, max_inflight=episodes)
-    pool.add(EndpointRef(id="sim", url="sim://"))
-    await pool.refresh_all()
-    env = Calculator(CalculatorConfig(num_tasks=64))
-    runner = EpisodeRunner(
-        env,
-        tokenizer,
+    runner = await calculator_runner(
         pool,
-        sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=16),
+        {"sim": "sim://"},
+        tokenizer,
+        num_tasks=64,
+        max_tokens=16,
         max_turns=1,
         episode_timeout_s=600.0,
         max_context=4096,
     )
-    tasks = list(env.tasks())
+    tasks = list(runner.env.tasks())
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     peak_in_flight = 0.0

@@ -117,6 +117,34 @@ class SimTrainer:
         return {}
 
 
+async def calculator_runner(
+    pool: Pool,
+    endpoints: dict[str, str],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    num_tasks: int,
+    max_tokens: int,
+    max_turns: int,
+    episode_timeout_s: float,
+    max_context: int,
+    seed: int = 0,
+) -> EpisodeRunner:
+    """An episode runner for the calculator on ``pool``, after adding ``endpoints`` (id → URL)
+    and probing them once: the wiring the simulator, the scheduler bench and tests share."""
+    for name, url in endpoints.items():
+        pool.add(EndpointRef(id=name, url=url))
+    await pool.refresh_all()
+    return EpisodeRunner(
+        Calculator(CalculatorConfig(num_tasks=num_tasks, seed=seed)),
+        tokenizer,
+        pool,
+        sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=max_tokens),
+        max_turns=max_turns,
+        episode_timeout_s=episode_timeout_s,
+        max_context=max_context,
+    )
+
+
 @dataclass
 class _Count:
     dropped: int = 0
@@ -158,19 +186,18 @@ async def simulate(
     endpoints["e5"].sync_delay_s = 60.0  # one island lags versions far behind
     fleet = SimFleet(endpoints, rng, eos=int(tokenizer.eos_token_id))
     pool = Pool(fleet, version_wait_s=1e9, poll_interval_s=5.0, max_inflight=8)
-    for name in endpoints:
-        pool.add(EndpointRef(id=name, url=f"sim://{name}"))
-    await pool.refresh_all()
-    env = Calculator(CalculatorConfig(num_tasks=64, seed=seed))
-    runner = EpisodeRunner(
-        env,
-        tokenizer,
+    runner = await calculator_runner(
         pool,
-        sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=2000),
+        {name: f"sim://{name}" for name in endpoints},
+        tokenizer,
+        num_tasks=64,
+        seed=seed,
+        max_tokens=2000,
         max_turns=1,
         episode_timeout_s=1e9,
         max_context=1 << 20,
     )
+    env = runner.env
     clock = VersionClock(0)
     sched = Scheduler(
         runner,

@@ -14,11 +14,11 @@ from trio.testing import MockClock
 
 from environments.calculator import Calculator, CalculatorConfig
 from orchestrator.batcher import Batcher
-from orchestrator.episode import EpisodeRunner
 from orchestrator.pool import Pool
 from orchestrator.scheduler import Scheduler, VersionClock
+from orchestrator.simulate import calculator_runner
 from orchestrator.train_sink import consume, drain
-from orchestrator.types import Batch, EndpointRef, Group, GroupDecision, SamplingParams
+from orchestrator.types import Batch, Group, GroupDecision
 from staleness.config import StalenessConfig
 from tests.fakes import ScriptedTransport
 
@@ -81,19 +81,18 @@ async def _run_fleet(
     if kill:
         t.fail_after[names[0]] = rng.randint(0, 10)
     pool = Pool(t, version_wait_s=600.0, poll_interval_s=0.3, max_inflight=3)
-    for n in names:
-        pool.add(EndpointRef(id=n, url=f"http://{n}"))
-    await pool.refresh_all()
-    env = Calculator(CalculatorConfig(num_tasks=8, seed=seed))
-    runner = EpisodeRunner(
-        env,
-        tokenizer,
+    runner = await calculator_runner(
         pool,
-        sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=4),
+        {n: f"http://{n}" for n in names},
+        tokenizer,
+        num_tasks=8,
+        seed=seed,
+        max_tokens=4,
         max_turns=2,
         episode_timeout_s=120.0,
         max_context=2048,
     )
+    env = runner.env
     clock = VersionClock(0)
     groups_per_batch = 2
     sched = Scheduler(
@@ -191,18 +190,17 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:datasets")
 async def _cancel_mid_flight(tokenizer: PreTrainedTokenizerBase) -> None:
     t = ScriptedTransport({"a": 0}, latency={"a": 5.0}, eos=tokenizer.eos_token_id)
     pool = Pool(t, version_wait_s=60.0, poll_interval_s=1.0, max_inflight=2)
-    pool.add(EndpointRef(id="a", url="http://a"))
-    await pool.refresh_all()
-    env = Calculator(CalculatorConfig(num_tasks=4))
-    runner = EpisodeRunner(
-        env,
-        tokenizer,
+    runner = await calculator_runner(
         pool,
-        sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=4),
+        {"a": "http://a"},
+        tokenizer,
+        num_tasks=4,
+        max_tokens=4,
         max_turns=2,
         episode_timeout_s=60.0,
         max_context=2048,
     )
+    env = runner.env
     sched = Scheduler(
         runner,
         env.tasks(),
