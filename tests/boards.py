@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
+import anyio
 import torch
 from transformers import AutoModelForCausalLM
 
+from policies.batching import QuiesceMode
 from policies.board import Board
+from policies.server import serve_board
 
 
 def publish_scaled(board: Board, version: int, model_dir: Path, scale: float = 1.0) -> None:
@@ -27,3 +32,29 @@ def tiny_board(root: Path, model_dir: Path) -> Board:
     b.create(model_dir)
     publish_scaled(b, 0, model_dir)
     return b
+
+
+@asynccontextmanager
+async def engine(
+    board: Board,
+    token: str | None = None,
+    poll_interval_s: float = 0.05,
+    activation: QuiesceMode = "wait",
+) -> AsyncIterator[str]:
+    """A reference engine with its sidecar serving ``board`` on loopback; its base URL."""
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(
+            lambda task_status: serve_board(
+                board.url,
+                board.run,
+                host="127.0.0.1",
+                port=0,
+                device="cpu",
+                token=token,
+                poll_interval_s=poll_interval_s,
+                activation=activation,
+                task_status=task_status,
+            )
+        )
+        yield f"http://127.0.0.1:{port}"
+        tg.cancel_scope.cancel()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +13,7 @@ from structlog.testing import capture_logs
 from transformers import AutoModelForCausalLM
 
 from policies.board import Board
-from policies.server import serve_board
-from tests.boards import publish_scaled, tiny_board
+from tests.boards import engine, publish_scaled, tiny_board
 
 pytestmark = pytest.mark.anyio
 
@@ -24,27 +21,6 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture
 def board(tmp_path: Path, tiny_model_dir: Path) -> Board:
     return tiny_board(tmp_path, tiny_model_dir)
-
-
-@asynccontextmanager
-async def engine(
-    board: Board, token: str | None = None, poll_interval_s: float = 0.05
-) -> AsyncIterator[str]:
-    async with anyio.create_task_group() as tg:
-        port = await tg.start(
-            lambda task_status: serve_board(
-                board.url,
-                board.run,
-                host="127.0.0.1",
-                port=0,
-                device="cpu",
-                token=token,
-                poll_interval_s=poll_interval_s,
-                task_status=task_status,
-            )
-        )
-        yield f"http://127.0.0.1:{port}"
-        tg.cancel_scope.cancel()
 
 
 async def _post(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +16,9 @@ from transformers import PreTrainedTokenizerBase
 from policies.batching import Generation, QuiesceMode
 from policies.board import Board
 from policies.lane import GenerateChoice, GenerateRequest
-from policies.server import run_lane, serve_board
+from policies.server import run_lane
 from policies.sidecar import Sidecar
-from tests.boards import publish_scaled, tiny_board
+from tests.boards import engine, publish_scaled, tiny_board
 
 pytestmark = pytest.mark.anyio
 
@@ -43,26 +42,6 @@ MESSAGES = [{"role": "user", "content": "What is 37 * 12?"}]
 @pytest.fixture
 def board(tmp_path: Path, tiny_model_dir: Path) -> Board:
     return tiny_board(tmp_path, tiny_model_dir)
-
-
-@asynccontextmanager
-async def engine(board: Board, activation: QuiesceMode = "wait") -> AsyncIterator[str]:
-    async with anyio.create_task_group() as tg:
-        port = await tg.start(
-            lambda task_status: serve_board(
-                board.url,
-                board.run,
-                host="127.0.0.1",
-                port=0,
-                device="cpu",
-                token=None,
-                poll_interval_s=0.05,
-                activation=activation,
-                task_status=task_status,
-            )
-        )
-        yield f"http://127.0.0.1:{port}"
-        tg.cancel_scope.cancel()
 
 
 async def _post(s: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, Any]:
