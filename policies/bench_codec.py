@@ -342,8 +342,9 @@ def _churn_table(rows: list[dict[str, Any]], lr: float) -> None:
 
 
 @contextmanager
-def _quiet() -> Iterator[None]:
-    """Silence the codec's per-patch info lines while measuring (restores the config after)."""
+def quiet_logs() -> Iterator[None]:
+    """Silence the codec's per-patch info lines while measuring (restores the config after);
+    the sparsity bench uses it too."""
     old = structlog.get_config()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     try:
@@ -365,14 +366,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--lr", type=float, default=1e-6, help="--churn: Adam step size")
     args = parser.parse_args(argv)
     if args.churn:
-        with _quiet():
+        with quiet_logs():
             rows = scale_churn(2048, 4096, args.lr)
         if args.json:
             print(json.dumps(rows, indent=1))
         else:
             _churn_table(rows, args.lr)
         return 0
-    with _quiet():
+    with quiet_logs():
         report = run(args.size_mb, args.repeats)
     if args.json:
         print(json.dumps(report, indent=1))

@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
-import structlog
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from policies.bench_codec import quiet_logs
 from policies.codec import encode_patch, read_patch_header
 from policies.corpus import generate_corpus
 from policies.views import ViewKind, ViewSpec, build_view
@@ -180,17 +178,6 @@ def _mean(rows: list[dict[str, object]], key: str) -> float:
     return sum(vals) / len(vals)
 
 
-@contextmanager
-def _quiet() -> Iterator[None]:
-    """Silence the codec's per-patch info lines while measuring (restores the config after)."""
-    old = structlog.get_config()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    try:
-        yield
-    finally:
-        structlog.configure(**old)
-
-
 def _table(report: dict[str, object]) -> str:
     lines = [
         f"model {report['model']} ({report['parameters']:,} parameters), "
@@ -228,7 +215,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     ks = tuple(int(k) for k in args.ks.split(","))
-    with _quiet():
+    with quiet_logs():
         report = run(
             args.model, steps=args.steps, lr=args.lr, master=args.master, ks=ks, seed=args.seed
         )

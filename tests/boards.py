@@ -1,4 +1,4 @@
-"""Boards of sprawl's tiny model for engine and sidecar tests."""
+"""Boards of sprawl's tiny model, and an engine serving one, for engine and sidecar tests."""
 
 from __future__ import annotations
 
