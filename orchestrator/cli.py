@@ -198,6 +198,7 @@ def _bench(argv: list[str]) -> int:
         "codec": "policies.bench_codec",
         "engine": "policies.bench_engine",
         "sync": "policies.bench_sync",
+        "sparsity": "policies.bench_sparsity",
         "async": "orchestrator.bench_async",
         "scheduler": "orchestrator.bench_scheduler",
     }
