@@ -202,8 +202,8 @@ class Board(BoardReader):
         """The pointer's version; if the pointer names a version without a manifest (damaged),
         the newest version that has one, so the next publish repairs the pointer."""
         latest = self.latest()
-        if latest is None:
-            return None
+        if latest is None or (self._head is not None and self._head.version == latest):
+            return latest  # nothing, or the version this publisher wrote last
         try:
             self.manifest(latest)
             return latest
