@@ -58,3 +58,26 @@ async def engine(
         )
         yield f"http://127.0.0.1:{port}"
         tg.cancel_scope.cancel()
+
+
+def adam_like_step(
+    state: dict[str, torch.Tensor], seed: int, density: float, float_noise: float = 0.0
+) -> dict[str, torch.Tensor]:
+    """A fraction ``density`` of the bf16 values move ±1 ulp (as Adam moves served weights);
+    other float tensors get N(0, ``float_noise``) added. Tied tensors stay tied."""
+    g = torch.Generator().manual_seed(seed)
+    made: dict[int, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if id(t) not in made:
+            new = t.clone()
+            if t.dtype == torch.bfloat16:
+                bits = new.view(torch.int16).reshape(-1)
+                hit = torch.rand(bits.numel(), generator=g) < density
+                step = torch.randint(0, 2, (int(hit.sum()),), generator=g) * 2 - 1
+                bits[hit] += step.to(torch.int16)
+            elif t.is_floating_point() and float_noise:
+                new += torch.randn(t.shape, generator=g) * float_noise
+            made[id(t)] = new
+        out[name] = made[id(t)]
+    return out

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 from policies.bench_sparsity import train_states
 from policies.board import WEIGHTS, Board, anchor_payload, redact
 from policies.errors import BoardError, PatchBaseMismatch, VersionCorrupt
+from tests.boards import adam_like_step
 
 State = dict[str, torch.Tensor]
 MakeBoard = Callable[..., Board]
@@ -79,22 +80,7 @@ def _model(seed: int) -> State:
 
 
 def _step(state: State, seed: int, density: float = 0.03) -> State:
-    """Adam-like move: a fraction of bf16 values move ±1 ulp, fp32 ones slightly."""
-    g = torch.Generator().manual_seed(seed)
-    made: dict[int, torch.Tensor] = {}
-    out: State = {}
-    for name, t in state.items():
-        if id(t) not in made:
-            new = t.clone()
-            if t.dtype == torch.bfloat16:
-                bits = new.view(torch.int16).reshape(-1)
-                hit = torch.rand(bits.numel(), generator=g) < density
-                bits[hit] += (torch.randint(0, 2, (int(hit.sum()),), generator=g) * 2 - 1).short()
-            elif t.is_floating_point():
-                new += torch.randn(t.shape, generator=g) * 1e-3
-            made[id(t)] = new
-        out[name] = made[id(t)]
-    return out
+    return adam_like_step(state, seed, density, float_noise=1e-3)
 
 
 def _chain(n: int, seed: int = 0) -> list[State]:

@@ -32,6 +32,7 @@ from policies.codec import (
     varint_planes,
     varint_values,
 )
+from tests.boards import adam_like_step
 
 State = dict[str, torch.Tensor]
 
@@ -165,21 +166,7 @@ def _model(seed: int) -> State:
 
 
 def _step(state: State, seed: int, density: float = 0.05) -> State:
-    """Adam-like move: a fraction of bf16 values move ±1 ulp (ties kept)."""
-    g = torch.Generator().manual_seed(seed)
-    out: State = {}
-    made: dict[int, torch.Tensor] = {}
-    for name, t in state.items():
-        if id(t) not in made:
-            new = t.clone()
-            if t.dtype == torch.bfloat16:
-                bits = new.view(torch.int16).reshape(-1)
-                hit = torch.rand(bits.numel(), generator=g) < density
-                step = torch.randint(0, 2, (int(hit.sum()),), generator=g) * 2 - 1
-                bits[hit] += step.to(torch.int16)
-            made[id(t)] = new
-        out[name] = made[id(t)]
-    return out
+    return adam_like_step(state, seed, density)
 
 
 def test_twenty_chained_patches_equal_the_direct_target() -> None:
