@@ -18,7 +18,7 @@ import zstandard
 
 from policies.codec_format import TensorRecord, parse_patch
 from policies.codec_ops import apply_section, unit_view
-from policies.digests import dtype_name, state_digest, tensor_checksum
+from policies.digests import StorageKey, dtype_name, state_digest, storage_key, tensor_checksum
 from policies.errors import PatchBaseMismatch, PatchChecksumMismatch, PatchCorrupt, PatchError
 
 log = structlog.get_logger("policies.codec")
@@ -74,7 +74,7 @@ def _build(
 def _destination(
     rec: TensorRecord,
     base: Mapping[str, torch.Tensor],
-    base_groups: Mapping[int, list[str]],
+    base_groups: Mapping[StorageKey, list[str]],
     target_group: Mapping[str, str],
     in_place: bool,
 ) -> torch.Tensor:
@@ -87,7 +87,7 @@ def _destination(
     if src.device.type != "cpu":
         raise PatchError(f"{rec.name}: apply_patch works on CPU tensors, got {src.device}")
     dst = src.detach()
-    sharers = base_groups.get(dst.untyped_storage().data_ptr(), [])
+    sharers = base_groups.get(storage_key(dst), [])
     shared = any(target_group.get(s, s) != rec.name for s in sharers if s != rec.name)
     if not in_place or (rec.length and (shared or not dst.is_contiguous())):
         dst = dst.contiguous().clone()
@@ -117,9 +117,9 @@ def apply_patch(
             f"patch expects base {header.base_digest}, got base {bdig}: apply the patch to the "
             "version it was made from (or fetch a patch or anchor for this base)"
         )
-    base_groups: dict[int, list[str]] = {}
+    base_groups: dict[StorageKey, list[str]] = {}
     for name, t in base.items():
-        base_groups.setdefault(t.untyped_storage().data_ptr(), []).append(name)
+        base_groups.setdefault(storage_key(t), []).append(name)
     target_group = {r.name: r.alias_of or r.name for r in header.tensors}
     out: dict[str, torch.Tensor] = {}
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:

@@ -33,7 +33,11 @@ def tensor_checksum(t: torch.Tensor) -> str:
     return xxhash.xxh3_128_hexdigest(raw_bytes(t).data)
 
 
-def storage_key(t: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...], str]:
+StorageKey = tuple[int, int, tuple[int, ...], tuple[int, ...], str]
+"""Storage address, offset, shape, stride and dtype: equal keys mean one tensor under two names."""
+
+
+def storage_key(t: torch.Tensor) -> StorageKey:
     return (
         t.untyped_storage().data_ptr(),
         int(t.storage_offset()),
@@ -45,7 +49,7 @@ def storage_key(t: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, 
 
 def checksums(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """Per-tensor checksums; names aliasing one storage are hashed once."""
-    seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], str], str] = {}
+    seen: dict[StorageKey, str] = {}
     out: dict[str, str] = {}
     for name, t in tensors.items():
         key = storage_key(t)
