@@ -24,6 +24,7 @@ from numba.extending import intrinsic, overload
 
 UInt = npt.NDArray[np.unsignedinteger[Any]]
 I64 = npt.NDArray[np.int64]
+U64 = npt.NDArray[np.uint64]
 U8 = npt.NDArray[np.uint8]
 
 ZERO = np.uint64(0)
@@ -71,14 +72,22 @@ def prefetch_write(typingctx, a, i):  # type: ignore[no-untyped-def]  # numba re
 
 
 @jit
+def _all_ones_if(bit: np.uint64) -> np.uint64:
+    """All ones when ``bit`` is non-zero, else zero, without a branch (the sign of a float is a
+    coin flip, so a branch on it mispredicts half the time and stalls the scattered writes)."""
+    return ZERO - np.uint64(bit != ZERO)
+
+
+@jit
 def _ordered(u: np.uint64, mask: np.uint64, sign: np.uint64) -> np.uint64:
-    """Sign-magnitude bits → integers whose order is the float order (a bijection)."""
-    return (~u & mask) if u & sign else (u | sign)
+    """Sign-magnitude bits → integers whose order is the float order (a bijection): negatives
+    have every bit flipped, non-negatives only the sign bit."""
+    return u ^ (sign | (_all_ones_if(u & sign) & mask))
 
 
 @jit
 def _unordered(o: np.uint64, mask: np.uint64, sign: np.uint64) -> np.uint64:
-    return (o ^ sign) if o & sign else (~o & mask)
+    return o ^ (mask ^ (_all_ones_if(o & sign) & (mask ^ sign)))
 
 
 @jit
@@ -90,7 +99,7 @@ def forward(b: np.uint64, t: np.uint64, coding: int, mask: np.uint64, sign: np.u
         b = _ordered(b, mask, sign)
         t = _ordered(t, mask, sign)
     d = (t - b) & mask
-    neg = mask if d & sign else ZERO
+    neg = _all_ones_if(d & sign) & mask
     return ((d << _ONE) ^ neg) & mask
 
 
@@ -133,7 +142,7 @@ def scan_changes(
     n = b.size
     lanes = 8 // unit_bytes(b)
     nwords = bw.size
-    changed_words = np.empty(chunk // lanes + 1, dtype=np.int64)
+    changed_words = np.empty(chunk // lanes + 1, dtype=np.uint64)
     at = np.empty(chunk + 8, dtype=np.int64)
     vals = np.empty((2, chunk + 8), dtype=b.dtype)
     ns = nb = nd = 0
@@ -142,18 +151,25 @@ def scan_changes(
         hi = min(lo + chunk, n)
         whi = min(hi // lanes, nwords)
         # Both loops store unconditionally and advance by the comparison: no data-dependent
-        # branches, which at 1-10% density would mispredict on most changed words.
-        kw = 0
-        for w in range(lo // lanes, whi):
+        # branches, which at 1-10% density would mispredict on most changed words. Their
+        # indices are unsigned: numba checks every signed index for wraparound (negative means
+        # from the end), which halves the speed of the word loop.
+        w0 = np.uint64(lo // lanes)
+        kw = np.uint64(0)
+        for i in range(whi - lo // lanes):
+            w = w0 + np.uint64(i)
             changed_words[kw] = w
-            kw += bw[w] != tw[w]
-        k = 0
+            kw += np.uint64(bw[w] != tw[w])
+        uk = np.uint64(0)
         for i in range(kw):
-            for u in range(changed_words[i] * lanes, (changed_words[i] + 1) * lanes):
-                at[k] = u
-                vals[0, k] = b[u]
-                vals[1, k] = t[u]
-                k += b[u] != t[u]
+            u0 = changed_words[i] * np.uint64(lanes)
+            for lane in range(lanes):
+                u = u0 + np.uint64(lane)
+                at[uk] = u
+                vals[0, uk] = b[u]
+                vals[1, uk] = t[u]
+                uk += np.uint64(b[u] != t[u])
+        k = int(np.int64(uk))  # signed again for the arithmetic below
         for u in range(max(whi * lanes, lo), hi):
             if b[u] != t[u]:
                 at[k] = u
