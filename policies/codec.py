@@ -60,7 +60,7 @@ from __future__ import annotations
 import json
 import os
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -80,20 +80,23 @@ from policies.codec_format import (
     TensorRecord,
     read_patch_header,
 )
+from policies.codec_kernels import UInt
 from policies.codec_ops import (
     BITMASK,
     DENSE,
     SPARSE,
+    Changes,
     Coding,
     decode_positions,
     encode_positions,
     encode_section,
-    find_changes,
+    start_changes,
     unit_view,
     varint_planes,
     varint_values,
 )
 from policies.digests import (
+    StorageKey,
     checksums,
     digest_of,
     dtype_name,
@@ -134,6 +137,8 @@ log = structlog.get_logger(__name__)
 
 _IN_FLIGHT = 2
 """Tensors whose sections may wait to be written and compressed while the next is scanned."""
+_AHEAD = 2
+"""Tensors whose scans are queued ahead of the one whose section is being written."""
 
 
 # -- encoding -------------------------------------------------------------------------------------
@@ -155,23 +160,11 @@ def _compress(raw: bytes | memoryview, level: int) -> bytes:
     return zstandard.ZstdCompressor(level=level, threads=threads).compress(raw)
 
 
-def _patch_job(
-    base: torch.Tensor, target: torch.Tensor, pool: ThreadPoolExecutor, level: int, chunk: int
-) -> tuple[Callable[[], bytes], int]:
-    """Scan ``base → target`` now (on ``pool``); return the job that writes and compresses the
-    section (empty when nothing changed), and the changed unit count."""
-    width = _width(target)
-    b = unit_view(raw_bytes(base), width)
-    t = unit_view(raw_bytes(target), width)
-    changes = find_changes(b, t, pool, chunk)
-    floating = target.dtype.is_floating_point
-
-    def job() -> bytes:
-        if not changes.changed:
-            return b""
-        return _compress(encode_section(b, t, changes, floating, chunk).data, level)
-
-    return job, changes.changed
+def _section(b: UInt, t: UInt, changes: Changes, floating: bool, level: int, chunk: int) -> bytes:
+    """The compressed section storing ``changes`` (empty when nothing changed)."""
+    if not changes.changed:
+        return b""
+    return _compress(encode_section(b, t, changes, floating, chunk).data, level)
 
 
 def encode_patch(
@@ -197,11 +190,9 @@ def encode_patch(
     tdig = digest_of((k, dtype_name(t), list(t.shape), sums[k]) for k, t in target.items())
     records: list[dict[str, Any]] = []
     sections: list[Future[bytes] | None] = []
-    primary: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], str], str] = {}
+    scans: list[tuple[int, UInt, UInt]] = []  # (record index, base units, target units)
+    primary: dict[StorageKey, str] = {}
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        # Tensors are scanned in turn (each on the whole pool) while the sections of the last
-        # few are written and compressed on the same pool; at most _IN_FLIGHT wait.
-        pending: deque[Future[bytes]] = deque()
         for name in sorted(target):
             t = target[name]
             rec: dict[str, Any] = {
@@ -222,16 +213,29 @@ def encode_patch(
                 section = pool.submit(_compress, raw_bytes(t).data, level)
                 rec.update(op="full", changed=rec["units"])
             else:
-                job, changed = _patch_job(b, t, pool, level, chunk)
-                section = pool.submit(job)
-                rec.update(op="patch", changed=changed)
+                w = rec["width"]
+                scans.append((len(records), unit_view(raw_bytes(b), w), unit_view(raw_bytes(t), w)))
+                rec.update(op="patch")
             primary.setdefault(key, name)
             records.append(rec)
             sections.append(section)
-            if section is not None:
-                pending.append(section)
-                if len(pending) > _IN_FLIGHT:
-                    pending.popleft().result()
+        # Each tensor's scan is queued _AHEAD tensors before its section is written, so the
+        # pool never idles between tensors; at most _IN_FLIGHT sections wait to be written
+        # and compressed (which bounds the scanned changes held in memory).
+        queued = deque(start_changes(bu, tu, pool, chunk) for _, bu, tu in scans[:_AHEAD])
+        pending: deque[Future[bytes]] = deque()
+        for k, (i, bu, tu) in enumerate(scans):
+            if k + _AHEAD < len(scans):
+                _, nb, nt = scans[k + _AHEAD]
+                queued.append(start_changes(nb, nt, pool, chunk))
+            changes = queued.popleft()()
+            records[i]["changed"] = changes.changed
+            floating = target[records[i]["name"]].dtype.is_floating_point
+            section = pool.submit(_section, bu, tu, changes, floating, level, chunk)
+            sections[i] = section
+            pending.append(section)
+            if len(pending) > _IN_FLIGHT:
+                pending.popleft().result()
         body = [s.result() if s is not None else b"" for s in sections]
     offset = 0
     for rec, data in zip(records, body, strict=True):

@@ -19,6 +19,8 @@ integers below 2**56.
 from __future__ import annotations
 
 import struct
+import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
@@ -236,8 +238,37 @@ class Changes(NamedTuple):
         return self.spos.size + self.bpos.size + self.dense_changed
 
 
+_local = threading.local()
+
+
+def _scratch(units: int, dtype: np.dtype[Any]) -> tuple[I64, UInt, I64, UInt]:
+    """This thread's output arrays for scanning ``units`` units (capacities as
+    :func:`policies.codec_kernels.scan_changes` needs), reused from job to job: allocating
+    them per job cost more than the scan at 1% density (page faults, and unmapping, which
+    interrupts the other threads)."""
+    key = (units, dtype)
+    if getattr(_local, "key", None) != key:
+        spos = np.empty(units // 8 + 1, dtype=np.int64)
+        bpos = np.empty(units // 2 + 1, dtype=np.int64)
+        _local.key = key
+        _local.arrays = (
+            spos,
+            np.empty((2, spos.size), dtype=dtype),
+            bpos,
+            np.empty((2, bpos.size), dtype=dtype),
+        )
+    arrays: tuple[I64, UInt, I64, UInt] = _local.arrays
+    return arrays
+
+
 def find_changes(b: UInt, t: UInt, pool: ThreadPoolExecutor, chunk: int) -> Changes:
     """Find and classify the changes of ``b → t`` (compiled; ~4 Mi-unit ranges on ``pool``)."""
+    return start_changes(b, t, pool, chunk)()
+
+
+def start_changes(b: UInt, t: UInt, pool: ThreadPoolExecutor, chunk: int) -> Callable[[], Changes]:
+    """Queue the scan of ``b → t`` on ``pool`` now; the returned call waits for its
+    :class:`Changes` (so the encoder can queue the next tensors' scans before waiting)."""
     n = b.size
     nchunks = -(-n // chunk)
     lanes = 8 // b.itemsize
@@ -248,25 +279,26 @@ def find_changes(b: UInt, t: UInt, pool: ThreadPoolExecutor, chunk: int) -> Chan
 
     def job(c0: int) -> tuple[I64, UInt, I64, UInt, int]:
         c1 = min(c0 + step, nchunks)
-        size = min(c1 * chunk, n) - c0 * chunk
-        spos = np.empty(size // 8 + 1, dtype=np.int64)
-        bpos = np.empty(size // 2 + 1, dtype=np.int64)
-        svals = np.empty((2, spos.size), dtype=b.dtype)
-        bvals = np.empty((2, bpos.size), dtype=b.dtype)
+        spos, svals, bpos, bvals = _scratch(step * chunk, b.dtype)
         ns, nb, nd = scan_changes(b, t, bw, tw, c0, c1, chunk, modes, spos, svals, bpos, bvals)
-        return spos[:ns], svals[:, :ns], bpos[:nb], bvals[:, :nb], nd
+        return spos[:ns].copy(), svals[:, :ns].copy(), bpos[:nb].copy(), bvals[:, :nb].copy(), nd
 
-    parts = list(pool.map(job, range(0, nchunks, step)))
-    pos: list[I64] = [np.empty(0, dtype=np.int64)]
-    vals: list[UInt] = [np.empty((2, 0), dtype=b.dtype)]
-    return Changes(
-        modes=modes,
-        spos=np.concatenate(pos + [p[0] for p in parts]),
-        svals=np.concatenate(vals + [p[1] for p in parts], axis=1),
-        bpos=np.concatenate(pos + [p[2] for p in parts]),
-        bvals=np.concatenate(vals + [p[3] for p in parts], axis=1),
-        dense_changed=sum(p[4] for p in parts),
-    )
+    jobs = [pool.submit(job, c0) for c0 in range(0, nchunks, step)]
+
+    def collect() -> Changes:
+        parts = [j.result() for j in jobs]
+        pos: list[I64] = [np.empty(0, dtype=np.int64)]
+        vals: list[UInt] = [np.empty((2, 0), dtype=b.dtype)]
+        return Changes(
+            modes=modes,
+            spos=np.concatenate(pos + [p[0] for p in parts]),
+            svals=np.concatenate(vals + [p[1] for p in parts], axis=1),
+            bpos=np.concatenate(pos + [p[2] for p in parts]),
+            bvals=np.concatenate(vals + [p[3] for p in parts], axis=1),
+            dense_changed=sum(p[4] for p in parts),
+        )
+
+    return collect
 
 
 def _sample(b: UInt, t: UInt, ch: Changes, chunk: int) -> tuple[UInt, UInt]:
