@@ -292,6 +292,14 @@ def test_bench_codec_small_run_is_exact_and_complete(capsys: pytest.CaptureFixtu
     assert all(r["exact"] for r in report["rows"])
     assert sprawl[0.01]["bits_per_changed_element"] < 16
     assert sprawl[0.01]["patch_bytes"] < sprawl[0.01]["full_bytes"] / 50
+    assert report["huge_pages"] is True  # measured in the memory a receiver patches
+
+
+def test_bench_codec_can_measure_plain_pages(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_codec.main(["--size-mb", "1", "--repeats", "1", "--json", "--plain-pages"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["huge_pages"] is False
+    assert all(r["exact"] for r in report["rows"])
 
 
 def test_encode_and_apply_log_one_line_each() -> None:
