@@ -14,9 +14,7 @@ codec timing with the memcpy timed next to it.
 
 The int32 baseline applies with a compiled scatter of its stored values (one thread per tensor,
 as the codec): no decoding at all, so its ``apply_time_vs_copy`` is the memory floor of any
-in-place sparse apply on this machine. Every view the run reads or writes (base, copies, memcpy
-destination) lives in the huge-page arena a receiver keeps its view in (:mod:`policies.arena`);
-``--plain-pages`` measures ordinary allocations instead (``huge_pages`` in the report).
+in-place sparse apply on this machine.
 """
 
 from __future__ import annotations
@@ -36,7 +34,6 @@ import structlog
 import torch
 import zstandard
 
-from policies.arena import pack
 from policies.codec import apply_patch, checksums, encode_patch, read_patch_header, state_digest
 from policies.codec_kernels import jit
 from policies.views import ViewSpec, build_view
@@ -55,14 +52,9 @@ class _Timer:
     taken minutes apart.
     """
 
-    def __init__(self, view: State, repeats: int, huge_pages: bool) -> None:
-        self.huge_pages = huge_pages
-        self._view, self._dst, self.repeats = view, self.fresh(view), repeats
+    def __init__(self, view: State, repeats: int) -> None:
+        self._view, self._dst, self.repeats = view, _copy(view), repeats
         self.copies: list[float] = []
-
-    def fresh(self, state: State) -> State:
-        """A copy of ``state`` in the memory the run measures (huge pages or plain)."""
-        return pack(state) if self.huge_pages else {k: v.clone() for k, v in state.items()}
 
     def _copy_time(self) -> float:
         start = time.perf_counter()
@@ -86,7 +78,7 @@ class _Timer:
 
 
 def make_view(size_mb: int, seed: int) -> State:
-    """A bf16 view of about ``size_mb`` MiB in tensors of at most 32 MiB (plain memory)."""
+    """A bf16 view of about ``size_mb`` MiB in tensors of at most 32 MiB."""
     gen = torch.Generator().manual_seed(seed)
     total = size_mb * (1 << 20) // 2
     out: State = {}
@@ -115,6 +107,10 @@ def adam_like(view: State, density: float, seed: int) -> State:
         bits[pos] += step
         out[name] = torch.from_numpy(bits).view(torch.bfloat16).reshape(t.shape)
     return out
+
+
+def _copy(state: State) -> State:
+    return {k: v.clone() for k, v in state.items()}
 
 
 def _equal(a: State, b: State) -> bool:
@@ -156,11 +152,11 @@ def _bench_sprawl(base: State, target: State, full: int, timer: _Timer) -> dict[
     patch = encode_patch(base, target, base_digest=bdig, target_checksums=tsums)
     enc = timer.best(lambda _: encode_patch(base, target, base_digest=bdig, target_checksums=tsums))
     cold = timer.best(lambda _: encode_patch(base, target))
-    app = timer.best(lambda s: apply_patch(s, patch, base_digest=bdig), lambda: timer.fresh(base))
+    app = timer.best(lambda s: apply_patch(s, patch, base_digest=bdig), lambda: _copy(base))
     raw = timer.best(
-        lambda s: apply_patch(s, patch, base_digest=bdig, verify=False), lambda: timer.fresh(base)
+        lambda s: apply_patch(s, patch, base_digest=bdig, verify=False), lambda: _copy(base)
     )
-    result = apply_patch(timer.fresh(base), patch, base_digest=bdig)
+    result = apply_patch(_copy(base), patch, base_digest=bdig)
     changed = read_patch_header(patch).changed
     row = _row("sprawl", len(patch), changed, full, enc, app, _equal(result, target))
     row.update(
@@ -203,8 +199,8 @@ def _apply_index_raw(state: State, p: dict[str, tuple[np.ndarray, np.ndarray]]) 
 def _bench_index_raw(base: State, target: State, full: int, timer: _Timer) -> dict[str, Any]:
     patch = _index_raw(base, target)
     enc = timer.best(lambda _: _index_raw(base, target))
-    app = timer.best(lambda s: _apply_index_raw(s, patch), lambda: timer.fresh(base))
-    state = timer.fresh(base)
+    app = timer.best(lambda s: _apply_index_raw(s, patch), lambda: _copy(base))
+    state = _copy(base)
     _apply_index_raw(state, patch)
     changed = sum(i.size for i, _ in patch.values())
     return _row("int32_index_raw", 6 * changed, changed, full, enc, app, _equal(state, target))
@@ -228,8 +224,8 @@ def _apply_xor_zstd(state: State, p: dict[str, bytes]) -> None:
 def _bench_xor_zstd(base: State, target: State, full: int, timer: _Timer) -> dict[str, Any]:
     patch = _xor_zstd(base, target)
     enc = timer.best(lambda _: _xor_zstd(base, target))
-    app = timer.best(lambda s: _apply_xor_zstd(s, patch), lambda: timer.fresh(base))
-    state = timer.fresh(base)
+    app = timer.best(lambda s: _apply_xor_zstd(s, patch), lambda: _copy(base))
+    state = _copy(base)
     _apply_xor_zstd(state, patch)
     changed = sum(
         int((base[k].view(torch.int16) != target[k].view(torch.int16)).sum()) for k in base
@@ -238,9 +234,7 @@ def _bench_xor_zstd(base: State, target: State, full: int, timer: _Timer) -> dic
     return _row("dense_xor_zstd1", size, changed, full, enc, app, _equal(state, target))
 
 
-def run(
-    size_mb: int, repeats: int, densities: tuple[float, ...] = DENSITIES, huge_pages: bool = True
-) -> dict[str, Any]:
+def run(size_mb: int, repeats: int, densities: tuple[float, ...] = DENSITIES) -> dict[str, Any]:
     """Run the whole benchmark and return its report.
 
     Every codec timing is paired with a memcpy timed just before it (:class:`_Timer`); a row's
@@ -248,14 +242,12 @@ def run(
     best of all.
     """
     base = make_view(size_mb, seed=0)
-    if huge_pages:
-        base = pack(base)
     full = sum(t.numel() * t.element_size() for t in base.values())
     rows = []
     for i, density in enumerate(densities):
         target = adam_like(base, density, seed=i + 1)
         for bench in (_bench_sprawl, _bench_index_raw, _bench_xor_zstd):
-            timer = _Timer(base, repeats, huge_pages)
+            timer = _Timer(base, repeats)
             row = bench(base, target, full, timer)
             row.update(density=density, memcpy_gbps=_gbps(full, min(timer.copies)))
             rows.append(row)
@@ -264,7 +256,6 @@ def run(
         "full_bytes": full,
         "memcpy_gbps": max(r["memcpy_gbps"] for r in rows),
         "threads": torch.get_num_threads(),
-        "huge_pages": huge_pages,
         "rows": rows,
     }
 
@@ -318,8 +309,7 @@ def _table(report: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(
-        title=f"patch codec on a {report['size_mb']} MiB bf16 view "
-        f"({'huge' if report['huge_pages'] else 'plain'} pages) — best memcpy "
+        title=f"patch codec on a {report['size_mb']} MiB bf16 view — best memcpy "
         f"{report['memcpy_gbps']:.2f} GB/s ({report['threads']} threads); ratios use the "
         "memcpy timed next to each timing"
     )
@@ -393,11 +383,6 @@ def main(argv: list[str]) -> int:
         help="instead: changed fraction of quantized views per scale policy",
     )
     parser.add_argument("--lr", type=float, default=1e-6, help="--churn: Adam step size")
-    parser.add_argument(
-        "--plain-pages",
-        action="store_true",
-        help="measure on ordinary allocations instead of the receiver's huge-page arena",
-    )
     args = parser.parse_args(argv)
     if args.churn:
         with quiet_logs():
@@ -408,7 +393,7 @@ def main(argv: list[str]) -> int:
             _churn_table(rows, args.lr)
         return 0
     with quiet_logs():
-        report = run(args.size_mb, args.repeats, huge_pages=not args.plain_pages)
+        report = run(args.size_mb, args.repeats)
     if args.json:
         print(json.dumps(report, indent=1))
     else:

@@ -17,7 +17,6 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from policies import board_plan
-from policies.arena import pack
 from policies.board_store import Store
 from policies.board_types import BoardOptions, CatchUp, Manifest, Step, TensorEntry
 from policies.codec import apply_patch, read_patch_header
@@ -274,12 +273,9 @@ class BoardReader:
         except FileNotFoundError:
             raise VersionCorrupt(f"version {m.version}: {WEIGHTS} is missing") from None
         try:
-            loaded = st_load(payload)
+            tensors = st_load(payload)
         except Exception as exc:  # safetensors raises its own untyped errors on torn files
             raise VersionCorrupt(f"version {m.version}: weights unreadable: {exc}") from None
-        del payload
-        tensors = pack(loaded)  # patches are applied into this view: keep it on huge pages
-        del loaded
         for alias, primary in m.aliases.items():
             if primary not in tensors:
                 raise VersionCorrupt(f"version {m.version}: alias {alias} of missing {primary}")

@@ -32,7 +32,6 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from policies.arena import pack
 from policies.batching import BatchScheduler, Generation, QuiesceMode, sample_token
 from policies.errors import BadRequest
 from policies.lane import GenerateChoice, GenerateRequest
@@ -70,12 +69,6 @@ class Engine:
         self.dtype = dtype or torch.float32
         self.model = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype)  # type: ignore[no-untyped-call]
         self.model.to(self.device).eval()
-        if self.device.type == "cpu":
-            # patches and activations write into these in place: keep them on huge pages
-            state = self.model.state_dict(keep_vars=True)
-            packed = pack({name: t.data for name, t in state.items()})
-            for name, t in state.items():
-                t.data = packed[name]
         self.max_context = int(getattr(self.config, "max_position_embeddings", 2048))
         self.eos_ids = set(_eos_ids(model_dir, self.tokenizer))
         self.name = model_dir.name
