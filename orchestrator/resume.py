@@ -24,7 +24,8 @@ The run directory is kept; the run continues from its logs and the trainer's che
 
 Engines are fresh subprocesses (the old ones exit with their parent); ``admin.json`` is
 rewritten. The accounting rule (``docs/trajectory-schema.md``) holds across the restart:
-:func:`orchestrator.accounting.account`.
+:func:`orchestrator.accounting.account`. When the resumed process ends, its summary counts the
+whole run: :func:`read_run` again, on the closed logs (:meth:`orchestrator.run.RunSummary.cover`).
 """
 
 from __future__ import annotations
@@ -73,6 +74,22 @@ class LoggedRun:
     """Group ids an earlier restart already listed in a ``lost`` event."""
     next_seq: int = 0
     """The event log's next ``seq``."""
+    steps: int = 0
+    """Batch records: trainer steps the run has recorded."""
+    rewards: list[float] = field(default_factory=list)
+    """``reward_mean`` of each batch record that has one (every orchestrator's does), in order."""
+    resumed_at: list[int] = field(default_factory=list)
+    """Trainer version of each ``resumed`` event: the step each restart continued from."""
+
+    @property
+    def episodes(self) -> int:
+        """Episodes in the recorded groups (each counted once)."""
+        return sum(len(g.episodes) for g, _ in self.groups.values())
+
+    @property
+    def dropped_groups(self) -> int:
+        """Recorded groups the staleness policy (or a stop) dropped."""
+        return sum(d.decision == "dropped" for _, d in self.groups.values())
 
 
 @dataclass
@@ -125,6 +142,8 @@ def read_run(run_dir: Path) -> LoggedRun:
             logged.admitted.append(ev.get("group_id") or f"g{ev['index']:06d}")
         elif ev["kind"] == "lost":
             logged.lost.update(ev["group_ids"])
+        elif ev["kind"] == "resumed":
+            logged.resumed_at.append(ev["trainer_version"])
     logged.next_seq = events[-1]["seq"] + 1 if events else 0
     traj = run_dir / "trajectories"
     for r in episode_records(traj):
@@ -137,6 +156,9 @@ def read_run(run_dir: Path) -> LoggedRun:
     for b in batch_records(traj):
         logged.trained.update(b.groups)
         logged.last_version = max(logged.last_version, b.produced_version)
+        logged.steps += 1
+        if "reward_mean" in b.metrics:
+            logged.rewards.append(b.metrics["reward_mean"])
     return logged
 
 
@@ -174,12 +196,12 @@ def reconcile(logged: LoggedRun, *, trainer_version: int, groups_per_batch: int)
             "of another run?)"
         )
     unrecorded = [g for g in logged.admitted if g not in logged.groups]
-    dropped = sum(d.decision == "dropped" for _, d in logged.groups.values())
     indices = [int(g[1:]) for g in [*logged.admitted, *logged.groups]]
     return Reconciliation(
         trainer_version=trainer_version,
         next_index=max(indices) + 1 if indices else 0,
-        dropped=dropped + len(unrecorded),  # never trained: their admission slots are free
+        # never trained: their admission slots are free
+        dropped=logged.dropped_groups + len(unrecorded),
         restored=kept,
         lost=[g for g in unrecorded if g not in logged.lost],
         reconstructed=reconstructed,

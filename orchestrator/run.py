@@ -61,6 +61,10 @@ log = structlog.get_logger(__name__)
 
 @dataclass
 class RunSummary:
+    """What a run did, printed when it ends. A resumed run's steps, episodes, dropped groups and
+    rewards are the whole run's, read from its logs (:meth:`cover`); ``served`` and ``seconds``
+    are always this process's."""
+
     run_dir: Path
     steps: int = 0
     episodes: int = 0
@@ -69,12 +73,31 @@ class RunSummary:
     served: dict[str, dict[int, int]] = field(default_factory=dict)
     interrupted: bool = False
     seconds: float = 0.0
+    resumed_at: list[int] = field(default_factory=list)
+    """The step (trainer version) each restart continued from; empty for a run never resumed."""
+
+    def cover(self, logged: resume.LoggedRun) -> None:
+        """Count the whole run its logs describe (every process's records) instead of this
+        process's share, so a resumed run's summary reads as one run from step 0."""
+        self.steps = logged.steps
+        self.episodes = logged.episodes
+        self.dropped_groups = logged.dropped_groups
+        self.rewards = list(logged.rewards)
+        self.resumed_at = list(logged.resumed_at)
 
     def render(self) -> str:
         lines = [
             f"run dir:   {self.run_dir}",
             f"status:    {'interrupted' if self.interrupted else 'finished'} "
             f"in {self.seconds:.1f}s",
+        ]
+        if self.resumed_at:
+            at = ", ".join(str(v) for v in self.resumed_at)
+            lines.append(
+                f"resumed:   at step{'s' * (len(self.resumed_at) > 1)} {at} "
+                "(counts: the whole run; time and calls served: since the restart)"
+            )
+        lines += [
             f"steps:     {self.steps}",
             f"episodes:  {self.episodes} ({self.dropped_groups} groups dropped)",
             "reward:    " + (" → ".join(f"{r:.3f}" for r in self.rewards) or "n/a"),
@@ -146,6 +169,7 @@ async def run(cfg: Config) -> RunSummary:
         if sink.version >= cfg.trainer.max_steps:  # nothing left to train
             trajlog.close()
             summary.seconds = time.perf_counter() - t0
+            summary.cover(await anyio.to_thread.run_sync(resume.read_run, run_dir))
             return summary
     log.info("run_started", run_dir=str(run_dir), board=cfg.board_url)
 
@@ -195,6 +219,8 @@ async def run(cfg: Config) -> RunSummary:
             trajlog.close()
             summary.seconds = time.perf_counter() - t0
         tg.cancel_scope.cancel()
+    if logged is not None:  # resumed: the whole run, from the logs now closed
+        summary.cover(await anyio.to_thread.run_sync(resume.read_run, run_dir))
     return summary
 
 

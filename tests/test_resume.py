@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import time
@@ -30,7 +31,14 @@ from orchestrator.resume import (
     reconcile,
     start,
 )
-from orchestrator.trajlog import TrajectoryLog, batch_records, parts, scan_frames
+from orchestrator.run import RunSummary
+from orchestrator.trajlog import (
+    TrajectoryLog,
+    batch_records,
+    episode_records,
+    parts,
+    scan_frames,
+)
 from orchestrator.types import Batch, GroupDecision
 from policies.board import Board
 
@@ -122,7 +130,8 @@ def _synthetic_run(run_dir: Path) -> None:
         events.emit("admit", index=i, group_id=f"g{i:06d}", task_id="t", admitted=i + 1, budget=9)
     for g, d in zip(groups, kept, strict=True):
         tlog.write_group(g, d, trainer_version=0)
-    tlog.write_batch(Batch(version=0, groups=groups[:2], decisions=kept[:2]), 1, {"loss": 0.0})
+    batch = Batch(version=0, groups=groups[:2], decisions=kept[:2])
+    tlog.write_batch(batch, 1, {"loss": 0.0, "reward_mean": 0.25})
     tlog.close()
     events.close()  # writes nothing more: the admits flushed everything before them
 
@@ -159,6 +168,30 @@ def test_a_restart_writes_what_it_reconciled_and_the_accounting_balances(tmp_pat
     assert json.loads((run_dir / "trajectories" / "run.json").read_text())["run"] == "r"
 
 
+def test_a_restart_s_summary_counts_the_whole_run_from_its_logs(tmp_path: Path) -> None:
+    run_dir = tmp_path / "r"
+    _synthetic_run(run_dir)
+    cfg = load_config(None, {"run.root": str(tmp_path), "run.name": "r", "run.resume": True})
+    logged = read_run(run_dir)
+    tlog = TrajectoryLog(run_dir / "trajectories", run="r", append=True)
+    tlog.events = EventLog.for_run(run_dir / "events", cfg, first_seq=logged.next_seq)
+    rec = start(logged, tlog, trainer_version=2, cfg=cfg)  # rebuilds the second step's record
+    tlog.close()
+    assert rec.reconstructed is not None
+    rebuilt = [e.reward for g in rec.reconstructed.groups for e in g.episodes]
+
+    summary = RunSummary(run_dir=run_dir)
+    summary.cover(read_run(run_dir))
+    acc = account(run_dir).counts()
+    assert summary.steps == acc["batches"] == 2
+    assert summary.episodes == 2 * (acc["trained"] + acc["dropped"] + acc["unbatched"]) == 8
+    assert summary.dropped_groups == acc["dropped"] == 0
+    assert summary.rewards == pytest.approx([0.25, sum(rebuilt) / len(rebuilt)])
+    assert summary.resumed_at == [2]
+    assert "resumed:   at step 2 " in summary.render()
+    assert "resumed" not in RunSummary(run_dir=run_dir, steps=2).render()  # a fresh run's
+
+
 def test_resume_names_what_is_missing_or_changed(tmp_path: Path) -> None:
     base = {"run.root": str(tmp_path), "run.name": "r", "run.resume": True}
     with pytest.raises(ConfigError, match="holds no trajectory log"):
@@ -177,8 +210,14 @@ def _orchestrate(tmp_path: Path, model_dir: Path, *extra: str, train: bool = Fal
     )
 
 
-def _kill_after(proc: subprocess.Popen[str], marker: str, count: int = 1) -> str:
-    """SIGKILL ``proc`` once ``marker`` appeared ``count`` times on its stderr; its stderr."""
+def _kill_after(
+    proc: subprocess.Popen[str],
+    marker: str,
+    count: int = 1,
+    sig: signal.Signals = signal.SIGKILL,
+) -> tuple[str, str]:
+    """Send ``sig`` to ``proc`` once ``marker`` appeared ``count`` times on its stderr; its
+    stderr up to then, and its stdout (empty when not piped)."""
     assert proc.stderr is not None
     lines: list[str] = []
     deadline = time.monotonic() + 300
@@ -186,9 +225,9 @@ def _kill_after(proc: subprocess.Popen[str], marker: str, count: int = 1) -> str
         line = proc.stderr.readline()
         assert line, "".join(lines[-20:])
         lines.append(line)
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=60)
-    return "".join(lines)
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=60)
+    return "".join(lines), out or ""
 
 
 def _drop_last_batch_record(traj: Path) -> tuple[int, list[str]] | None:
@@ -202,6 +241,23 @@ def _drop_last_batch_record(traj: Path) -> tuple[int, list[str]] | None:
     part.write_bytes(b"".join(cctx.compress(f) for f in frames[:-1]))
     last = json.loads(frames[-1])
     return last["produced_version"], last["groups"]
+
+
+def _summary(stdout: str) -> dict[str, int]:
+    """The counts of the summary ``orchestrate`` prints when a run ends (``rewards``: how many
+    per-step rewards; ``resumed``: the step the last restart continued from, absent when the run
+    never resumed)."""
+    found = {
+        "steps": re.search(r"^steps: +(\d+)$", stdout, re.M),
+        "episodes": re.search(r"^episodes: +(\d+) ", stdout, re.M),
+        "dropped": re.search(r"^episodes: .*\((\d+) groups dropped\)$", stdout, re.M),
+        "resumed": re.search(r"^resumed: +at steps? (?:\d+, )*(\d+) ", stdout, re.M),
+    }
+    counts = {k: int(m.group(1)) for k, m in found.items() if m}
+    rewards = re.search(r"^reward: +(.+)$", stdout, re.M)
+    if rewards and rewards.group(1) != "n/a":
+        counts["rewards"] = len(rewards.group(1).split(" → "))
+    return counts
 
 
 def _gone(pids: list[int]) -> bool:
@@ -230,7 +286,7 @@ def test_an_orchestrator_killed_mid_run_resumes_to_max_steps(
         stderr=subprocess.PIPE,
         text=True,
     )
-    err = _kill_after(proc, '"trainer_step"')
+    err, _ = _kill_after(proc, '"trainer_step"')
     engines = [json.loads(line)["pid"] for line in err.splitlines() if '"engine_started"' in line]
     assert len(engines) == 2
     assert _gone(engines), "engines outlived their killed orchestrator"
@@ -263,9 +319,51 @@ def test_an_orchestrator_killed_mid_run_resumes_to_max_steps(
     acc = account(run_dir)
     assert acc.ok, acc.problems
     assert acc.counts()["unaccounted"] == acc.counts()["duplicated"] == 0
+    assert _summary(again.stdout)["steps"] == 4  # the whole run's, not the restart's share
+    assert _summary(again.stdout)["resumed"] == resumed[0]["trainer_version"]
     # admissions (budget carried over by `resumed`) and staleness decisions re-simulate exactly
     resim = resimulate(read_events(run_dir), trajectories=run_dir / "trajectories")
     assert resim.ok, resim.mismatches
+
+
+@pytest.mark.slow
+def test_a_resumed_run_s_summary_counts_the_whole_run(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Stopped (SIGINT) after its first step, then resumed: the first summary is that part's,
+    the resumed one the whole run's, as the accounting counts it, with the step it resumed at."""
+    proc = subprocess.Popen(
+        _orchestrate(tmp_path, tiny_model_dir),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _, out = _kill_after(proc, '"trainer_step"', sig=signal.SIGINT)
+    assert proc.returncode == 130
+    first = _summary(out)
+    assert "resumed" not in first
+    assert 1 <= first["steps"] < 4
+
+    again = subprocess.run(
+        _orchestrate(tmp_path, tiny_model_dir, "--run.resume", "true"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    run_dir = tmp_path / "demo"
+    whole = _summary(again.stdout)
+    acc = account(run_dir)
+    assert acc.ok, acc.problems
+    counts = acc.counts()
+    recorded = counts["trained"] + counts["dropped"] + counts["unbatched"]
+    group_size = load_config(Path("configs/demo.toml"), {}).scheduler.group_size
+    episodes = {r.episode.id for r in episode_records(run_dir / "trajectories")}
+    assert whole["steps"] == counts["batches"] == 4
+    assert whole["episodes"] == len(episodes) == group_size * recorded
+    assert whole["episodes"] > first["episodes"]
+    assert whole["dropped"] == counts["dropped"]
+    resumed = [e for e in read_events(run_dir) if e["kind"] == "resumed"]
+    assert whole["resumed"] == resumed[0]["trainer_version"] >= first["steps"]
+    assert whole["rewards"] == 4  # one per step
 
 
 @pytest.mark.slow
