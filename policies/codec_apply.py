@@ -3,8 +3,7 @@
 Integrity is checked in this order: the frame checksum (:func:`parse_patch`), the base digest,
 then, with ``verify=True``, every written tensor against the target's xxh3-128 checksum. Tensors
 are decompressed, patched (compiled, :func:`policies.codec_ops.apply_section`) and verified on a
-thread pool, one tensor per task; a patched tensor is hashed a window at a time right after the
-window is written, so verifying reads it once more from cache rather than from memory.
+thread pool, one tensor per task.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 import torch
-import xxhash
 import zstandard
 
 from policies.codec_format import TensorRecord, parse_patch
@@ -33,19 +31,14 @@ def _decompress(data: memoryview, name: str) -> bytes:
         raise PatchCorrupt(f"{name}: section does not decompress: {exc}") from exc
 
 
-def _apply_section(
-    dst: torch.Tensor, rec: TensorRecord, data: bytes, chunk: int, verify: bool
-) -> str | None:
-    """Patch ``dst`` in place; with ``verify``, the xxh3-128 of the result, hashed as written."""
+def _apply_section(dst: torch.Tensor, rec: TensorRecord, data: bytes, chunk: int) -> None:
     units = unit_view(dst.reshape(-1).view(torch.uint8).numpy(), rec.width)
     if units.size != rec.units:
         raise PatchBaseMismatch(f"{rec.name}: base has {units.size} units, patch {rec.units}")
-    hasher = xxhash.xxh3_128() if verify else None
     try:
-        apply_section(units, data, chunk, hasher)
+        apply_section(units, data, chunk)
     except ValueError as exc:
         raise PatchCorrupt(f"{rec.name}: {exc}") from exc
-    return None if hasher is None else hasher.hexdigest()
 
 
 def _target_tensor(rec: TensorRecord, data: bytes) -> torch.Tensor:
@@ -63,18 +56,18 @@ def _build(
     rec: TensorRecord, section: memoryview, dst: torch.Tensor | None, chunk: int, verify: bool
 ) -> torch.Tensor:
     """One target tensor: decompressed (``full``) or ``dst`` patched in place, then verified."""
-    got = None
     if dst is None:
         out = _target_tensor(rec, _decompress(section, rec.name))
-        got = tensor_checksum(out) if verify else None
     else:
         if rec.length:
-            got = _apply_section(dst, rec, _decompress(section, rec.name), chunk, verify)
+            _apply_section(dst, rec, _decompress(section, rec.name), chunk)
         out = dst
-    if got is not None and got != rec.checksum:
-        raise PatchChecksumMismatch(
-            f"{rec.name}: patched tensor checksum {got} != target {rec.checksum}"
-        )
+    if verify and (dst is None or rec.length):
+        got = tensor_checksum(out)
+        if got != rec.checksum:
+            raise PatchChecksumMismatch(
+                f"{rec.name}: patched tensor checksum {got} != target {rec.checksum}"
+            )
     return out
 
 

@@ -2,10 +2,9 @@
 
 See :mod:`policies.codec_kernels` for how the kernels are compiled and cached.
 
-Guarantees: :func:`prepare` checks the whole section against the tensor before anything is
-written and returns a non-zero :data:`ERRORS` code when it does not fit; :func:`apply_chunks`
-then writes the changes in position order, a stretch of chunks per call, and never outside
-the tensor.
+Guarantees: :func:`apply_changes` checks the whole section against the tensor before writing
+anything and returns a non-zero :data:`ERRORS` code (nothing written) when it does not fit;
+it never writes outside the tensor.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ ERRORS = {
     7: "sparse position past the tensor end",
     8: "bitmask position past its chunk",
 }
-"""What a non-zero return of :func:`prepare` means (the caller raises it as corruption)."""
+"""What a non-zero return of :func:`apply_changes` means (the caller raises it as corruption)."""
 
 
 @jit
@@ -177,15 +176,8 @@ def _check_layout(
     return 0
 
 
-STATE = 9
-"""Entries of the decoder state (:func:`prepare` fills it, :func:`apply_chunks` carries it on):
-next chunk, gaps decoded, last decoded sparse position (still to write; the unit count once none
-are left), next bitmask value, next dense value, bitmask rank, sparse count, where the bitmask
-rows start, where the values start."""
-
-
 @jit
-def prepare(
+def apply_changes(
     units: UInt,
     buf: U8,
     start: int,
@@ -193,99 +185,46 @@ def prepare(
     n_vals: int,
     n_bm: int,
     chunk: int,
-    pstart: I64,
-    cur: I64,
-    state: I64,
+    coding: int,
+    mask: np.uint64,
+    sign: np.uint64,
 ) -> int:
-    """Check a whole section against ``units`` and set up the decoder; 0 or an error code.
+    """Write the changes of an uncompressed section into ``units``; 0 or an error code.
 
     ``buf`` is the whole section, ``start`` where its MODES begin, ``lens`` its gap plane
-    lengths. Fills ``pstart`` (where each gap plane starts), ``cur`` (the planes' cursors) and
-    ``state`` for :func:`apply_chunks`. Nothing is written to ``units``.
+    lengths. Everything is checked first; on an error nothing has been written.
     """
     err = _check_layout(units, buf, start, lens, n_vals, n_bm, chunk)
-    n = units.size
-    nchunks = (n + chunk - 1) // chunk
+    nchunks = (units.size + chunk - 1) // chunk
+    pstart = np.empty(lens.size, dtype=np.int64)
     off = start + nchunks
     for k in range(lens.size):
         pstart[k] = off
         off += lens[k]
     if err == 0:
-        err = _check_varints(buf, pstart, lens, n)
+        err = _check_varints(buf, pstart, lens, units.size)
     if err:
         return err
-    n_sparse = lens[0] if lens.size else 0
-    dense = 0
-    for c in range(nchunks):
-        if buf[start + c] == 3:
-            dense += min(chunk, n - c * chunk)
-    cur[:] = 0
-    state[0] = 0
-    state[1] = 0
-    state[2] = n
-    if n_sparse:
-        state[1] = 1
-        state[2] = _varint(buf, pstart, cur, 0)
-    state[3] = n_sparse
-    state[4] = n_vals - dense
-    state[5] = 0
-    state[6] = n_sparse
-    state[7] = off
-    state[8] = off + n_bm * (chunk // 8)
-    return 0
-
-
-@jit
-def apply_chunks(
-    units: UInt,
-    buf: U8,
-    pstart: I64,
-    cur: I64,
-    state: I64,
-    start: int,
-    n_vals: int,
-    chunk: int,
-    stop: int,
-    coding: int,
-    mask: np.uint64,
-    sign: np.uint64,
-) -> None:
-    """Write the changes of chunks ``state[0] … stop`` into ``units``, in position order.
-
-    Resumable: ``state`` and ``cur`` carry the decoder from one call to the next, so a caller
-    can hash each stretch of ``units`` right after it is written. Call :func:`prepare` first
-    (it checks the section). Sparse positions are written while they fall before the end of
-    the chunk at hand, whatever its mode: in a section the encoder wrote they all sit in
-    sparse chunks, and in any other checked section they still stay inside ``units``.
-    """
-    n = units.size
-    n_sparse, rows, vstart = state[6], state[7], state[8]
+    vstart = off + n_bm * (chunk // 8)
+    # Positions are produced a block at a time and then written by _write_block.
+    cur = np.zeros(lens.size, dtype=np.int64)
     at = np.zeros(BLOCK + AHEAD, dtype=np.uint64)  # slack: see _write_block
     z = np.empty(BLOCK, dtype=np.uint64)
-    for c in range(state[0], stop):
-        end = min((c + 1) * chunk, n)
-        j = state[1] - 1  # the value of the pending sparse position
-        pos = state[2]
-        m = 0
-        while pos < end:
-            at[m] = pos
-            m += 1
-            if state[1] < n_sparse:
-                pos += _varint(buf, pstart, cur, state[1]) + 1
-                state[1] += 1
-            else:
-                pos = n
-            if m == BLOCK:
-                _write_block(units, at, m, buf, vstart, n_vals, j, coding, mask, sign, z)
-                j += m
-                m = 0
-        state[2] = pos
+    n_sparse = lens[0] if lens.size else 0
+    pos = -1
+    for j in range(0, n_sparse, BLOCK):
+        m = min(BLOCK, n_sparse - j)
+        for q in range(m):
+            pos += _varint(buf, pstart, cur, j + q) + 1
+            at[q] = pos
         _write_block(units, at, m, buf, vstart, n_vals, j, coding, mask, sign, z)
+    j = n_sparse
+    rank = 0
+    for c in range(nchunks):
         mode = buf[start + c]
         if mode == 2:
-            row = rows + state[5] * (chunk // 8)
-            state[5] += 1
-            j = state[3]
+            row = off + rank * (chunk // 8)
+            rank += 1
             m = 0
             for i in range(chunk // 8):
                 byte = buf[row + i]
@@ -300,14 +239,14 @@ def apply_chunks(
                             j += m
                             m = 0
             _write_block(units, at, m, buf, vstart, n_vals, j, coding, mask, sign, z)
-            state[3] = j + m
-        elif mode == 3:
-            j = state[4]
-            for lo in range(c * chunk, end, BLOCK):
-                m = min(BLOCK, end - lo)
+            j += m
+    for c in range(nchunks):  # dense values come after all bitmask values
+        if buf[start + c] == 3:
+            hi = min((c + 1) * chunk, units.size)
+            for lo in range(c * chunk, hi, BLOCK):
+                m = min(BLOCK, hi - lo)
                 for q in range(m):
                     at[q] = lo + q
                 _write_block(units, at, m, buf, vstart, n_vals, j, coding, mask, sign, z)
                 j += m
-            state[4] = j
-    state[0] = max(state[0], stop)
+    return 0

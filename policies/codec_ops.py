@@ -27,7 +27,6 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
-import xxhash
 
 from policies.codec_kernels import (
     scan_changes,
@@ -36,7 +35,7 @@ from policies.codec_kernels import (
     write_values,
     write_varints,
 )
-from policies.codec_kernels_apply import ERRORS, STATE, apply_chunks, prepare
+from policies.codec_kernels_apply import ERRORS, apply_changes
 
 Coding = Literal["xor", "delta", "odelta"]
 SPARSE, BITMASK, DENSE = 1, 2, 3
@@ -214,8 +213,6 @@ def decode_positions(
 SECTION = struct.Struct("<BBQQ")
 """CODING u8 | K u8 | N_VALUES u64 | N_BITMASK u64 (then K × u64 plane lengths)."""
 _JOB_UNITS = 1 << 22
-HASH_WINDOW = 1 << 20
-"""Bytes written then hashed at a time by :func:`apply_section` (fits a core's L2)."""
 
 
 def _mask_sign(width: int) -> tuple[np.uint64, np.uint64]:
@@ -349,15 +346,10 @@ def encode_section(b: UInt, t: UInt, ch: Changes, floating: bool, chunk: int) ->
     return out
 
 
-def apply_section(
-    units: UInt, data: bytes, chunk: int, hasher: xxhash.xxh3_128 | None = None
-) -> None:
+def apply_section(units: UInt, data: bytes, chunk: int) -> None:
     """Write the changes of an uncompressed section into ``units`` (in place).
 
     Raises ``ValueError`` if the section does not fit ``units`` (nothing is written then).
-    With ``hasher``, every byte of ``units`` is fed to it in order, a window of about
-    :data:`HASH_WINDOW` bytes right after the window is written, while it is still in cache:
-    verifying costs one streaming read instead of a second pass over the tensor.
     """
     buf = np.frombuffer(data, dtype=np.uint8)
     if buf.size < SECTION.size:
@@ -370,17 +362,7 @@ def apply_section(
     if np.any(lens > buf.size) or max(n_vals, n_bm) > buf.size:
         raise ValueError("section sizes do not add up")
     mask, sign = _mask_sign(units.itemsize)
-    pstart, cur = np.empty(n_planes, dtype=np.int64), np.empty(n_planes, dtype=np.int64)
-    state = np.empty(STATE, dtype=np.int64)
     lens64 = lens.astype(np.int64)
-    err = prepare(units, buf, start, lens64, n_vals, n_bm, chunk, pstart, cur, state)
+    err = apply_changes(units, buf, start, lens64, n_vals, n_bm, chunk, code, mask, sign)
     if err:
         raise ValueError(ERRORS[err])
-    nchunks = -(-units.size // chunk)
-    step = nchunks if hasher is None else max(1, HASH_WINDOW // (chunk * units.itemsize))
-    raw = units.view(np.uint8)
-    for c in range(0, nchunks, step):
-        stop = min(c + step, nchunks)
-        apply_chunks(units, buf, pstart, cur, state, start, n_vals, chunk, stop, code, mask, sign)
-        if hasher is not None:
-            hasher.update(raw[c * chunk * units.itemsize : stop * chunk * units.itemsize].data)
