@@ -30,6 +30,8 @@ U8 = npt.NDArray[np.uint8]
 ZERO = np.uint64(0)
 _ONE = np.uint64(1)
 _BYTE = np.uint64(0xFF)
+_LOW7 = np.uint64(0x7F)
+_SEVEN = np.uint64(7)
 
 BLOCK = 4096
 """Units handled per block by the blocked loops (scratch arrays stay in L1/L2)."""
@@ -197,40 +199,53 @@ def scan_changes(
 
 @jit
 def varint_lengths(pos: I64) -> I64:
-    """Bytes in each varint plane of the gaps of sorted positions ``pos`` (trailing zeros kept)."""
+    """Bytes in each varint plane of the gaps of sorted positions ``pos`` (trailing zeros kept).
+
+    Plane k holds a byte of every gap of 7k bits or more: one counting pass per plane
+    (vectorized), stopping at the first empty one.
+    """
     lens = np.zeros(8, dtype=np.int64)
-    last = -1
-    for p in pos:
-        g = p - last - 1
-        last = p
-        lens[0] += 1
-        k = 1
-        while g > 0x7F:
-            g >>= 7
-            lens[k] += 1
-            k += 1
+    lens[0] = pos.size
+    for k in range(1, 8):
+        shift = np.uint64(7 * k)
+        count = 0
+        if pos.size:
+            count += (np.uint64(pos[0]) >> shift) != 0
+        for i in range(1, pos.size):
+            count += (np.uint64(pos[i] - pos[i - 1] - 1) >> shift) != 0
+        lens[k] = count
+        if count == 0:
+            break
     return lens
 
 
 @jit
-def write_varints(pos: I64, out: U8, pstart: I64) -> None:
-    """The gaps of sorted positions ``pos`` as varints split into planes at ``out[pstart[k]:]``."""
-    cur = pstart.copy()
-    first = pstart[0]  # plane 0 takes a byte of every gap: its cursor stays in a register
-    last = -1
-    for p in pos:
-        g = p - last - 1
-        last = p
-        more = g > 0x7F
-        out[first] = (g & 0x7F) | (0x80 if more else 0)
-        first += 1
-        k = 1
-        while more:
-            g >>= 7
-            more = g > 0x7F
-            out[cur[k]] = (g & 0x7F) | (0x80 if more else 0)
-            cur[k] += 1
-            k += 1
+def write_varints(pos: I64, out: U8, pstart: I64, lens: I64) -> None:
+    """The gaps of sorted positions ``pos`` as varints split into planes at ``out[pstart[k]:]``.
+
+    One branch-free pass per plane: every gap stores a byte and the plane's cursor advances
+    only if the gap has one there (a branch would mispredict on about half the gaps). After a
+    plane's last byte its cursor rests on the next plane's first byte, which the next pass
+    writes, so stray stores land only there; the last plane's land on the byte after it, which
+    is restored. ``out`` must extend past the last plane (a section's value planes follow).
+    """
+    if pos.size == 0:
+        return
+    end = pstart[lens.size - 1] + lens[lens.size - 1]
+    if end >= out.size:
+        raise ValueError("write_varints: out must extend past the last plane")
+    kept = out[end]
+    for k in range(lens.size):
+        shift = np.uint64(7 * k)
+        nxt = np.uint64(7 * k + 7)
+        cur = pstart[k]
+        last = -1
+        for i in range(pos.size):
+            g = np.uint64(pos[i] - last - 1)
+            last = pos[i]
+            out[cur] = ((g >> shift) & _LOW7) | (np.uint64((g >> nxt) != ZERO) << _SEVEN)
+            cur += (g >> shift) != ZERO or k == 0
+    out[end] = kept
 
 
 @jit

@@ -336,7 +336,7 @@ def encode_section(b: UInt, t: UInt, ch: Changes, floating: bool, chunk: int) ->
     out[: len(head)] = np.frombuffer(head, dtype=np.uint8)
     off = len(head) + ch.modes.size
     out[len(head) : off] = ch.modes
-    write_varints(ch.spos, out, off + np.cumsum(lens) - lens)
+    write_varints(ch.spos, out, off + np.cumsum(lens) - lens, lens)
     off += int(lens.sum())
     out[off : off + row_bytes] = 0
     write_bitmasks(ch.bpos, chunk, out, off)

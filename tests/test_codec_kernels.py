@@ -81,6 +81,30 @@ def test_reference_sections_apply_in_every_coding(
     assert np.array_equal(units, t)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, (1 << 22) - 1), min_size=1, max_size=40, unique=True))
+def test_long_gaps_take_three_or_more_varint_planes_as_the_reference(at: list[int]) -> None:
+    """Gaps of 2**14 units or more need a third varint byte (small tensors never reach it)."""
+    chunk = 1 << 21
+    b = np.zeros((1 << 22) + 5, dtype=np.uint16)
+    t = b.copy()
+    t[at] = 1
+    raw = encode_section(b, t, find_changes(b, t, _POOL, chunk), True, chunk).tobytes()
+    assert raw == _reference_section(b, t, chunk, CODINGS[raw[0]])
+    units = b.copy()
+    apply_section(units, raw, chunk)
+    assert np.array_equal(units, t)
+
+
+def test_a_gap_of_2_to_the_21_takes_four_varint_planes() -> None:
+    b = np.zeros((1 << 22) + 5, dtype=np.uint16)
+    t = b.copy()
+    t[[3, 3 + (1 << 21) + 1]] = 1  # the second gap is 2**21: 22 bits, four 7-bit groups
+    raw = encode_section(b, t, find_changes(b, t, _POOL, 1 << 21), True, 1 << 21).tobytes()
+    assert SECTION.unpack_from(raw)[1] == 4
+    assert raw == _reference_section(b, t, 1 << 21, CODINGS[raw[0]])
+
+
 def _section() -> tuple[np.ndarray, bytes, int]:
     """A section using sparse, bitmask and dense chunks (two gap planes)."""
     chunk = 256
