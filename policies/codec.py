@@ -60,7 +60,7 @@ from __future__ import annotations
 import json
 import os
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -190,7 +190,7 @@ def encode_patch(
     tdig = digest_of((k, dtype_name(t), list(t.shape), sums[k]) for k, t in target.items())
     records: list[dict[str, Any]] = []
     sections: list[Future[bytes] | None] = []
-    scans: list[tuple[int, UInt, UInt]] = []  # (record index, base units, target units)
+    scans: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (record index, base, target)
     primary: dict[StorageKey, str] = {}
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         for name in sorted(target):
@@ -213,24 +213,31 @@ def encode_patch(
                 section = pool.submit(_compress, raw_bytes(t).data, level)
                 rec.update(op="full", changed=rec["units"])
             else:
-                w = rec["width"]
-                scans.append((len(records), unit_view(raw_bytes(b), w), unit_view(raw_bytes(t), w)))
+                scans.append((len(records), b, t))
                 rec.update(op="patch")
             primary.setdefault(key, name)
             records.append(rec)
             sections.append(section)
+
         # Each tensor's scan is queued _AHEAD tensors before its section is written, so the
         # pool never idles between tensors; at most _IN_FLIGHT sections wait to be written
         # and compressed (which bounds the scanned changes held in memory).
-        queued = deque(start_changes(bu, tu, pool, chunk) for _, bu, tu in scans[:_AHEAD])
+        # (units are taken when a scan starts: a device or strided tensor is copied only then)
+        def start(k: int) -> tuple[UInt, UInt, Callable[[], Changes]]:
+            _, b, t = scans[k]
+            w = _width(t)
+            bu, tu = unit_view(raw_bytes(b), w), unit_view(raw_bytes(t), w)
+            return bu, tu, start_changes(bu, tu, pool, chunk)
+
+        queued = deque(start(k) for k in range(min(_AHEAD, len(scans))))
         pending: deque[Future[bytes]] = deque()
-        for k, (i, bu, tu) in enumerate(scans):
+        for k, (i, _, t) in enumerate(scans):
             if k + _AHEAD < len(scans):
-                _, nb, nt = scans[k + _AHEAD]
-                queued.append(start_changes(nb, nt, pool, chunk))
-            changes = queued.popleft()()
+                queued.append(start(k + _AHEAD))
+            bu, tu, collect = queued.popleft()
+            changes = collect()
             records[i]["changed"] = changes.changed
-            floating = target[records[i]["name"]].dtype.is_floating_point
+            floating = t.dtype.is_floating_point
             section = pool.submit(_section, bu, tu, changes, floating, level, chunk)
             sections[i] = section
             pending.append(section)
