@@ -6,6 +6,8 @@ unsigned unit arrays (``uint8`` … ``uint64``) and does its arithmetic in ``uin
 unit width, so one body serves every width. They release the GIL (``nogil``) so the codec runs
 them on a thread pool, and are compiled on first use and cached on disk (``cache=True``): the
 first process pays the compile time once per unit width, later ones load the machine code.
+Hot loops index arrays with unsigned integers: numba checks every signed index for wraparound
+(a negative index counts from the end), which keeps a loop from vectorizing.
 
 Guarantees: the encoder kernels write exactly the layout the reference numpy encoder of
 :mod:`policies.codec_ops` specifies (held to it by ``tests/test_codec_kernels.py``).
