@@ -210,6 +210,18 @@ def _orchestrate(tmp_path: Path, model_dir: Path, *extra: str, train: bool = Fal
     )
 
 
+def _resume(tmp_path: Path, model_dir: Path) -> subprocess.CompletedProcess[str]:
+    """Run the demo again with ``--run.resume true``; it must finish."""
+    again = subprocess.run(
+        _orchestrate(tmp_path, model_dir, "--run.resume", "true"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    return again
+
+
 def _kill_after(
     proc: subprocess.Popen[str],
     marker: str,
@@ -295,13 +307,7 @@ def test_an_orchestrator_killed_mid_run_resumes_to_max_steps(
     # as if the kill came between the trainer step and its batch record: the restart rebuilds it
     unrecorded = _drop_last_batch_record(run_dir / "trajectories")
 
-    again = subprocess.run(
-        _orchestrate(tmp_path, tiny_model_dir, "--run.resume", "true"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert again.returncode == 0, again.stderr[-3000:]
+    again = _resume(tmp_path, tiny_model_dir)
     assert '"trainer_resumed"' in again.stderr
     assert Board(str(run_dir / "board"), "demo").versions() == [0, 1, 2, 3, 4]
     batches = batch_records(run_dir / "trajectories")
@@ -342,13 +348,7 @@ def test_a_resumed_run_s_summary_counts_the_whole_run(tmp_path: Path, tiny_model
     assert "resumed" not in first
     assert 1 <= first["steps"] < 4
 
-    again = subprocess.run(
-        _orchestrate(tmp_path, tiny_model_dir, "--run.resume", "true"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert again.returncode == 0, again.stderr[-3000:]
+    again = _resume(tmp_path, tiny_model_dir)
     run_dir = tmp_path / "demo"
     whole = _summary(again.stdout)
     acc = account(run_dir)
