@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -40,8 +41,10 @@ async def engine(
     token: str | None = None,
     poll_interval_s: float = 0.05,
     activation: QuiesceMode = "wait",
+    tls: ssl.SSLContext | None = None,
 ) -> AsyncIterator[str]:
-    """A reference engine with its sidecar serving ``board`` on loopback; its base URL."""
+    """A reference engine with its sidecar serving ``board`` on loopback; its base URL
+    (``https`` with ``tls``)."""
     async with anyio.create_task_group() as tg:
         port = await tg.start(
             lambda task_status: serve_board(
@@ -53,10 +56,11 @@ async def engine(
                 token=token,
                 poll_interval_s=poll_interval_s,
                 activation=activation,
+                tls=tls,
                 task_status=task_status,
             )
         )
-        yield f"http://127.0.0.1:{port}"
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{port}"
         tg.cancel_scope.cancel()
 
 

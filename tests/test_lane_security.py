@@ -18,8 +18,9 @@ from transformers import AutoModelForCausalLM
 from policies.adapters.base import HttpBackend
 from policies.adapters.standalone import serve_sidecar
 from policies.board import Board
-from policies.server import serve_board, tls_context
+from policies.server import tls_context
 from policies.sidecar import Sidecar, redact
+from tests.boards import engine
 
 pytestmark = pytest.mark.anyio
 cryptography = pytest.importorskip("cryptography")  # a dev dependency (self-signed certs)
@@ -77,21 +78,8 @@ async def test_tls_and_bearer_token(tmp_path: Path, tiny_model_dir: Path) -> Non
     cert, key = _self_signed(tmp_path)
     client_ctx = ssl.create_default_context(cafile=str(cert))
     body = {"prompt_token_ids": [1, 2], "max_tokens": 2}
-    async with anyio.create_task_group() as tg:
-        port = await tg.start(
-            lambda task_status: serve_board(
-                board.url,
-                board.run,
-                host="127.0.0.1",
-                port=0,
-                device="cpu",
-                token="tok",
-                poll_interval_s=0.1,
-                tls=tls_context(cert, key),
-                task_status=task_status,
-            )
-        )
-        url = f"https://127.0.0.1:{port}"
+    async with engine(board, token="tok", poll_interval_s=0.1, tls=tls_context(cert, key)) as url:
+        assert url.startswith("https://")
         conn = aiohttp.TCPConnector(ssl=client_ctx)
         async with aiohttp.ClientSession(connector=conn) as s:
             async with s.post(f"{url}/v1/generate", json=body) as r:
@@ -104,7 +92,6 @@ async def test_tls_and_bearer_token(tmp_path: Path, tiny_model_dir: Path) -> Non
         async with aiohttp.ClientSession() as plain:  # the default trust store rejects the cert
             with pytest.raises(aiohttp.ClientConnectorCertificateError):
                 await plain.get(f"{url}/health")
-        tg.cancel_scope.cancel()
 
 
 def test_redact_removes_credentials_and_signatures() -> None:
