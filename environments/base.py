@@ -42,7 +42,7 @@ from environments.errors import EnvironmentLoadError, RewardError
 from environments.tasks import load_tasks
 from environments.tools import ToolOutcome, ToolSpec, build_tool, is_tool, run_tool, tool
 from environments.types import EnvConfig, EpisodeState, Message, Reply
-from policies.toolcalls import ParsedAssistant, ToolCall
+from policies.wire.toolcalls import ParsedAssistant, ToolCall
 
 __all__ = [
     "EnvConfig",

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from policies.wire.errors import SprawlError
 
-class EnvError(Exception):
+
+class EnvError(SprawlError):
     """Root of the environments package's errors."""
 
 

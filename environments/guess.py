@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import Field
 
 from environments.base import EnvConfig, Environment, EpisodeState, Message, Reply, reward
-from policies.toolcalls import ParsedAssistant
+from policies.wire.toolcalls import ParsedAssistant
 
 _INT = re.compile(r"-?\d+")
 

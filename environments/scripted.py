@@ -4,7 +4,7 @@ For testing environments. :func:`play` drives the same hooks, in the same order,
 runner (``initial_messages``, then per assistant text ``parse_assistant`` → ``respond``, then
 ``score``), and sets ``stop_reason`` the same way (``done`` when the environment ended the
 episode, ``max_turns`` when the script ran out first). It works on messages only; token
-bookkeeping is the runner's job (``orchestrator.episode``).
+bookkeeping is the runner's job (``orchestrator.loop.episode``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from environments.base import Environment
 from environments.types import EpisodeState, Reply
-from policies.toolcalls import parse_assistant, to_openai_message
+from policies.wire.toolcalls import parse_assistant, to_openai_message
 
 
 @dataclass(frozen=True)

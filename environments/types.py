@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from policies.toolcalls import ToolCall
+from policies.wire.toolcalls import ToolCall
 
 Message = dict[str, Any]
 """An OpenAI-shaped chat message."""

@@ -34,11 +34,9 @@ import anyio
 import structlog
 from anyio.abc import TaskStatus
 
-from environments.errors import EnvError
 from orchestrator.config import load_config, parse_overrides
 from orchestrator.errors import SprawlError
-from orchestrator.log import configure
-from policies.errors import PolicyError
+from policies.wire.logs import configure
 
 log = structlog.get_logger("orchestrate")
 
@@ -82,11 +80,11 @@ def _init_model(argv: list[str]) -> int:
     )
     args = parser.parse_args(argv)
     configure()
-    from policies.modelgen import init_model
+    from policies.model.build import init_model
 
     out = init_model(args.out, args.size, seed=args.seed)
     if args.sft_steps > 0:
-        from policies.sft import warm_start
+        from policies.train.sft import warm_start
 
         warm_start(out, steps=args.sft_steps, seed=args.seed)
     sys.stdout.write(f"{out}\n")
@@ -128,7 +126,7 @@ def _serve(argv: list[str]) -> int:
     parser.add_argument("--log-format", choices=["auto", "pretty", "json"], default="auto")
     args = parser.parse_args(argv)
     configure(args.log_format)
-    from policies.server import serve_board, serve_model, tls_context
+    from policies.serve.server import serve_board, serve_model, tls_context
 
     tls = tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
 
@@ -182,25 +180,25 @@ async def _exit_on_signal(scope: anyio.CancelScope) -> None:
 
 
 def _versions(argv: list[str]) -> int:
-    from policies.board_cli import versions
+    from policies.board.cli import versions
 
     return versions(argv)
 
 
 def _materialize(argv: list[str]) -> int:
-    from policies.board_cli import materialize
+    from policies.board.cli import materialize
 
     return materialize(argv)
 
 
 def _bench(argv: list[str]) -> int:
     benches: dict[str, str] = {
-        "codec": "policies.bench_codec",
-        "engine": "policies.bench_engine",
-        "sync": "policies.bench_sync",
-        "sparsity": "policies.bench_sparsity",
-        "async": "orchestrator.bench_async",
-        "scheduler": "orchestrator.bench_scheduler",
+        "codec": "orchestrator.bench.codec",
+        "engine": "orchestrator.bench.engine",
+        "sync": "orchestrator.bench.sync",
+        "sparsity": "orchestrator.bench.sparsity",
+        "async": "orchestrator.bench.async_rl",
+        "scheduler": "orchestrator.bench.scheduler",
     }
     if not argv or argv[0] not in benches:
         sys.stderr.write(f"usage: orchestrate bench {{{','.join(benches)}}} [args]\n")
@@ -225,7 +223,7 @@ def _delegate(module: str) -> Callable[[list[str]], int]:
     return command
 
 
-USER_ERRORS = (SprawlError, EnvError, PolicyError)
+USER_ERRORS = (SprawlError,)
 
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
@@ -236,12 +234,12 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "versions": _versions,
     "materialize": _materialize,
     "bench": _bench,
-    "inspect": _delegate("orchestrator.inspect_log"),
-    "replay": _delegate("orchestrator.replay"),
-    "report": _delegate("orchestrator.report"),
-    "experiment": _delegate("orchestrator.experiment"),
+    "inspect": _delegate("orchestrator.offline.inspect_log"),
+    "replay": _delegate("orchestrator.offline.replay"),
+    "report": _delegate("orchestrator.offline.report"),
+    "experiment": _delegate("orchestrator.offline.experiment"),
     "chaos": _delegate("orchestrator.chaos.cli"),
-    "sidecar": _delegate("policies.adapters.standalone"),
+    "sidecar": _delegate("policies.serve.backends.standalone"),
 }
 
 

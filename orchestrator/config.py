@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from orchestrator.errors import ConfigError
 from orchestrator.types import EndpointRef
-from policies.board_types import BoardOptions
+from policies.board.types import BoardOptions
+from policies.train.config import TrainerConfig
 from staleness.config import StalenessConfig
 
 
@@ -40,7 +41,7 @@ class RunConfig(_Section):
     """Continue the run in the existing run directory after a crash or a stop (SIGKILL, Ctrl-C)
     instead of starting from scratch: the trainer resumes from its checkpoint (needs
     ``trainer.checkpoint`` for the in-process trainer), the logs are appended to and reconciled
-    (``orchestrator/resume.py``). Keep the other settings as they were (``trainer.max_steps``
+    (``orchestrator/record/resume.py``). Keep the other settings as they were (``trainer.max_steps``
     may grow)."""
 
 
@@ -51,30 +52,14 @@ class ModelConfig(_Section):
     """Build sprawl's own model of this size at ``path`` if it is missing (None: require it)."""
 
 
-class BoardConfig(_Section):
+class BoardConfig(BoardOptions):
+    """The ``[board]`` section: where the board is, how sidecars watch it, and the publisher's
+    :class:`~policies.board.types.BoardOptions` themselves (inherited, not copied)."""
+
     url: str | None = None
     """fsspec URL or path of the version board; default ``<run dir>/board``."""
     poll_interval_s: float = Field(default=0.25, gt=0, le=60)
     """How often sidecars re-read the board pointer (a missed notification delays this long)."""
-    anchor_every: int = Field(default=16, ge=1, le=1_000_000)
-    """Publish a full view (anchor) at least every this many versions; deltas in between."""
-    anchor_fraction: float = Field(default=0.5, gt=0, le=100)
-    """Also anchor once the delta bytes since the last anchor pass this fraction of a full view."""
-    catchup_levels: int = Field(default=4, ge=0, le=16)
-    """Squashed catch-up patches span up to 2**levels versions (the trainer keeps levels + 1
-    views in memory)."""
-    retain_versions: int | None = Field(default=None, ge=1)
-    """Delete versions no replica within this many versions of the newest needs (None: keep)."""
-
-    @property
-    def options(self) -> BoardOptions:
-        """The publisher's options (``policies.board_types.BoardOptions``)."""
-        return BoardOptions(
-            anchor_every=self.anchor_every,
-            anchor_fraction=self.anchor_fraction,
-            catchup_levels=self.catchup_levels,
-            retain_versions=self.retain_versions,
-        )
 
 
 class EndpointConfig(_Section):
@@ -159,41 +144,6 @@ class EnvironmentConfig(_Section):
     """Model calls per episode at most."""
     args: dict[str, Any] = Field(default_factory=dict)
     """Arguments validated by the environment's own config model."""
-
-
-class TrainerConfig(_Section):
-    mode: Literal["in_process", "external"] = "in_process"
-    """``in_process``: the reference trainer in this process. ``external``: any trainer in
-    another process, through batch files and the board (``policies/batchfile.py``)."""
-    batch_dir: Path | None = None
-    """Where batch files go in ``external`` mode; default ``<run dir>/batches``."""
-    max_steps: int = Field(default=4, ge=1)
-    """Optimizer steps (= versions published after version 0)."""
-    lr: float = Field(default=2e-4, gt=0, le=1)
-    """AdamW learning rate."""
-    weight_decay: float = Field(default=0.0, ge=0)
-    """AdamW weight decay."""
-    master_dtype: Literal["float32", "bfloat16"] = "float32"
-    """dtype of the trainer's master weights."""
-    served_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    """dtype of the view engines serve (what the board publishes)."""
-    clip_eps: float = Field(default=0.2, gt=0, lt=1)
-    """PPO clip range."""
-    grad_clip: float = Field(default=1.0, gt=0)
-    """Gradient norm clip."""
-    device: Literal["cpu", "cuda"] = "cpu"
-    """Device of the trainer."""
-    kl_coef: float = Field(default=0.0, ge=0, le=10)
-    """Weight of the KL(π_θ ‖ π_ref) penalty against the frozen version 0 (0: off, no reference
-    model is loaded)."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Per-token KL estimator (Schulman 2020): ``k3`` is unbiased and non-negative."""
-    entropy_coef: float = Field(default=0.0, ge=0, le=1)
-    """Weight of the entropy bonus (subtracted from the loss; 0: off, entropy is still logged)."""
-    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
-    """How per-token loss terms are averaged: over all kept tokens, or per sequence first."""
-    checkpoint: bool = True
-    """Checkpoint model + optimizer + RNG after every step into ``<run dir>/trainer/ckpt``."""
 
 
 class AdminConfig(_Section):

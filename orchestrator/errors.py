@@ -7,9 +7,9 @@ A failed episode is never an exception that escapes the run: it is recorded on t
 
 from __future__ import annotations
 
+from policies.wire.errors import SprawlError
 
-class SprawlError(Exception):
-    """Root of every error sprawl raises on purpose."""
+__all__ = ["SprawlError"]
 
 
 class ConfigError(SprawlError):

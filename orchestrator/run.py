@@ -23,32 +23,31 @@ import anyio
 import structlog
 
 from environments.loader import load_environment
-from orchestrator import resume
-from orchestrator.admin import serve_admin
-from orchestrator.batcher import Batcher
-from orchestrator.client import HttpTransport
 from orchestrator.config import Config
-from orchestrator.episode import EpisodeRunner
 from orchestrator.errors import ConfigError
-from orchestrator.events import STOPPED_UNFINISHED, STOPPED_UNTRAINED, EventLog
-from orchestrator.fleet import local_fleet
-from orchestrator.live import LiveView
-from orchestrator.live import wanted as live_wanted
-from orchestrator.metrics import RunMetrics, Tee
-from orchestrator.pool import Pool
-from orchestrator.scalars import Scalars
-from orchestrator.scheduler import Scheduler, VersionClock
-from orchestrator.train_sink import (
+from orchestrator.loop.admin import serve_admin
+from orchestrator.loop.batcher import Batcher
+from orchestrator.loop.client import HttpTransport
+from orchestrator.loop.episode import EpisodeRunner
+from orchestrator.loop.fleet import local_fleet
+from orchestrator.loop.pool import Pool
+from orchestrator.loop.rl import Leftovers, rl_loop
+from orchestrator.loop.scheduler import Scheduler, VersionClock
+from orchestrator.loop.train_sink import (
     ExternalTrainer,
     InProcessTrainer,
     TrainerSink,
     board_version_above,
-    consume,
-    drain,
-    trainer_settings,
+    build_trainer,
 )
-from orchestrator.trajlog import TrajectoryLog
-from orchestrator.types import Batch, Group, GroupDecision, SamplingParams
+from orchestrator.observe.live import LiveView
+from orchestrator.observe.live import wanted as live_wanted
+from orchestrator.observe.metrics import RunMetrics, Tee
+from orchestrator.observe.scalars import Scalars
+from orchestrator.record import resume
+from orchestrator.record.events import EventLog
+from orchestrator.record.trajlog import TrajectoryLog
+from orchestrator.types import Batch, EventSink, Group, GroupDecision, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -118,7 +117,7 @@ def ensure_model(cfg: Config) -> Path:
             f"model.path: {path} is not an HF model directory (and model.init "
             "is unset, so sprawl will not build one)"
         )
-    from policies.modelgen import init_model
+    from policies.model.build import init_model
 
     log.info("building_model", path=str(path), size=cfg.model.init)
     return init_model(path, cfg.model.init, seed=cfg.run.seed)
@@ -151,17 +150,22 @@ async def run(cfg: Config) -> RunSummary:
     logged = resume.read_run(run_dir) if cfg.run.resume else None
     summary = RunSummary(run_dir=run_dir)
     model_dir = await anyio.to_thread.run_sync(ensure_model, cfg)
-    board = Board(cfg.board_url, cfg.run.name, options=cfg.board.options)
+    board = Board(cfg.board_url, cfg.run.name, options=cfg.board)
     sink = await _trainer_sink(cfg, run_dir, model_dir, board, logged)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    metrics = RunMetrics()  # Prometheus, served on the admin API's /metrics
+    view = LiveView(cfg.trainer.max_steps) if live_wanted() else None
+    # the event log, the metrics and (on a terminal) the live view all read the same events
+    event_log = EventLog.for_run(
+        run_dir / "events", cfg, first_seq=logged.next_seq if logged else 0
+    )
+    events = Tee(event_log, metrics, *([view] if view is not None else []))
     trajlog = TrajectoryLog(
         run_dir / "trajectories",
         run=cfg.run.name,
         config=cfg.model_dump(mode="json"),
         append=cfg.run.resume,
-    )
-    trajlog.events = EventLog.for_run(
-        run_dir / "events", cfg, first_seq=logged.next_seq if logged else 0
+        events=events,
     )
     rec = None
     if logged is not None:
@@ -198,21 +202,13 @@ async def run(cfg: Config) -> RunSummary:
                     max_inflight=cfg.fleet.max_inflight_per_endpoint,
                     breaker_failures=cfg.fleet.breaker_failures,
                     breaker_cooldown_s=cfg.fleet.breaker_cooldown_s,
+                    events=events,
                 )
                 for ref in local + cfg.fleet.endpoint_refs():
                     pool.add(ref)
+                loop = _Loop(cfg, pool, env, tokenizer, sink, trajlog, summary, events, rec)
                 try:
-                    await _loop(
-                        cfg,
-                        pool,
-                        env,
-                        tokenizer,
-                        sink,
-                        trajlog,
-                        summary,
-                        getattr(tokenizer, "model_max_length", 2048),
-                        rec,
-                    )
+                    await loop.run(metrics, view)
                 finally:
                     summary.served = {e.id: dict(e.served) for e in pool.endpoints.values()}
         finally:
@@ -224,113 +220,111 @@ async def run(cfg: Config) -> RunSummary:
     return summary
 
 
-async def _loop(
-    cfg: Config,
-    pool: Pool,
-    env: Environment,
-    tokenizer: PreTrainedTokenizerBase,
-    sink: TrainerSink,
-    trajlog: TrajectoryLog,
-    summary: RunSummary,
-    model_max_length: int,
-    rec: resume.Reconciliation | None,
-) -> None:
-    clock = VersionClock(sink.version)
-    max_context = min(int(model_max_length), 2048)
-    runner = EpisodeRunner(
-        env,
-        tokenizer,
-        pool,
-        sampling=SamplingParams(
-            temperature=cfg.sampling.temperature,
-            top_p=cfg.sampling.top_p,
-            top_k=cfg.sampling.top_k,
-            max_tokens=cfg.sampling.max_tokens,
-        ),
-        max_turns=cfg.environment.max_turns,
-        episode_timeout_s=cfg.timeouts.episode_s,
-        max_context=max_context,
-    )
-    sched = Scheduler(
-        runner,
-        env.tasks(),
-        clock,
-        group_size=cfg.scheduler.group_size,
-        groups_per_batch=cfg.scheduler.groups_per_batch,
-        max_lag=cfg.scheduler.max_lag,
-        max_concurrent_episodes=cfg.scheduler.max_concurrent_episodes,
-        seed=cfg.run.seed,
-        first_index=rec.next_index if rec else 0,
-        dropped=rec.dropped if rec else 0,
-    )
-    batcher = Batcher(
-        cfg.staleness,
-        cfg.scheduler.groups_per_batch,
-        cfg.scheduler.max_lag,
-        lambda: sink.version,
-    )
-    if rec is not None:
-        batcher.restore(rec.restored)
-    send, recv = anyio.create_memory_object_stream[Group](
-        max_buffer_size=cfg.scheduler.groups_per_batch
-    )
-    scalars = Scalars(cfg.run_dir / "tensorboard")
-    recorder = _RunRecorder(trajlog, summary, scalars)
-    metrics = RunMetrics()  # Prometheus, served on the admin API's /metrics
-    view = LiveView(pool.endpoints.values(), cfg.trainer.max_steps) if live_wanted() else None
-    # the log, the metrics and (on a terminal) the live view all read the same events
-    trajlog.events = Tee(trajlog.events, metrics, *([view] if view is not None else []))
-    pool.events = sched.events = clock.events = trajlog.events
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(pool.watch)
-            if view is not None:
-                tg.start_soon(view.run)
-            if cfg.admin.enabled:
-                url = await tg.start(
-                    lambda task_status: serve_admin(
-                        pool,
-                        host=cfg.admin.host,
-                        port=cfg.admin.port,
-                        token=cfg.admin.token,
-                        metrics=metrics,
-                        task_status=task_status,
+class _Loop:
+    """The run's pieces around :func:`~orchestrator.loop.rl.rl_loop`: built from the config,
+    with the admin API and the live view beside the loop, and every leftover recorded."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        pool: Pool,
+        env: Environment,
+        tokenizer: PreTrainedTokenizerBase,
+        sink: TrainerSink,
+        trajlog: TrajectoryLog,
+        summary: RunSummary,
+        events: EventSink,
+        rec: resume.Reconciliation | None,
+    ) -> None:
+        self.cfg, self.pool, self.sink = cfg, pool, sink
+        self.runner = EpisodeRunner(
+            env,
+            tokenizer,
+            pool,
+            sampling=SamplingParams(
+                temperature=cfg.sampling.temperature,
+                top_p=cfg.sampling.top_p,
+                top_k=cfg.sampling.top_k,
+                max_tokens=cfg.sampling.max_tokens,
+            ),
+            max_turns=cfg.environment.max_turns,
+            episode_timeout_s=cfg.timeouts.episode_s,
+            max_context=min(int(getattr(tokenizer, "model_max_length", 2048)), 2048),
+        )
+        self.scheduler = Scheduler(
+            self.runner,
+            env.tasks(),
+            VersionClock(sink.version, events=events),
+            group_size=cfg.scheduler.group_size,
+            groups_per_batch=cfg.scheduler.groups_per_batch,
+            max_lag=cfg.scheduler.max_lag,
+            max_concurrent_episodes=cfg.scheduler.max_concurrent_episodes,
+            seed=cfg.run.seed,
+            first_index=rec.next_index if rec else 0,
+            dropped=rec.dropped if rec else 0,
+            events=events,
+        )
+        self.batcher = Batcher(
+            cfg.staleness,
+            cfg.scheduler.groups_per_batch,
+            cfg.scheduler.max_lag,
+            lambda: sink.version,
+        )
+        if rec is not None:
+            self.batcher.restore(rec.restored)
+        self.scalars = Scalars(cfg.run_dir / "tensorboard")
+        self.recorder = _RunRecorder(trajlog, summary, self.scalars)
+        self.events = events
+
+    async def run(self, metrics: RunMetrics, view: LiveView | None) -> None:
+        cfg = self.cfg
+        try:
+            async with anyio.create_task_group() as tg:
+                if cfg.admin.enabled:
+                    url = await tg.start(
+                        lambda task_status: serve_admin(
+                            self.pool,
+                            host=cfg.admin.host,
+                            port=cfg.admin.port,
+                            token=cfg.admin.token,
+                            metrics=metrics,
+                            task_status=task_status,
+                        )
                     )
+                    (cfg.run_dir / "admin.json").write_text(json.dumps({"url": url}))
+                    log.info("admin_api", url=url)
+                await rl_loop(
+                    self.scheduler,
+                    self.batcher,
+                    self.sink,
+                    self.recorder,
+                    max_steps=cfg.trainer.max_steps,
+                    on_version=self.pool.notify_all,
+                    beside=[self.pool.watch, *([view.run] if view is not None else [])],
+                    on_stop=self.stopped,
                 )
-                (cfg.run_dir / "admin.json").write_text(json.dumps({"url": url}))
-                log.info("admin_api", url=url)
-            tg.start_soon(sched.run, send)
-            await consume(
-                recv,
-                batcher=batcher,
-                scheduler=sched,
-                sink=sink,
-                clock=clock,
-                recorder=recorder,
-                max_steps=cfg.trainer.max_steps,
-                on_version=pool.notify_all,
-            )
-            tg.cancel_scope.cancel()
-    finally:
-        # Groups finished but not yet consumed, and groups still in flight, when the run
-        # stopped: recorded as data, never lost.
-        unconsumed = [(g, STOPPED_UNTRAINED) for g in drain(recv)]
-        abandoned = [(g, STOPPED_UNFINISHED) for g in sched.abandoned()]
-        for group, reason in unconsumed + abandoned:
+                tg.cancel_scope.cancel()
+        finally:
+            self.scalars.close()
+
+    def stopped(self, leftovers: Leftovers) -> None:
+        """Groups finished but not consumed, and groups still in flight, when the run stopped:
+        recorded as dropped with the reason, never lost; kept groups left waiting for a full
+        batch are named in an ``unbatched`` event."""
+        for group, reason in leftovers:
             decision = GroupDecision(
                 group_id=group.id, decision="dropped", reason=reason, max_lag=0
             )
-            recorder.group(group, decision, sink.version)
-        if batcher.pending:  # kept, never trained: the accounting needs them named
+            self.recorder.group(group, decision, self.sink.version)
+        if self.batcher.pending:  # kept, never trained: the accounting needs them named
             reason = (
                 "trainer.max_steps reached before the group's batch was complete"
-                if sink.version >= cfg.trainer.max_steps
+                if self.sink.version >= self.cfg.trainer.max_steps
                 else "run stopped before the group's batch was complete"
             )
-            trajlog.events.emit(
-                "unbatched", group_ids=[g.id for g in batcher.pending], reason=reason
+            self.events.emit(
+                "unbatched", group_ids=[g.id for g in self.batcher.pending], reason=reason
             )
-        scalars.close()
 
 
 class _RunRecorder:
@@ -374,12 +368,9 @@ async def _trainer_sink(
             step_timeout_s=cfg.timeouts.trainer_step_s,
             version=latest,
         )
-    from policies.trainer import Trainer
-
     ckpt = run_dir / "trainer" / "ckpt" if cfg.trainer.checkpoint else None
-    settings = trainer_settings(cfg, checkpoint_dir=ckpt, resume=cfg.run.resume)
     trainer = await anyio.to_thread.run_sync(
-        lambda: Trainer(model_dir, board, settings, cfg.staleness.correction)
+        lambda: build_trainer(cfg, model_dir, board, checkpoint_dir=ckpt, resume=cfg.run.resume)
     )
     # resumed: the board is at the checkpoint's version or one behind (the checkpoint is
     # written first); ensure_published refuses a board ahead of it

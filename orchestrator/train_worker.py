@@ -1,6 +1,6 @@
 """``orchestrate train --config X``: the reference trainer as an external process.
 
-It speaks the batch protocol (:mod:`policies.batchfile`) exactly as any external trainer would:
+It speaks the batch protocol (:mod:`policies.wire.batches`) exactly as any external trainer would:
 publish version 0 on the board if it is empty, then for each version ``v`` wait for
 ``batch-<v>.json``, take the step, and publish ``v + 1``. Run the orchestrator with the same
 config and ``trainer.mode = "external"``; the two share ``board.url`` and ``trainer.batch_dir``.
@@ -24,10 +24,10 @@ import structlog
 
 from orchestrator.config import load_config, parse_overrides
 from orchestrator.errors import ConfigError
-from orchestrator.log import configure
+from orchestrator.loop.train_sink import build_trainer
 from orchestrator.run import ensure_model
-from orchestrator.train_sink import trainer_settings
-from policies.batchfile import BatchFile, read_batch
+from policies.wire.batches import BatchFile, read_batch
+from policies.wire.logs import configure
 
 log = structlog.get_logger(__name__)
 
@@ -48,15 +48,14 @@ def main(argv: list[str]) -> int:
         )
     configure(args.log_format, cfg.log.level)
     from policies.board import Board
-    from policies.trainer import Trainer, TrainSample
+    from policies.train.trainer import TrainSample
 
     batch_dir = cfg.trainer.batch_dir or cfg.run_dir / "batches"
-    board = Board(cfg.board_url, cfg.run.name, options=cfg.board.options)
+    board = Board(cfg.board_url, cfg.run.name, options=cfg.board)
     model_dir = ensure_model(cfg)
     ckpt = cfg.run_dir / "trainer" / "ckpt" if cfg.trainer.checkpoint else None
     resume = ckpt is not None and board.latest() is not None
-    settings = trainer_settings(cfg, checkpoint_dir=ckpt, resume=resume)
-    trainer = Trainer(model_dir, board, settings, cfg.staleness.correction)
+    trainer = build_trainer(cfg, model_dir, board, checkpoint_dir=ckpt, resume=resume)
     trainer.ensure_published()  # version 0 on a new board; the checkpoint's after a crash
     log.info("trainer_ready", version=trainer.version, batch_dir=str(batch_dir), resumed=resume)
     while trainer.version < cfg.trainer.max_steps:

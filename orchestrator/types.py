@@ -13,12 +13,13 @@ never re-tokenized text.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies.lane import (
+from policies.wire.lane import (
     FinishReason,
     GenerateRequest,
     GenerateResponse,
@@ -163,3 +164,93 @@ class Transport(Protocol):
     async def policy(self, ep: EndpointRef) -> PolicyState: ...
 
     async def notify(self, ep: EndpointRef) -> None: ...
+
+
+@dataclass
+class Endpoint:
+    """The pool's live view of one endpoint (what routing reads, and what events record)."""
+
+    ref: EndpointRef
+    max_inflight: int = 4
+    applied_version: int | None = None
+    healthy: bool = False
+    outstanding: int = 0
+    limit: float = 1.0
+    failures: int = 0
+    open_until: float = 0.0
+    removed: bool = False
+    served: dict[int, int] = field(default_factory=dict)  # version -> calls served
+
+    @property
+    def id(self) -> str:
+        return self.ref.id
+
+    def qualifies(self, bounds: VersionBounds, now: float) -> bool:
+        return (
+            self.healthy
+            and not self.removed
+            and now >= self.open_until
+            and self.applied_version is not None
+            and bounds.admits(self.applied_version)
+            and self.outstanding < max(1, int(self.limit))
+        )
+
+    def state(self, now: float) -> dict[str, Any]:
+        """The routing-relevant state at ``now``, as a ``route`` event records it."""
+        return {
+            "id": self.id,
+            "weight": self.ref.weight,
+            "healthy": self.healthy,
+            "open": now < self.open_until,
+            "applied_version": self.applied_version,
+            "outstanding": self.outstanding,
+            "limit": self.limit,
+            "max_inflight": self.max_inflight,
+        }
+
+
+class EventSink(Protocol):
+    """Where the pool, the scheduler, the clock and the trajectory log send events (each gets one
+    in its constructor): the run's :class:`~orchestrator.record.events.EventLog`, teed with
+    the metrics and the live view; :data:`NULL_EVENTS` does nothing."""
+
+    def emit(self, kind: str, **fields: Any) -> None: ...
+
+    def route(
+        self,
+        endpoints: Iterable[Endpoint],
+        bounds: VersionBounds,
+        affinity: str | None,
+        exclude: Iterable[str],
+        chosen: Endpoint | None,
+    ) -> None: ...
+
+    def endpoint(self, ep: Endpoint) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NullEvents:
+    """An event sink that ignores everything; subclass it to handle only some events."""
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        pass
+
+    def route(
+        self,
+        endpoints: Iterable[Endpoint],
+        bounds: VersionBounds,
+        affinity: str | None,
+        exclude: Iterable[str],
+        chosen: Endpoint | None,
+    ) -> None:
+        pass
+
+    def endpoint(self, ep: Endpoint) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+NULL_EVENTS: EventSink = NullEvents()

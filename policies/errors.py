@@ -7,8 +7,10 @@ serving the version it has.
 
 from __future__ import annotations
 
+from policies.wire.errors import SprawlError
 
-class PolicyError(Exception):
+
+class PolicyError(SprawlError):
     """Root of the policies package's errors."""
 
 

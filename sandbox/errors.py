@@ -8,8 +8,10 @@ dir). Whatever the sandboxed code does â€” crash, loop, flood, exhaust memory â€
 
 from __future__ import annotations
 
+from policies.wire.errors import SprawlError
 
-class SandboxError(Exception):
+
+class SandboxError(SprawlError):
     """Root of every error this package raises."""
 
 

@@ -8,10 +8,12 @@ rollouts are data and are dropped or masked by the policies, not raised.
 
 from __future__ import annotations
 
+from policies.wire.errors import SprawlError
+
 __all__ = ["LagError", "ShapeError", "StalenessError"]
 
 
-class StalenessError(ValueError):
+class StalenessError(SprawlError, ValueError):
     """Root of the staleness error tree."""
 
 

@@ -11,9 +11,9 @@ import anyio
 import torch
 from transformers import AutoModelForCausalLM
 
-from policies.batching import QuiesceMode
 from policies.board import Board
-from policies.server import serve_board
+from policies.serve.decode import QuiesceMode
+from policies.serve.server import serve_board
 
 
 def publish_scaled(board: Board, version: int, model_dir: Path, scale: float = 1.0) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from policies.modelgen import init_model
+from policies.model.build import init_model
 
 
 @pytest.fixture(scope="session")

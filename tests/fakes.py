@@ -8,7 +8,7 @@ import anyio
 
 from orchestrator.errors import EndpointError, VersionUnavailable
 from orchestrator.types import EndpointRef
-from policies.lane import (
+from policies.wire.lane import (
     GenerateChoice,
     GenerateRequest,
     GenerateResponse,

@@ -8,9 +8,9 @@ from typing import Any
 
 from test_trajlog import make_group
 
-from orchestrator.accounting import account, account_records
-from orchestrator.events import EventLog
-from orchestrator.trajlog import TrajectoryLog
+from orchestrator.record.accounting import account, account_records
+from orchestrator.record.events import EventLog
+from orchestrator.record.trajlog import TrajectoryLog
 from orchestrator.types import Batch
 
 

@@ -20,10 +20,10 @@ import pytest
 import torch
 from aiohttp import web
 
-from policies.adapters.standalone import serve_sidecar
-from policies.adapters.vllm_worker import SprawlWorkerExtension
-from policies.batching import QuiesceMode
 from policies.board import Board
+from policies.serve.backends.standalone import serve_sidecar
+from policies.serve.backends.vllm_worker import SprawlWorkerExtension
+from policies.serve.decode import QuiesceMode
 from tests.boards import publish_scaled, tiny_board
 
 pytestmark = pytest.mark.anyio

@@ -10,12 +10,12 @@ from pathlib import Path
 import anyio
 import pytest
 
-from orchestrator.admin import serve_admin
 from orchestrator.errors import SprawlError
 from orchestrator.fleet_cli import _call, admin_url
-from orchestrator.pool import Pool
+from orchestrator.loop.admin import serve_admin
+from orchestrator.loop.pool import Pool
 from orchestrator.types import EndpointRef
-from policies.lane import GenerateRequest, VersionBounds
+from policies.wire.lane import GenerateRequest, VersionBounds
 from tests.fakes import ScriptedTransport
 
 pytestmark = pytest.mark.anyio

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from policies import bench_sync
-from policies.bench_sync import Link, adam_step, main, same_bits, synthetic_view
+from orchestrator.bench import sync as bench_sync
+from orchestrator.bench.sync import Link, adam_step, main, same_bits, synthetic_view
 
 
 def test_link_takes_the_time_its_bytes_need() -> None:

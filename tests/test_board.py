@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 from transformers import AutoModelForCausalLM
 
-from policies.bench_sparsity import train_states
+from orchestrator.bench.sparsity import train_states
 from policies.board import WEIGHTS, Board, anchor_payload, redact
 from policies.errors import BoardError, PatchBaseMismatch, VersionCorrupt
 from tests.boards import adam_like_step
@@ -423,7 +423,7 @@ def test_credentials_never_reach_errors_or_logs(s3_endpoint: str) -> None:
         assert exc.__cause__ is None
         assert exc.__suppress_context__
     assert "***:***" in str(leaked.value)
-    assert redact("s3://user:pw@bucket/x?token=abc") == "s3://bucket/x"
+    assert redact("s3://user:pw@bucket/x?token=abc") == "s3://<redacted>@bucket/x?<redacted>"
 
 
 # -- command line ----------------------------------------------------------------------------------
@@ -458,7 +458,7 @@ def test_versions_and_materialize_commands(
 def test_bench_sparsity_reports_real_steps(
     tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from policies import bench_sparsity
+    from orchestrator.bench import sparsity as bench_sparsity
 
     args = ["--model", str(tiny_model_dir), "--steps", "2", "--ks", "1,2", "--lr", "1e-5"]
     assert bench_sparsity.main([*args, "--json"]) == 0

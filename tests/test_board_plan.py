@@ -7,8 +7,8 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.board_plan import keep_views, patch_bases, plan, removable
-from policies.board_types import Manifest, PatchRef
+from policies.board.plan import keep_views, patch_bases, plan, removable
+from policies.board.types import Manifest, PatchRef
 
 
 def _board(n: int, levels: int, anchor_every: int) -> dict[int, Manifest]:

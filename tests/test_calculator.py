@@ -10,7 +10,7 @@ from environments.base import EpisodeState
 from environments.calculator import Calculator, CalculatorConfig, evaluate
 from environments.errors import EnvironmentLoadError
 from environments.loader import load_environment
-from policies.toolcalls import parse_assistant
+from policies.wire.toolcalls import parse_assistant
 
 pytestmark = pytest.mark.anyio
 

@@ -11,11 +11,11 @@ import torch
 from test_trajlog import make_episode
 
 from orchestrator.chaos.invariants import check
-from orchestrator.events import EventLog
-from orchestrator.trajlog import TrajectoryLog
+from orchestrator.record.events import EventLog
+from orchestrator.record.trajlog import TrajectoryLog
 from orchestrator.types import Batch, Group, GroupDecision
 from policies.board import Board
-from policies.lane import VersionBounds
+from policies.wire.lane import VersionBounds
 
 GROUP = 2
 

@@ -13,10 +13,10 @@ import pytest
 from aiohttp import web
 
 from orchestrator.chaos.link import FaultyLink, LinkMode
-from orchestrator.client import HttpTransport
 from orchestrator.errors import EndpointError
+from orchestrator.loop.client import HttpTransport
 from orchestrator.types import EndpointRef
-from policies.lane import GenerateRequest, VersionBounds
+from policies.wire.lane import GenerateRequest, VersionBounds
 
 pytestmark = pytest.mark.anyio
 

@@ -10,10 +10,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from orchestrator.client import HttpTransport
 from orchestrator.errors import EndpointError, Overloaded, VersionUnavailable
+from orchestrator.loop.client import HttpTransport
 from orchestrator.types import EndpointRef
-from policies.lane import GenerateRequest, VersionBounds
+from policies.wire.lane import GenerateRequest, VersionBounds
 
 pytestmark = pytest.mark.anyio
 

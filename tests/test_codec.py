@@ -13,25 +13,25 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from structlog.testing import capture_logs
 
-from policies import bench_codec
+from orchestrator.bench import codec as bench_codec
 from policies.codec import (
-    BITMASK,
-    DENSE,
-    SPARSE,
-    PatchBaseMismatch,
-    PatchChecksumMismatch,
-    PatchCorrupt,
     apply_patch,
     checksums,
-    decode_positions,
     encode_patch,
-    encode_positions,
     read_patch_header,
     squash,
     state_digest,
+)
+from policies.codec.ops import (
+    BITMASK,
+    DENSE,
+    SPARSE,
+    decode_positions,
+    encode_positions,
     varint_planes,
     varint_values,
 )
+from policies.errors import PatchBaseMismatch, PatchChecksumMismatch, PatchCorrupt
 from tests.boards import adam_like_step
 
 State = dict[str, torch.Tensor]

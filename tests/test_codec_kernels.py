@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from policies.codec_ops import (
+from policies.codec.ops import (
     CODINGS,
     DENSE,
     SECTION,

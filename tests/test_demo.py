@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from orchestrator.trajlog import read_log
+from orchestrator.record.frames import read_log
 from policies.board import Board
 
 pytestmark = pytest.mark.slow

@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from policies.batching import OutOfBounds, sample_token
 from policies.codec import apply_patch, encode_patch
-from policies.engine import Engine, Generation
-from policies.lane import GenerateRequest, VersionBounds
+from policies.serve.decode import OutOfBounds, sample_token
+from policies.serve.engine import Engine, Generation
+from policies.wire.lane import GenerateRequest, VersionBounds
 
 
 @pytest.fixture(scope="module")
@@ -213,11 +213,11 @@ def test_a_failed_forward_fails_every_joining_request_instead_of_hanging() -> No
         def forward(self, *args: object, **kwargs: object) -> None:
             raise RuntimeError("forward exploded")
 
-    from policies.batching import BatchScheduler
     from policies.errors import EngineError
-    from policies.lane import GenerateRequest
+    from policies.serve.decode import DecodeBatcher
+    from policies.wire.lane import GenerateRequest
 
-    sched = BatchScheduler(Broken(), device=torch.device("cpu"), max_rows=8)
+    sched = DecodeBatcher(Broken(), device=torch.device("cpu"), max_rows=8)
     futures = [
         sched.submit(GenerateRequest(prompt_token_ids=[1, 2], max_tokens=2, seed=i), 2, frozenset())
         for i in range(3)

@@ -16,7 +16,7 @@ from environments.base import EnvConfig, Environment, EpisodeState, Message, rew
 from environments.errors import EnvDefinitionError, EnvironmentLoadError, RewardError
 from environments.scripted import play
 from environments.types import Penalties
-from policies.toolcalls import ToolCall
+from policies.wire.toolcalls import ToolCall
 
 pytestmark = pytest.mark.anyio
 

@@ -18,10 +18,10 @@ from transformers import PreTrainedTokenizerBase
 from environments.base import Environment, EpisodeState, reward
 from environments.guess import Guess, GuessConfig
 from environments.retrieval import Retrieval, RetrievalConfig
-from orchestrator.episode import EpisodeRunner
-from orchestrator.pool import Pool
+from orchestrator.loop.episode import EpisodeRunner
+from orchestrator.loop.pool import Pool
 from orchestrator.types import Episode, SamplingParams
-from policies.lane import (
+from policies.wire.lane import (
     GenerateChoice,
     GenerateRequest,
     GenerateResponse,
@@ -29,7 +29,7 @@ from policies.lane import (
     VersionBounds,
     VersionStamp,
 )
-from policies.toolcalls import ParsedAssistant
+from policies.wire.toolcalls import ParsedAssistant
 
 pytestmark = pytest.mark.anyio
 

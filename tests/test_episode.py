@@ -10,11 +10,11 @@ from transformers import PreTrainedTokenizerBase
 from trio.testing import MockClock
 
 from environments.calculator import Calculator, CalculatorConfig
-from orchestrator.episode import EpisodeRunner
-from orchestrator.pool import Pool
-from orchestrator.tokens import ChatTokens
+from orchestrator.loop.episode import EpisodeRunner
+from orchestrator.loop.pool import Pool
 from orchestrator.types import EndpointRef, Episode, SamplingParams
-from policies.lane import VersionBounds
+from policies.wire.chat_tokens import ChatTokens
+from policies.wire.lane import VersionBounds
 from tests.fakes import ScriptedTransport
 
 pytestmark = pytest.mark.anyio

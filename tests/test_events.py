@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import random
+from types import SimpleNamespace
 from pathlib import Path
 from typing import Any
 
@@ -12,24 +13,26 @@ import anyio
 from datasets import Dataset
 from trio.testing import MockClock
 
-from orchestrator.batcher import Batcher
 from orchestrator.errors import EndpointError
-from orchestrator.events import EventLog, EventSink, read_events, resimulate
-from orchestrator.metrics import Tee
-from orchestrator.pool import Pool
-from orchestrator.scheduler import Scheduler, VersionClock
-from orchestrator.train_sink import consume
-from orchestrator.trajlog import TrajectoryLog, episode_records
+from orchestrator.loop.batcher import Batcher
+from orchestrator.loop.pool import Pool
+from orchestrator.loop.rl import rl_loop
+from orchestrator.loop.scheduler import Scheduler, VersionClock
+from orchestrator.observe.metrics import Tee
+from orchestrator.offline.resimulate import resimulate
+from orchestrator.record.events import EventLog, read_events
+from orchestrator.record.trajlog import TrajectoryLog, episode_records
 from orchestrator.types import (
     Batch,
     EndpointRef,
     Episode,
+    EventSink,
     Group,
     GroupDecision,
     SamplingParams,
     Segment,
 )
-from policies.lane import GenerateRequest, VersionBounds, VersionStamp
+from policies.wire.lane import GenerateRequest, VersionBounds, VersionStamp
 from staleness.config import DropRule, StalenessConfig
 from tests.fakes import ScriptedTransport
 
@@ -53,9 +56,14 @@ def _pool_run(directory: Path, also: EventSink | None = None) -> ScriptedTranspo
     )
 
     async def main() -> None:
-        pool = Pool(t, version_wait_s=30.0, poll_interval_s=1.0, max_inflight=2)  # type: ignore[arg-type]
         log = EventLog(directory, flush_every=7)
-        pool.events = Tee(log, also) if also is not None else log
+        pool = Pool(
+            t,  # type: ignore[arg-type]
+            version_wait_s=30.0,
+            poll_interval_s=1.0,
+            max_inflight=2,
+            events=Tee(log, also) if also is not None else log,
+        )
         for name in t.versions:
             pool.add(EndpointRef(id=name, url=f"http://{name}", weight=2.0 if name == "a" else 1.0))
         await pool.refresh_all()
@@ -109,6 +117,8 @@ def test_pool_decisions_resimulate_exactly(tmp_path: Path) -> None:
 
 class _Runner:
     """A scripted episode runner: an endpoint that always serves the newest version."""
+
+    env = SimpleNamespace(name="scripted")  # abandoned episodes name their environment
 
     def __init__(self, clock: VersionClock) -> None:
         self.clock = clock
@@ -184,13 +194,12 @@ class _Recorder:
 
 def _scheduler_run(tmp_path: Path, staleness: StalenessConfig) -> None:
     async def main() -> None:
-        trajlog = TrajectoryLog(tmp_path / "traj")
         events = EventLog(tmp_path / "events")
         events.emit(
             "run", max_lag=2, groups_per_batch=2, staleness=staleness.model_dump(mode="json")
         )
-        trajlog.events = events
-        clock = VersionClock(0)
+        trajlog = TrajectoryLog(tmp_path / "traj", events=events)
+        clock = VersionClock(0, events=events)
         sched = Scheduler(
             _Runner(clock),  # type: ignore[arg-type]
             Dataset.from_list([{"id": i} for i in range(8)]),
@@ -200,23 +209,11 @@ def _scheduler_run(tmp_path: Path, staleness: StalenessConfig) -> None:
             max_lag=2,
             max_concurrent_episodes=5,
             seed=1,
+            events=events,
         )
-        sched.events = clock.events = events
-        batcher = Batcher(staleness, 2, 2, lambda: sink.version)
         sink = _Sink()
-        send, recv = anyio.create_memory_object_stream[Group](max_buffer_size=2)
-        async with recv, anyio.create_task_group() as tg:
-            tg.start_soon(sched.run, send)
-            await consume(
-                recv,
-                batcher=batcher,
-                scheduler=sched,
-                sink=sink,
-                clock=clock,
-                recorder=_Recorder(trajlog),
-                max_steps=6,
-            )
-            tg.cancel_scope.cancel()
+        batcher = Batcher(staleness, 2, 2, lambda: sink.version)
+        await rl_loop(sched, batcher, sink, _Recorder(trajlog), max_steps=6)
         trajlog.close()
 
     _trio(main)

@@ -10,16 +10,17 @@ import pytest
 from rich.console import Console
 from test_events import _pool_run
 
-from orchestrator.live import LiveView, wanted
-from orchestrator.pool import Endpoint
-from orchestrator.types import EndpointRef
+from orchestrator.observe.live import LiveView, wanted
+from orchestrator.types import Endpoint, EndpointRef
 
 
 def test_frame_shows_endpoints_lag_histogram_and_progress(tmp_path: Path) -> None:
     a = Endpoint(ref=EndpointRef(id="engine-a", url="http://a"), applied_version=3, healthy=True)
     b = Endpoint(ref=EndpointRef(id="engine-b", url="http://b"), applied_version=1)
     a.outstanding, a.limit = 2, 4.0
-    view = LiveView([a, b], max_steps=8)
+    view = LiveView(max_steps=8)
+    view.endpoint(a)
+    view.endpoint(b)
     _pool_run(tmp_path, also=view)  # real pool events: served calls
     assert view.calls > 0
     view.emit("trainer_version", version=4)
@@ -51,7 +52,7 @@ def test_only_on_a_terminal() -> None:
 
 @pytest.mark.anyio
 async def test_run_redraws_until_cancelled() -> None:
-    view = LiveView([], max_steps=2)
+    view = LiveView(max_steps=2)
     buf = io.StringIO()
     console = Console(file=buf, width=100, force_terminal=True, color_system=None)
     with anyio.move_on_after(0.35):

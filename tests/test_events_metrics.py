@@ -11,10 +11,10 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 from test_events import _pool_run
 
-from orchestrator.admin import AdminApp
-from orchestrator.events import read_events
-from orchestrator.metrics import RunMetrics
-from orchestrator.pool import Pool
+from orchestrator.loop.admin import AdminApp
+from orchestrator.loop.pool import Pool
+from orchestrator.observe.metrics import RunMetrics
+from orchestrator.record.events import read_events
 from tests.fakes import ScriptedTransport
 
 

@@ -12,7 +12,7 @@ import pytest
 from orchestrator.cli import main as cli_main
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
-from orchestrator.experiment import (
+from orchestrator.offline.experiment import (
     ARMS,
     ArmResult,
     arm_config,
@@ -22,7 +22,7 @@ from orchestrator.experiment import (
     sft_phases,
     verdict,
 )
-from orchestrator.trajlog import FrameWriter
+from orchestrator.record.frames import FrameWriter
 
 DEMO = Path("configs/demo.toml")
 EXPERIMENT = Path("configs/experiment-lag.toml")

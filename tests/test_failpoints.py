@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from policies import failpoints
+from policies.board import failpoints
 
 
 @pytest.fixture

@@ -13,11 +13,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 from transformers import PreTrainedTokenizerBase
 
-from policies.batching import Generation, QuiesceMode
 from policies.board import Board
-from policies.lane import GenerateChoice, GenerateRequest
-from policies.server import run_lane
-from policies.sidecar import Sidecar
+from policies.serve.decode import Generation, QuiesceMode
+from policies.serve.server import run_lane
+from policies.serve.sidecar import Sidecar
+from policies.wire.lane import GenerateChoice, GenerateRequest
 from tests.boards import engine, publish_scaled, tiny_board
 
 pytestmark = pytest.mark.anyio

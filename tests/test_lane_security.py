@@ -15,11 +15,12 @@ from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 from transformers import AutoModelForCausalLM
 
-from policies.adapters.base import HttpBackend
-from policies.adapters.standalone import serve_sidecar
 from policies.board import Board
-from policies.server import tls_context
-from policies.sidecar import Sidecar, redact
+from policies.board.store import redact
+from policies.serve.backends.base import HttpBackend
+from policies.serve.backends.standalone import serve_sidecar
+from policies.serve.server import tls_context
+from policies.serve.sidecar import Sidecar
 from tests.boards import engine
 
 pytestmark = pytest.mark.anyio

@@ -18,9 +18,9 @@ from structlog.testing import capture_logs
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from policies.corpus import generate_corpus
-from policies.modelgen import SPECIAL_TOKENS, SPECS, TOOL_TOKENS, init_model
-from policies.toolcalls import CHAT_TEMPLATE, parse_assistant
+from policies.model.build import SPECIAL_TOKENS, SPECS, TOOL_TOKENS, init_model
+from policies.model.corpus import generate_corpus
+from policies.wire.toolcalls import CHAT_TEMPLATE, parse_assistant
 
 HF_FILES = (
     "config.json",

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from trio.testing import MockClock
 
 from orchestrator.errors import EndpointError
-from orchestrator.pool import Pool
+from orchestrator.loop.pool import Pool
 from orchestrator.types import EndpointRef
-from policies.lane import GenerateRequest, VersionBounds
+from policies.wire.lane import GenerateRequest, VersionBounds
 from tests.fakes import ScriptedTransport
 
 pytestmark = pytest.mark.anyio

@@ -12,7 +12,7 @@ from test_trajlog import write_synthetic_log
 
 from orchestrator.config import Config
 from orchestrator.errors import ConfigError
-from orchestrator.replay import (
+from orchestrator.offline.replay import (
     LOGGED,
     ModelScorer,
     load_policies,
@@ -21,7 +21,7 @@ from orchestrator.replay import (
     train,
     what_if,
 )
-from orchestrator.trajlog import episode_records
+from orchestrator.record.trajlog import episode_records
 from orchestrator.types import Episode, SamplingParams
 from staleness.config import DropRule, StalenessConfig, TruncatedIS
 

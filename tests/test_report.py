@@ -14,8 +14,8 @@ from matplotlib.image import imread
 from test_events import _pool_run
 from test_trajlog import write_synthetic_log
 
-from orchestrator.events import EventLog
-from orchestrator.report import main, report_data
+from orchestrator.offline.report import main, report_data
+from orchestrator.record.events import EventLog
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

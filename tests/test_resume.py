@@ -18,11 +18,13 @@ import zstandard
 from test_demo import _cmd, _external_trainer_args
 from test_trajlog import make_group
 
-from orchestrator.accounting import account
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError, TrajlogError
-from orchestrator.events import EventLog, read_events, resimulate
-from orchestrator.resume import (
+from orchestrator.offline.resimulate import resimulate
+from orchestrator.record.accounting import account
+from orchestrator.record.events import EventLog, read_events
+from orchestrator.record.frames import parts, scan_frames
+from orchestrator.record.resume import (
     LOST_REASON,
     LoggedRun,
     check_run_dir,
@@ -31,14 +33,8 @@ from orchestrator.resume import (
     reconcile,
     start,
 )
+from orchestrator.record.trajlog import TrajectoryLog, batch_records, episode_records
 from orchestrator.run import RunSummary
-from orchestrator.trajlog import (
-    TrajectoryLog,
-    batch_records,
-    episode_records,
-    parts,
-    scan_frames,
-)
 from orchestrator.types import Batch, GroupDecision
 from policies.board import Board
 
@@ -145,8 +141,8 @@ def test_a_restart_writes_what_it_reconciled_and_the_accounting_balances(tmp_pat
     )
     assert check_run_dir(cfg) == run_dir
     logged = read_run(run_dir)
-    tlog = TrajectoryLog(run_dir / "trajectories", run="r", append=True)
-    tlog.events = EventLog.for_run(run_dir / "events", cfg, first_seq=logged.next_seq)
+    event_log = EventLog.for_run(run_dir / "events", cfg, first_seq=logged.next_seq)
+    tlog = TrajectoryLog(run_dir / "trajectories", run="r", append=True, events=event_log)
     rec = start(logged, tlog, trainer_version=2, cfg=cfg)  # the checkpoint is at version 2
     tlog.close()
     assert rec.next_index == 5
@@ -173,8 +169,8 @@ def test_a_restart_s_summary_counts_the_whole_run_from_its_logs(tmp_path: Path) 
     _synthetic_run(run_dir)
     cfg = load_config(None, {"run.root": str(tmp_path), "run.name": "r", "run.resume": True})
     logged = read_run(run_dir)
-    tlog = TrajectoryLog(run_dir / "trajectories", run="r", append=True)
-    tlog.events = EventLog.for_run(run_dir / "events", cfg, first_seq=logged.next_seq)
+    event_log = EventLog.for_run(run_dir / "events", cfg, first_seq=logged.next_seq)
+    tlog = TrajectoryLog(run_dir / "trajectories", run="r", append=True, events=event_log)
     rec = start(logged, tlog, trainer_version=2, cfg=cfg)  # rebuilds the second step's record
     tlog.close()
     assert rec.reconstructed is not None

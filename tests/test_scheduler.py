@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from functools import partial
 
 import anyio
 import pytest
@@ -13,11 +14,12 @@ from transformers import PreTrainedTokenizerBase
 from trio.testing import MockClock
 
 from environments.calculator import Calculator, CalculatorConfig
-from orchestrator.batcher import Batcher
-from orchestrator.pool import Pool
-from orchestrator.scheduler import Scheduler, VersionClock
-from orchestrator.simulate import calculator_runner
-from orchestrator.train_sink import consume, drain
+from orchestrator.bench.simulate import calculator_runner
+from orchestrator.loop.batcher import Batcher
+from orchestrator.loop.pool import Pool
+from orchestrator.loop.rl import rl_loop
+from orchestrator.loop.scheduler import Scheduler, VersionClock
+from orchestrator.loop.train_sink import drain
 from orchestrator.types import Batch, Group, GroupDecision
 from staleness.config import StalenessConfig
 from tests.fakes import ScriptedTransport
@@ -108,21 +110,14 @@ async def _run_fleet(
     trainer = FakeTrainer(t, pool, rng)
     batcher = Batcher(StalenessConfig(), groups_per_batch, max_lag, lambda: trainer.version)
     recorder = Recorder()
-    send, recv = anyio.create_memory_object_stream[Group](max_buffer_size=groups_per_batch)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(_catch_up, t, pool, trainer, rng, names[-1])
-        tg.start_soon(sched.run, send)
-        await consume(
-            recv,
-            batcher=batcher,
-            scheduler=sched,
-            sink=trainer,
-            clock=clock,
-            recorder=recorder,
-            max_steps=5,
-        )
-        tg.cancel_scope.cancel()
-    drain(recv)
+    await rl_loop(
+        sched,
+        batcher,
+        trainer,
+        recorder,
+        max_steps=5,
+        beside=[partial(_catch_up, t, pool, trainer, rng, names[-1])],
+    )
 
     assert trainer.version == 5
     # Every recorded group was admitted; kept groups are in exactly one batch (or pending).

@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from policies.engine import Engine
 from policies.errors import EngineError
-from policies.lane import GenerateRequest
-from policies.server import serve_model
+from policies.serve.engine import Engine
+from policies.serve.server import serve_model
+from policies.wire.lane import GenerateRequest
 
 pytestmark = pytest.mark.anyio
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import anyio
 from transformers import PreTrainedTokenizerBase
 
-from orchestrator.tokens import ChatTokens
-from policies.sft import calculator_env, format_score, ideal_example, warm_start
-from policies.toolcalls import parse_assistant
+from policies.train.sft import calculator_env, format_score, ideal_example, warm_start
+from policies.wire.chat_tokens import ChatTokens
+from policies.wire.toolcalls import parse_assistant
 
 
 def test_ideal_example_is_the_chat_template_rendering(tokenizer: PreTrainedTokenizerBase) -> None:

@@ -8,7 +8,7 @@ from transformers import PreTrainedTokenizerBase
 
 from environments.base import EnvConfig
 from environments.calculator import Calculator
-from orchestrator.tokens import ChatTokens
+from policies.wire.chat_tokens import ChatTokens
 
 
 def test_continuation_matches_full_render(tokenizer: PreTrainedTokenizerBase) -> None:

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerFast
 
-from policies.modelgen import build_tokenizer
-from policies.toolcalls import (
+from policies.model.build import build_tokenizer
+from policies.wire.toolcalls import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     ParsedAssistant,

@@ -10,14 +10,14 @@ import anyio
 import pytest
 import torch
 
-from orchestrator.batcher import Batcher
 from orchestrator.errors import TrainerError
-from orchestrator.scheduler import VersionClock
-from orchestrator.train_sink import ExternalTrainer, batch_samples, consume
+from orchestrator.loop.batcher import Batcher
+from orchestrator.loop.scheduler import VersionClock
+from orchestrator.loop.train_sink import ExternalTrainer, batch_samples, consume
 from orchestrator.types import Batch, Episode, Group, GroupDecision, SamplingParams, Segment
-from policies.batchfile import metrics_path, read_batch, write_atomic
 from policies.board import Board
-from policies.lane import VersionStamp
+from policies.wire.batches import metrics_path, read_batch, write_atomic
+from policies.wire.lane import VersionStamp
 from staleness.config import StalenessConfig
 
 pytestmark = pytest.mark.anyio

@@ -4,35 +4,36 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from policies.board import Board
-from policies.engine import Engine
 from policies.errors import CheckpointError
-from policies.lane import GenerateRequest
-from policies.trainer import Trainer, TrainerSettings, TrainSample
-from staleness.config import NoCorrection, TruncatedIS
+from policies.serve.engine import Engine
+from policies.train.config import TrainerConfig
+from policies.train.trainer import Trainer, TrainSample
+from policies.wire.lane import GenerateRequest
+from staleness.config import Correction, NoCorrection, TruncatedIS
 
 GROUP = 4
 
 
-def _settings(**kw: object) -> TrainerSettings:
-    base: dict[str, object] = dict(
-        lr=1e-3,
-        weight_decay=0.01,
-        master_dtype="float32",
-        served_dtype="bfloat16",
-        clip_eps=0.2,
-        grad_clip=1.0,
-        temperature=1.0,
+def _trainer(model_dir: Path, board: Board, correction: Correction, **kw: Any) -> Trainer:
+    """A trainer with the test defaults; ``kw`` sets ``[trainer]`` fields or Trainer arguments."""
+    run = {k: kw.pop(k) for k in list(kw) if k in {"checkpoint_dir", "resume", "temperature"}}
+    config = TrainerConfig(**{"lr": 1e-3, "weight_decay": 0.01, **kw})
+    return Trainer(
+        model_dir,
+        board,
+        config,
+        correction=correction,
+        temperature=run.pop("temperature", 1.0),
         group_size=GROUP,
-        seed=0,
+        **run,
     )
-    base.update(kw)
-    return TrainerSettings(**base)  # type: ignore[arg-type]
 
 
 def _samples(seed: int, rewards: list[float] | None = None) -> list[TrainSample]:
@@ -70,31 +71,27 @@ def test_resume_is_bit_identical(tmp_path: Path, tiny_model_dir: Path) -> None:
     batches = [_samples(s) for s in range(4)]
     kw = dict(kl_coef=0.05, entropy_coef=0.01)
 
-    straight = Trainer(
+    straight = _trainer(
         tiny_model_dir,
         Board(str(tmp_path / "a"), "r"),
-        _settings(checkpoint_dir=tmp_path / "a-ckpt", **kw),
         TruncatedIS(cap=2.0),
+        checkpoint_dir=tmp_path / "a-ckpt",
+        **kw,
     )
     straight.publish()
     for batch in batches:
         straight.step(batch)
 
     board = Board(str(tmp_path / "b"), "r")
-    first = Trainer(
-        tiny_model_dir, board, _settings(checkpoint_dir=tmp_path / "b-ckpt", **kw), TruncatedIS()
-    )
+    first = _trainer(tiny_model_dir, board, TruncatedIS(), checkpoint_dir=tmp_path / "b-ckpt", **kw)
     first.publish()
     for batch in batches[:2]:
         first.step(batch)
     del first  # the "crash": only the checkpoint and the board survive
     torch.manual_seed(12345)  # a resumed process starts with whatever RNG state it has
 
-    resumed = Trainer(
-        tiny_model_dir,
-        board,
-        _settings(checkpoint_dir=tmp_path / "b-ckpt", resume=True, **kw),
-        TruncatedIS(),
+    resumed = _trainer(
+        tiny_model_dir, board, TruncatedIS(), checkpoint_dir=tmp_path / "b-ckpt", resume=True, **kw
     )
     assert resumed.version == 2
     resumed.ensure_published()  # the board already has version 2: nothing to do
@@ -111,16 +108,13 @@ def test_resume_republishes_a_checkpointed_but_unpublished_version(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     board = Board(str(tmp_path / "board"), "r")
-    t = Trainer(tiny_model_dir, board, _settings(checkpoint_dir=tmp_path / "ck"), NoCorrection())
+    t = _trainer(tiny_model_dir, board, NoCorrection(), checkpoint_dir=tmp_path / "ck")
     t.publish()
     t.step(_samples(0))
     t.version += 1  # as if the process died between writing the checkpoint and publishing
     t.save_checkpoint()
-    resumed = Trainer(
-        tiny_model_dir,
-        board,
-        _settings(checkpoint_dir=tmp_path / "ck", resume=True),
-        NoCorrection(),
+    resumed = _trainer(
+        tiny_model_dir, board, NoCorrection(), checkpoint_dir=tmp_path / "ck", resume=True
     )
     assert (resumed.version, board.latest()) == (2, 1)
     resumed.ensure_published()
@@ -129,27 +123,30 @@ def test_resume_republishes_a_checkpointed_but_unpublished_version(
 
 def test_resume_refuses_a_foreign_checkpoint(tmp_path: Path, tiny_model_dir: Path) -> None:
     ck = tmp_path / "ck"
-    t = Trainer(
+    t = _trainer(
         tiny_model_dir,
         Board(str(tmp_path / "b"), "r"),
-        _settings(checkpoint_dir=ck),
         NoCorrection(),
+        checkpoint_dir=ck,
     )
     t.save_checkpoint()
     with pytest.raises(CheckpointError, match="master_dtype"):
-        Trainer(
+        _trainer(
             tiny_model_dir,
             Board(str(tmp_path / "c"), "r"),
-            _settings(checkpoint_dir=ck, resume=True, master_dtype="bfloat16"),
             NoCorrection(),
+            checkpoint_dir=ck,
+            resume=True,
+            master_dtype="bfloat16",
         )
     (ck / "trainer.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError, match="unreadable"):
-        Trainer(
+        _trainer(
             tiny_model_dir,
             Board(str(tmp_path / "d"), "r"),
-            _settings(checkpoint_dir=ck, resume=True),
             NoCorrection(),
+            checkpoint_dir=ck,
+            resume=True,
         )
 
 
@@ -160,11 +157,12 @@ def test_on_policy_logprobs_match_the_engine(
     tokenizer: PreTrainedTokenizerBase,
     temperature: float,
 ) -> None:
-    trainer = Trainer(
+    trainer = _trainer(
         tiny_model_dir,
         Board(str(tmp_path / "b"), "r"),
-        _settings(served_dtype="float32", temperature=temperature),
         TruncatedIS(cap=2.0),
+        served_dtype="float32",
+        temperature=temperature,
     )
     engine = Engine(tiny_model_dir, dtype=torch.float32)
     engine.activate(trainer.served_view(), version=0)
@@ -201,11 +199,12 @@ def test_on_policy_logprobs_match_the_engine(
 def test_kl_is_zero_at_the_reference_and_grows_after_updates(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    t = Trainer(
+    t = _trainer(
         tiny_model_dir,
         Board(str(tmp_path / "b"), "r"),
-        _settings(kl_coef=0.1, lr=5e-3),
         NoCorrection(),
+        kl_coef=0.1,
+        lr=5e-3,
     )
     first = t.step(_samples(0))
     assert first["kl_ref"] == 0.0  # version 0 is the reference itself
@@ -215,11 +214,12 @@ def test_kl_is_zero_at_the_reference_and_grows_after_updates(
 
 def test_entropy_bonus_raises_entropy(tmp_path: Path, tiny_model_dir: Path) -> None:
     batch = _samples(0, rewards=[1.0] * (2 * GROUP))  # equal rewards: no policy gradient at all
-    t = Trainer(
+    t = _trainer(
         tiny_model_dir,
         Board(str(tmp_path / "b"), "r"),
-        _settings(entropy_coef=0.5, lr=1e-3),
         NoCorrection(),
+        entropy_coef=0.5,
+        lr=1e-3,
     )
     before = t.step(batch)["entropy"]
     after = t.step(batch)["entropy"]
@@ -229,7 +229,7 @@ def test_entropy_bonus_raises_entropy(tmp_path: Path, tiny_model_dir: Path) -> N
 
 def test_bfloat16_masters_train_and_publish(tmp_path: Path, tiny_model_dir: Path) -> None:
     board = Board(str(tmp_path / "b"), "r")
-    t = Trainer(tiny_model_dir, board, _settings(master_dtype="bfloat16"), TruncatedIS())
+    t = _trainer(tiny_model_dir, board, TruncatedIS(), master_dtype="bfloat16")
     assert all(p.dtype == torch.bfloat16 for p in t.model.parameters())
     before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
     t.publish()

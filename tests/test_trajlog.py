@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from orchestrator.errors import TrajlogError
-from orchestrator.trajlog import (
+from orchestrator.record.frames import parts, read_log, repair, scan_frames
+from orchestrator.record.trajlog import (
     SCHEMA_VERSION,
     BatchRecord,
     EpisodeRecord,
@@ -26,11 +27,7 @@ from orchestrator.trajlog import (
     TrajectoryLog,
     batch_records,
     episode_records,
-    parts,
-    read_log,
-    repair,
     run_header,
-    scan_frames,
     to_dataset,
 )
 from orchestrator.types import (
@@ -43,7 +40,7 @@ from orchestrator.types import (
     Segment,
     ToolCallRecord,
 )
-from policies.lane import VersionStamp
+from policies.wire.lane import VersionStamp
 
 
 def make_episode(
@@ -248,7 +245,7 @@ WRITER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from orchestrator.trajlog import FrameWriter
+    from orchestrator.record.trajlog import FrameWriter
     w = FrameWriter(Path(sys.argv[1]), "episodes", rotate_bytes=4096)
     pad = "x" * 300
     for i in range(10**7):

@@ -11,9 +11,9 @@ from rich.console import Console
 from test_trajlog import write_synthetic_log
 
 from orchestrator.errors import TrajlogError
-from orchestrator.events import EventLog
-from orchestrator.inspect_log import main, summarize
-from orchestrator.trajlog import batch_records, episode_records
+from orchestrator.offline.inspect_log import main, summarize
+from orchestrator.record.events import EventLog
+from orchestrator.record.trajlog import batch_records, episode_records
 
 
 def _render(argv: list[str]) -> str:

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies.codec import apply_patch, encode_patch, read_patch_header, state_digest
-from policies.views import FP4_VALUES, ViewKind, ViewSpec, build_view, dequantize
+from policies.codec.views import FP4_VALUES, ViewKind, ViewSpec, build_view, dequantize
 
 KINDS: list[ViewKind] = ["bf16", "fp16", "fp8_e4m3", "fp8_block", "int4_group", "nvfp4"]
 PROJ = "model.layers.0.mlp.down_proj.weight"

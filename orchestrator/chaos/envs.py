@@ -17,7 +17,7 @@ from pydantic import Field
 
 from environments.base import EpisodeState, Reply, reward
 from environments.calculator import Calculator, CalculatorConfig
-from policies.toolcalls import ParsedAssistant
+from policies.wire.toolcalls import ParsedAssistant
 from sandbox import SandboxConfig, SandboxPool
 
 

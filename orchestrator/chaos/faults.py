@@ -2,7 +2,7 @@
 
 Every fault names the trainer version after which it strikes (``at_version``), the config it
 needs (``overrides``), environment variables for the processes (``env``: failpoints, see
-:mod:`policies.failpoints`), and what the harness does at that moment (``inject``).
+:mod:`policies.board.failpoints`), and what the harness does at that moment (``inject``).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any
 import anyio
 import psutil
 
-from orchestrator.chaos.harness import ChaosError, Ctx, poll
+from orchestrator.chaos.ctx import ChaosError, Ctx, poll
 from orchestrator.chaos.link import FaultyLink, LinkMode
-from orchestrator.events import read_events
-from orchestrator.trajlog import iter_records
+from orchestrator.record.events import read_events
+from orchestrator.record.frames import iter_records
 
 Inject = Callable[[Ctx], Awaitable[None]]
 Evidence = Callable[["Seen"], str | None]

@@ -2,7 +2,7 @@
 
 - **exactly once**: every admitted group is dropped (with a reason), trained in exactly one
   batch, listed as unbatched at the end, or recorded as lost in flight — never silently missing
-  (``lost``) or counted twice (``duplicated``) (:func:`orchestrator.accounting.account`);
+  (``lost``) or counted twice (``duplicated``) (:func:`orchestrator.record.accounting.account`);
 - **in bounds**: every model call's response was stamped with a version inside the bounds its
   request carried (``segments[].bounds`` in the trajectory log);
 - **verified**: every (endpoint, version) that served a call was activated on that replica with
@@ -20,8 +20,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.accounting import account
-from orchestrator.trajlog import iter_records
+from orchestrator.record.accounting import account
+from orchestrator.record.frames import iter_records
 from policies.board import Board
 from policies.errors import BoardError
 

@@ -1,0 +1,8 @@
+"""Benchmarks (``orchestrate bench …``; results in ``docs/benchmarks.md``) and the simulator.
+
+:mod:`~orchestrator.bench.codec`, :mod:`~orchestrator.bench.sparsity`,
+:mod:`~orchestrator.bench.engine`, :mod:`~orchestrator.bench.sync`,
+:mod:`~orchestrator.bench.scheduler`, :mod:`~orchestrator.bench.async_rl`; and
+:mod:`~orchestrator.bench.simulate`, a simulated heterogeneous fleet. Each prints its baseline
+measured in the same run. Nothing at run time imports this package.
+"""

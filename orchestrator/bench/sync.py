@@ -1,0 +1,306 @@
+"""``orchestrate bench sync``: how fast a new version reaches every replica over a slow link.
+
+Every replica reads the board through its own :class:`Link`, a serial link of ``--link-mbit``
+Mbit/s: a read is delivered once the link has carried its bytes after every earlier read of that
+replica (a token bucket on the board's read path, so the time follows the bytes actually
+fetched). Two views, one run each:
+
+- **demo**: sprawl's tiny model (bf16), each replica a real reference :class:`Engine` behind a
+  :class:`Sidecar` (``activation="pause"``), reconciling from its own throttled board;
+- **synthetic**: a ``--size-mb`` bf16 view (default 1024) of 32 MiB-or-smaller random tensors;
+  a replica is the verified view itself (no engine).
+
+For each: **full** is shipping the full checkpoint over the link — version 0's anchor fetched,
+checksummed and (demo) copied into the engine — which is also how the replicas start. **sync** is
+the time from the start of ``Board.publish`` of version 1 (``--density`` of the values moved by
+±1 ulp, like an Adam step) to the moment the last replica serves it (polling the pointer every
+``--poll-ms``); ``speedup`` is full / sync (target ≥ 50×). ``exact`` says each replica's view
+(demo: the engine's live tensors) is bitwise equal to the published one.
+
+Synthetic also measures **catch-up** of a replica 8 versions behind (versions 1..8 published at
+the same density): one squashed patch (the board's plan, ``from-00000000.patch`` of version 8)
+against the 8 deltas applied one after another, bytes and time over the link, both checked
+bitwise. Demo also reports the engine pause (``orchestrator.bench.engine.pause_trials``, p50/p99) on
+a replica's engine, under load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+from prometheus_client import CollectorRegistry
+from safetensors.torch import load_file
+
+from orchestrator.bench.engine import pause_trials
+from policies.board import Board
+from policies.serve.backends.reference import ReferenceBackend
+from policies.serve.engine import Engine
+from policies.serve.sidecar import Sidecar
+from policies.wire.logs import configure
+
+View = dict[str, torch.Tensor]
+
+
+class Link:
+    """A serial link of ``mbit_s`` Mbit/s: each transfer waits for the earlier ones to finish."""
+
+    def __init__(self, mbit_s: float) -> None:
+        self.rate = mbit_s * 1e6 / 8
+        self.bytes = 0
+        self._lock = threading.Lock()
+        self._free_at = 0.0
+
+    def carry(self, nbytes: int) -> None:
+        with self._lock:
+            now = time.perf_counter()
+            self._free_at = max(now, self._free_at) + nbytes / self.rate
+            done = self._free_at
+            self.bytes += nbytes
+        time.sleep(max(0.0, done - time.perf_counter()))
+
+
+class ThrottledBoard(Board):
+    """A reader's board whose every read crosses ``link``."""
+
+    def __init__(self, url: str, run: str, link: Link) -> None:
+        super().__init__(url, run)
+        self.link = link
+
+    def _read(self, path: str) -> bytes:
+        data = super()._read(path)
+        self.link.carry(len(data))
+        return data
+
+
+def synthetic_view(size_mb: int, seed: int = 0) -> View:
+    """About ``size_mb`` MiB of bf16 values, in tensors of at most 32 MiB."""
+    gen = torch.Generator().manual_seed(seed)
+    left, out, i = size_mb * 2**20 // 2, {}, 0
+    while left > 0:
+        n = min(left, 16 * 2**20)
+        cols = 4096 if n >= 4096 else n
+        rows = n // cols
+        out[f"layers.{i}.weight"] = torch.randn(rows, cols, generator=gen).to(torch.bfloat16)
+        left -= rows * cols
+        i += 1
+    return out
+
+
+def adam_step(view: Mapping[str, torch.Tensor], density: float, gen: torch.Generator) -> View:
+    """A copy of ``view`` with ``density`` of its values moved by ±1 unit in the last place.
+
+    Flipping the lowest mantissa bit moves a value one ulp up or down (by its parity) and keeps
+    finite values finite; an index drawn twice flips back, so slightly under ``density`` change.
+    """
+    out = {}
+    for name, t in view.items():
+        bits = t.detach().clone().contiguous().view(torch.int16).reshape(-1)
+        n = max(1, int(bits.numel() * density))
+        idx = torch.randint(0, bits.numel(), (n,), generator=gen)
+        bits[idx] ^= 1  # the last mantissa bit: ±1 ulp, never leaves the finite range
+        out[name] = bits.view(t.dtype).reshape(t.shape)
+    return out
+
+
+def same_bits(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:
+    return set(a) == set(b) and all(
+        torch.equal(a[k].contiguous().view(torch.int16), b[k].contiguous().view(torch.int16))
+        for k in a
+    )
+
+
+def _timed_publish(board: Board, version: int, view: View) -> tuple[float, float, int]:
+    """Publish; (start, end) perf-counter times and the delta's bytes."""
+    t0 = time.perf_counter()
+    m = board.publish(version, view, view_name="bfloat16")
+    return t0, time.perf_counter(), m.bytes
+
+
+def run_synthetic(
+    root: Path, size_mb: int, density: float, mbit: float, replicas: int, poll_s: float
+) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(1)
+    pub = Board(str(root), "synthetic")
+    view0 = synthetic_view(size_mb)
+    view_bytes = sum(t.nbytes for t in view0.values())
+    pub.publish(0, view0, view_name="bfloat16")
+    boards = [ThrottledBoard(str(root), "synthetic", Link(mbit)) for _ in range(replicas)]
+    t0 = time.perf_counter()
+    _, held0 = boards[0].load(0)  # the full checkpoint over the link, verified
+    full_s = time.perf_counter() - t0
+    full_bytes = boards[0].link.bytes
+    held = [held0] + [{k: t.clone() for k, t in held0.items()} for _ in boards[1:]]
+    behind = [{k: t.clone() for k, t in held0.items()} for _ in range(2)]
+
+    def follow(i: int) -> float:
+        while (boards[i].latest() or 0) < 1:
+            time.sleep(poll_s)
+        boards[i].advance(held[i], 0, 1)
+        return time.perf_counter()
+
+    last = adam_step(view0, density, gen)
+    del view0  # the publisher holds what it still needs
+    with ThreadPoolExecutor(replicas) as pool:
+        futs = [pool.submit(follow, i) for i in range(replicas)]
+        start, published, patch_bytes = _timed_publish(pub, 1, last)
+        served = max(f.result() for f in futs)
+    exact = all(same_bits(h, last) for h in held)
+    held.clear()
+    for v in range(2, 9):
+        last = adam_step(last, density, gen)
+        pub.publish(v, last, view_name="bfloat16")
+    catch_up = {"behind": 8}
+    for name, view in zip(("squashed", "chained"), behind, strict=True):
+        lag = ThrottledBoard(str(root), "synthetic", Link(mbit))
+        hops = [(0, 8)] if name == "squashed" else [(v - 1, v) for v in range(1, 9)]
+        t0 = time.perf_counter()
+        patches = 0
+        for have, want in hops:
+            patches += len(lag.catch_up(have, want).steps)
+            lag.advance(view, have, want)
+        catch_up[name] = {  # type: ignore[assignment]
+            "bytes": lag.link.bytes,
+            "patches": patches,
+            "s": round(time.perf_counter() - t0, 3),
+        }
+    catch_up["exact"] = all(same_bits(v, last) for v in behind)
+    sync_s = served - start
+    return {
+        "size_mb": size_mb,
+        "view_bytes": view_bytes,
+        "replicas": replicas,
+        "full": {"bytes": full_bytes, "s": round(full_s, 3)},
+        "sync": {
+            "patch_bytes": patch_bytes,
+            "publish_s": round(published - start, 3),
+            "publish_to_serving_s": round(sync_s, 3),
+        },
+        "speedup": round(full_s / sync_s, 1),
+        "exact": exact,
+        "catch_up": catch_up,
+    }
+
+
+async def _demo(
+    root: Path, model: Path, density: float, mbit: float, replicas: int, poll_s: float
+) -> tuple[dict[str, Any], Engine]:
+    engines = [Engine(model, dtype=torch.bfloat16) for _ in range(replicas)]
+    weights = load_file(model / "model.safetensors")
+    view0 = {k: weights[k].to(torch.bfloat16) for k in engines[0].live_tensors()}
+    pub = Board(str(root), "demo")
+    pub.create(model)
+    pub.publish(0, view0, view_name="bfloat16")
+    cars = [
+        Sidecar(
+            ReferenceBackend(engines[i]),
+            ThrottledBoard(str(root), "demo", Link(mbit)),
+            poll_interval_s=poll_s,
+            registry=CollectorRegistry(),
+            activation="pause",
+        )
+        for i in range(replicas)
+    ]
+    t0 = time.perf_counter()
+    await cars[0].reconcile()  # the full checkpoint over the link, verified, into the engine
+    full_s = time.perf_counter() - t0
+    full_bytes = cars[0].board.link.bytes  # type: ignore[attr-defined]
+    for car in cars[1:]:
+        await car.reconcile()
+    view1 = adam_step(view0, density, torch.Generator().manual_seed(2))
+    done: list[float] = []
+
+    async def follow(car: Sidecar) -> None:
+        while car.applied_version != 1:
+            await car.reconcile()
+            await anyio.sleep(poll_s)
+        done.append(time.perf_counter())
+
+    async with anyio.create_task_group() as tg:
+        for car in cars:
+            tg.start_soon(follow, car)
+        start, published, patch_bytes = await anyio.to_thread.run_sync(
+            _timed_publish, pub, 1, view1
+        )
+    exact = all(same_bits(e.live_tensors(), view1) for e in engines)
+    for e in engines[1:]:
+        e.close()
+    sync_s = max(done) - start
+    result = {
+        "model": str(model),
+        "view_bytes": sum(t.nbytes for t in view0.values()),
+        "replicas": replicas,
+        "full": {"bytes": full_bytes, "s": round(full_s, 3)},
+        "sync": {
+            "patch_bytes": patch_bytes,
+            "publish_s": round(published - start, 3),
+            "publish_to_serving_s": round(sync_s, 3),
+        },
+        "speedup": round(full_s / sync_s, 1),
+        "exact": exact,
+    }
+    return result, engines[0]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="orchestrate bench sync", description=__doc__)
+    parser.add_argument("--model", type=Path, default=Path("runs/models/tiny"))
+    parser.add_argument("--size-mb", type=int, default=1024)
+    parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--link-mbit", type=float, default=100.0)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--poll-ms", type=float, default=5.0)
+    parser.add_argument("--pause-trials", type=int, default=20)
+    parser.add_argument("--pause-load", type=int, default=8)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    configure(level="warning")
+    if not (args.model / "config.json").exists():
+        from policies.model.build import init_model
+
+        init_model(args.model, "tiny", seed=0)
+    poll_s = args.poll_ms / 1e3
+    with tempfile.TemporaryDirectory(prefix="sprawl-bench-sync-") as tmp:
+        demo, engine = anyio.run(
+            _demo, Path(tmp), args.model, args.density, args.link_mbit, args.replicas, poll_s
+        )
+        try:
+            demo["pause"] = pause_trials(
+                engine, args.pause_trials, args.pause_load, args.density, max_tokens=32
+            )
+        finally:
+            engine.close()
+        synthetic = run_synthetic(
+            Path(tmp), args.size_mb, args.density, args.link_mbit, args.replicas, poll_s
+        )
+    result = {
+        "link_mbit_s": args.link_mbit,
+        "density": args.density,
+        "torch_threads": torch.get_num_threads(),
+        "demo": demo,
+        "synthetic": synthetic,
+    }
+    if args.json:
+        sys.stdout.write(json.dumps(result) + "\n")
+    else:
+        for name, r in (("demo", demo), ("synthetic", synthetic)):
+            sys.stdout.write(
+                f"{name}: full {r['full']['s']} s, sync {r['sync']['publish_to_serving_s']} s "
+                f"({r['speedup']}x), exact={r['exact']}\n"
+            )
+        cu = synthetic["catch_up"]
+        sys.stdout.write(
+            f"catch-up 8 behind: squashed {cu['squashed']}, chained {cu['chained']}\n"
+            f"pause: p50 {demo['pause']['p50_ms']} ms, p99 {demo['pause']['p99_ms']} ms\n"
+        )
+    return 0

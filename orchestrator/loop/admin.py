@@ -1,0 +1,149 @@
+"""The orchestrator's admin API: elastic fleet membership while a run goes on.
+
+Routes (JSON; every route but ``/health`` requires ``Authorization: Bearer <token>`` when
+``admin.token`` is set):
+
+- ``GET /v1/fleet`` — every endpoint: id, url, weight, applied version, health, outstanding
+  calls, concurrency limit, breaker state, calls served per version;
+- ``POST /v1/fleet`` ``{"id", "url", "token"?, "weight"?}`` — add an endpoint (it serves once a
+  health check passes);
+- ``DELETE /v1/fleet/{id}`` — stop routing to an endpoint (its in-flight calls finish);
+- ``GET /health``; ``GET /metrics`` (Prometheus: calls, failures, 409s, latency, versions and
+  health per endpoint, trainer version, admissions, decisions — see
+  :mod:`orchestrator.observe.metrics`).
+
+``orchestrate fleet add|remove|list --orchestrator URL`` is the client.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import anyio
+from aiohttp import web
+from anyio.abc import TaskStatus
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from orchestrator.loop.pool import Pool
+from orchestrator.types import Endpoint, EndpointRef
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Exposition(Protocol):
+    """What ``GET /metrics`` serves: the run's :class:`~orchestrator.observe.metrics.RunMetrics`."""
+
+    def exposition(self) -> bytes: ...
+
+
+class AddEndpoint(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    url: str = Field(pattern=r"^https?://")
+    token: str | None = None
+    weight: float = Field(default=1.0, gt=0)
+
+
+def describe(ep: Endpoint) -> dict[str, Any]:
+    return {
+        "id": ep.id,
+        "url": ep.ref.url,
+        "weight": ep.ref.weight,
+        "applied_version": ep.applied_version,
+        "healthy": ep.healthy,
+        "outstanding": ep.outstanding,
+        "limit": round(ep.limit, 2),
+        "breaker_open": anyio.current_time() < ep.open_until,
+        "served": {str(v): n for v, n in sorted(ep.served.items())},
+    }
+
+
+def _error(status: int, message: str, param: str | None = None) -> web.Response:
+    body = {"error": {"type": "invalid_request_error", "message": message, "param": param}}
+    return web.json_response(body, status=status)
+
+
+class AdminApp:
+    def __init__(self, pool: Pool, token: str | None, metrics: Exposition | None = None) -> None:
+        self.pool = pool
+        self.token = token
+        self.metrics = metrics
+        self.app = web.Application(middlewares=[self._auth])
+        self.app.add_routes(
+            [
+                web.get("/v1/fleet", self.list),
+                web.post("/v1/fleet", self.add),
+                web.delete("/v1/fleet/{id}", self.remove),
+                web.get("/health", self.health),
+                web.get("/metrics", self.prometheus),
+            ]
+        )
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self.token is not None and request.path != "/health":
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+                return _error(401, "missing or wrong bearer token")
+        return await handler(request)
+
+    async def list(self, _request: web.Request) -> web.Response:
+        return web.json_response({"endpoints": [describe(e) for e in self.pool.live()]})
+
+    async def add(self, request: web.Request) -> web.Response:
+        try:
+            body = AddEndpoint.model_validate(await request.json())
+        except json.JSONDecodeError as exc:
+            return _error(400, f"body is not JSON: {exc}")
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            param = ".".join(str(p) for p in err["loc"]) or None
+            return _error(400, f"{param}: {err['msg']}", param)
+        ref = EndpointRef(
+            id=body.id, url=body.url.rstrip("/"), token=body.token, weight=body.weight
+        )
+        ep = self.pool.add(ref)
+        await self.pool.refresh(ep)
+        return web.json_response(describe(ep), status=201)
+
+    async def remove(self, request: web.Request) -> web.Response:
+        endpoint_id = request.match_info["id"]
+        try:
+            self.pool.remove(endpoint_id)
+        except KeyError:
+            return _error(404, f"no endpoint {endpoint_id!r}", "id")
+        return web.json_response({"removed": endpoint_id})
+
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def prometheus(self, _request: web.Request) -> web.Response:
+        body = self.metrics.exposition() if self.metrics is not None else b""
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def serve_admin(
+    pool: Pool,
+    *,
+    host: str,
+    port: int,
+    token: str | None,
+    metrics: Exposition | None = None,
+    task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the admin API until cancelled; ``started`` with its base URL."""
+    app = AdminApp(pool, token, metrics).app
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        task_status.started(f"http://{host}:{runner.addresses[0][1]}")
+        await anyio.sleep_forever()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await runner.cleanup()

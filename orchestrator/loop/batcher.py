@@ -1,0 +1,108 @@
+"""Batching: finished groups → staleness decision → batches for the trainer.
+
+Guarantees: every group received is either part of exactly one :class:`Batch` or recorded as
+dropped with a reason; nothing is discarded silently. A group is dropped when its max token lag
+exceeds ``scheduler.max_lag`` (so no trained token is older than the lag budget, even when a
+late group is overtaken by later ones), when the staleness drop rule says so, or when none of
+its episodes made a model call. The lag of a group is measured against the
+trainer version at the moment the batch is formed (consumption time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from orchestrator.types import Batch, Group, GroupDecision
+from staleness.config import StalenessConfig
+from staleness.lag import group_lag, keep
+from staleness.types import SegmentVersions
+
+
+def segment_versions(group: Group) -> list[list[SegmentVersions]]:
+    return [
+        [
+            SegmentVersions(
+                start=s.policy_version.start, end=s.policy_version.end, n_tokens=len(s.token_ids)
+            )
+            for s in e.segments
+        ]
+        for e in group.episodes
+    ]
+
+
+class Batcher:
+    """Accumulates kept groups until ``groups_per_batch`` are ready."""
+
+    def __init__(
+        self,
+        staleness: StalenessConfig,
+        groups_per_batch: int,
+        max_lag: int,
+        trainer_version: Callable[[], int],
+    ) -> None:
+        self.staleness = staleness
+        self.groups_per_batch = groups_per_batch
+        self.max_lag = max_lag
+        self.trainer_version = trainer_version
+        self.pending: list[Group] = []
+        self.decisions: list[GroupDecision] = []
+
+    def decide(self, group: Group) -> GroupDecision:
+        version = self.trainer_version()
+        per_episode = [s for s in segment_versions(group) if s]
+        if not per_episode:
+            return GroupDecision(
+                group_id=group.id,
+                decision="dropped",
+                max_lag=0,
+                reason="no episode produced a model call",
+            )
+        stats = group_lag(per_episode, version)
+        if stats.max > self.max_lag:
+            return GroupDecision(
+                group_id=group.id,
+                decision="dropped",
+                max_lag=stats.max,
+                reason=f"max lag {stats.max} exceeds scheduler.max_lag={self.max_lag}",
+            )
+        if not keep(self.staleness.drop, stats):
+            rule = self.staleness.drop
+            assert rule is not None
+            return GroupDecision(
+                group_id=group.id,
+                decision="dropped",
+                max_lag=stats.max,
+                reason=f"lag {rule.statistic} exceeds staleness.drop.max_lag={rule.max_lag}",
+            )
+        return GroupDecision(group_id=group.id, decision="kept", max_lag=stats.max, reason="")
+
+    def add(self, group: Group) -> tuple[GroupDecision, Batch | None]:
+        """Decide on ``group``; return a batch when one is complete."""
+        decision = self.decide(group)
+        self.decisions.append(decision)
+        if decision.decision == "kept":
+            self.pending.append(group)
+        return decision, self.take()
+
+    def restore(self, kept: list[tuple[Group, GroupDecision]]) -> None:
+        """Put kept groups of a run before a restart back in front of the queue, as decided
+        then (:mod:`orchestrator.record.resume`); :meth:`take` batches them first."""
+        self.pending = [g for g, _ in kept] + self.pending
+        self.decisions = [d for _, d in kept] + self.decisions
+
+    def take(self) -> Batch | None:
+        """The oldest ``groups_per_batch`` pending groups as a batch, if that many wait."""
+        if len(self.pending) < self.groups_per_batch:
+            return None
+        groups, self.pending = (
+            self.pending[: self.groups_per_batch],
+            self.pending[self.groups_per_batch :],
+        )
+        ids = {g.id for g in groups}
+        batch = Batch(
+            version=self.trainer_version(),
+            groups=groups,
+            decisions=[d for d in self.decisions if d.group_id in ids],
+        )
+        self.decisions = [d for d in self.decisions if d.group_id not in ids]
+        return batch

@@ -1,0 +1,208 @@
+"""The episode runner: one multi-turn, tool-calling episode, token-in / token-out.
+
+Guarantees:
+
+- the prompt of each model call is exactly the previous prompt + the previous call's sampled
+  tokens + the new environment tokens (:mod:`policies.wire.chat_tokens`); text is never
+  re-tokenized;
+- every model call is a :class:`Segment` with its version stamps, token span, endpoint, latency,
+  attempts and sampling parameters;
+- the run always gets an :class:`Episode` back: an exception in environment code, a model call
+  that failed on every endpoint, the whole-episode timeout (``timeouts.episode_s``) and
+  cancellation of the run all end the episode with a stop reason and the partial trajectory
+  (a cancelled episode lands in :attr:`EpisodeRunner.interrupted`, since cancellation must
+  propagate).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import structlog
+from transformers import PreTrainedTokenizerBase
+
+from environments.base import Environment, EpisodeState
+from orchestrator.errors import EndpointError
+from orchestrator.loop.pool import Pool
+from orchestrator.types import (
+    Episode,
+    ErrorRecord,
+    SamplingParams,
+    Segment,
+    StopReason,
+    ToolCallRecord,
+)
+from policies.wire.chat_tokens import ChatTokens
+from policies.wire.lane import GenerateRequest, VersionBounds
+from policies.wire.toolcalls import parse_assistant, to_openai_message
+
+log = structlog.get_logger(__name__)
+
+
+class EpisodeRunner:
+    def __init__(
+        self,
+        env: Environment,
+        tokenizer: PreTrainedTokenizerBase,
+        pool: Pool,
+        *,
+        sampling: SamplingParams,
+        max_turns: int,
+        episode_timeout_s: float,
+        max_context: int,
+    ) -> None:
+        self.env = env
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.sampling = sampling
+        self.max_turns = max_turns
+        self.episode_timeout_s = episode_timeout_s
+        self.max_context = max_context
+        self.chat = ChatTokens(tokenizer, env.tool_schemas())
+        self.interrupted: list[Episode] = []  # in flight when the run was cancelled
+
+    async def run(
+        self,
+        task: dict[str, Any],
+        group_id: str,
+        bounds: Callable[[], VersionBounds],
+        admitted_at: int,
+        seed: int | None = None,
+        episode_id: str | None = None,
+    ) -> Episode:
+        """Run one episode of ``task``; ``bounds()`` gives the version bounds of each call."""
+        started = time.time()
+        ep_id = episode_id or f"ep-{uuid.uuid4().hex[:12]}"
+        rec: dict[str, Any] = dict(
+            id=ep_id,
+            group_id=group_id,
+            task_id=str(task["id"]),
+            environment=self.env.name,
+            admitted_at_version=admitted_at,
+            started_at=started,
+            token_ids=[],
+            prompt_len=0,
+            segments=[],
+        )
+        state = EpisodeState(task=task, messages=[])
+        stop: StopReason = "max_turns"
+        error: ErrorRecord | None = None
+        with structlog.contextvars.bound_contextvars(episode=ep_id, task=rec["task_id"]):
+            try:
+                with anyio.move_on_after(self.episode_timeout_s) as scope:
+                    stop = await self._turns(task, state, rec, bounds, seed)
+                if scope.cancelled_caught:
+                    stop = "episode_timeout"
+            except EndpointError as exc:
+                stop, error = (
+                    "model_error",
+                    ErrorRecord(where="model", type=type(exc).__name__, message=str(exc)),
+                )
+            except anyio.get_cancelled_exc_class():
+                self.interrupted.append(
+                    Episode(
+                        **rec,
+                        messages=state.messages,
+                        stop_reason="interrupted",
+                        finished_at=time.time(),
+                    )
+                )
+                log.info("episode_interrupted")
+                raise
+            except Exception as exc:  # user environment code: recorded as data, never a crash
+                stop, error = (
+                    "env_error",
+                    ErrorRecord(where="environment", type=type(exc).__name__, message=str(exc)),
+                )
+            rewards: dict[str, float] = {}
+            if error is None:
+                state.stop_reason = stop
+                try:
+                    rewards = await self.env.score(state)
+                except Exception as exc:  # a reward function's bug is the episode's error
+                    stop, error = (
+                        "env_error",
+                        ErrorRecord(
+                            where="environment", type=type(exc).__name__, message=f"reward: {exc}"
+                        ),
+                    )
+            episode = Episode(
+                **rec,
+                messages=state.messages,
+                rewards=rewards,
+                reward=self.env.total_reward(rewards) if rewards else 0.0,
+                tool_calls=[
+                    ToolCallRecord(name=c.name, arguments=c.arguments, result=r, error=e)
+                    for c, r, e in state.tool_results
+                ],
+                stop_reason=stop,
+                error=error,
+                finished_at=time.time(),
+            )
+            log.debug("episode_done", stop=stop, reward=episode.reward, turns=len(episode.segments))
+            return episode
+
+    async def _turns(
+        self,
+        task: dict[str, Any],
+        state: EpisodeState,
+        rec: dict[str, Any],
+        bounds: Callable[[], VersionBounds],
+        seed: int | None,
+    ) -> StopReason:
+        state.messages = list(self.env.initial_messages(task))
+        ids = self.chat.initial(state.messages)
+        rec["token_ids"], rec["prompt_len"] = ids, len(ids)
+        segments: list[Segment] = rec["segments"]
+        affinity: str | None = None
+        for turn in range(self.max_turns):
+            state.turn = turn
+            room = self.max_context - len(ids)
+            if room <= 1:
+                return "context_length"
+            req = GenerateRequest(
+                prompt_token_ids=list(ids),
+                max_tokens=min(self.sampling.max_tokens, room),
+                temperature=self.sampling.temperature,
+                top_p=self.sampling.top_p,
+                top_k=self.sampling.top_k,
+                seed=None if seed is None else seed + turn,
+                policy_version=bounds(),
+            )
+            t0 = time.perf_counter()
+            resp, endpoint, attempts = await self.pool.generate(
+                req, affinity, priority=rec["started_at"]
+            )
+            affinity = endpoint.id
+            choice = resp.choices[0]
+            segments.append(
+                Segment(
+                    turn=turn,
+                    prompt_len=len(ids),
+                    token_ids=choice.token_ids,
+                    logprobs=choice.logprobs,
+                    finish_reason=choice.finish_reason,
+                    policy_version=resp.policy_version,
+                    bounds=req.policy_version,
+                    endpoint=endpoint.id,
+                    latency_s=time.perf_counter() - t0,
+                    attempts=attempts,
+                    sampling=self.sampling.model_copy(update={"seed": req.seed}),
+                )
+            )
+            ids.extend(choice.token_ids)
+            text = str(self.tokenizer.decode(choice.token_ids, skip_special_tokens=True))
+            parsed = parse_assistant(
+                text, first_id=sum(len(m.get("tool_calls") or []) for m in state.messages)
+            )
+            state.messages.append(to_openai_message(parsed))
+            reply = await self.env.respond(state, parsed)
+            state.messages.extend(reply.messages)
+            if reply.done:
+                return "done"
+            ids.extend(self.chat.continuation(choice.token_ids, reply.messages))
+        return "max_turns"

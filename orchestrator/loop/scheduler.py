@@ -1,0 +1,211 @@
+"""The scheduler: admits GRPO groups under the lag budget and runs their episodes.
+
+Admission (the AReaL rule): with trainer version ``v``, ``B`` groups per batch and lag budget
+``max_lag``, a new group starts only while fewer than ``(v + 1 + max_lag) · B`` groups that can
+still be trained have been admitted; a group dropped by the staleness policy gives its slot back.
+So no admitted group is trained more than ``max_lag`` versions after the version it was admitted
+at, unless the staleness policy drops it. ``max_lag = 0`` is synchronous RL. Every model call
+carries ``policy_version.min = max(v − max_lag, a)`` for the trainer version ``v`` at the time of
+the call and the version ``a`` its group was admitted at: since the group is trained at version
+``a + max_lag`` at the latest (unless later groups overtake it), no token it samples can lag more
+than ``max_lag`` — the looser ``v − max_lag`` alone would allow up to twice that.
+
+Episodes of a group run concurrently under a global cap (``max_concurrent_episodes``); a finished
+group is sent downstream through a bounded stream, so a slow trainer back-pressures admission.
+The scheduler never drops a group itself: every admitted group is sent downstream exactly once,
+whatever its episodes' stop reasons — or, when the run is cancelled first, is listed by
+:meth:`Scheduler.abandoned` with its finished and interrupted episodes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import structlog
+from anyio.streams.memory import MemoryObjectSendStream
+from datasets import Dataset
+
+from orchestrator.loop.episode import EpisodeRunner
+from orchestrator.types import NULL_EVENTS, Episode, EventSink, Group
+from policies.wire.lane import VersionBounds
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class _Flight:
+    """An admitted group until it is delivered downstream."""
+
+    task_id: str
+    admitted_at: int
+    episodes: list[Episode | None]
+
+
+class VersionClock:
+    """The trainer version, observable: waiters wake when it moves (each move is a
+    ``trainer_version`` event)."""
+
+    def __init__(self, version: int = 0, *, events: EventSink = NULL_EVENTS) -> None:
+        self.version = version
+        self.events = events
+        self._changed = anyio.Condition()
+
+    async def advance(self, version: int) -> None:
+        async with self._changed:
+            self.version = version
+            self.events.emit("trainer_version", version=version)
+            self._changed.notify_all()
+
+    async def changed(self) -> None:
+        """Block until the version or the admission budget changes."""
+        async with self._changed:
+            await self._changed.wait()
+
+    async def poke(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+
+class Scheduler:
+    def __init__(
+        self,
+        runner: EpisodeRunner,
+        tasks: Dataset,
+        clock: VersionClock,
+        *,
+        group_size: int,
+        groups_per_batch: int,
+        max_lag: int,
+        max_concurrent_episodes: int,
+        seed: int,
+        first_index: int = 0,
+        dropped: int = 0,
+        events: EventSink = NULL_EVENTS,
+    ) -> None:
+        """``first_index`` and ``dropped`` continue a resumed run
+        (:mod:`orchestrator.record.resume`): groups ``0 … first_index − 1`` were admitted before the
+        restart (group ids are never reused, and their tasks are skipped in the seeded task stream),
+        and ``dropped`` of them will never be trained, so their admission slots are free."""
+        self.runner = runner
+        self.events = events
+        self.tasks = tasks
+        self.clock = clock
+        self.group_size = group_size
+        self.groups_per_batch = groups_per_batch
+        self.max_lag = max_lag
+        self.limiter = anyio.CapacityLimiter(max_concurrent_episodes)
+        self.seed = seed
+        self.first_index = first_index
+        self.admitted = first_index  # every index below first_index was admitted
+        self.dropped = dropped
+        self._in_flight: dict[str, _Flight] = {}
+
+    def abandoned(self) -> list[Group]:
+        """Admitted groups that never finished (the run was cancelled first), whole: finished
+        episodes, the runner's interrupted ones, and ``interrupted`` records for episodes that
+        never started."""
+        interrupted = {ep.id: ep for ep in self.runner.interrupted}
+        now = time.time()
+        groups = []
+        for gid, flight in self._in_flight.items():
+            episodes = []
+            for i, ep in enumerate(flight.episodes):
+                eid = f"{gid}-{i}"
+                episodes.append(
+                    ep
+                    or interrupted.get(eid)
+                    or Episode(
+                        id=eid,
+                        group_id=gid,
+                        task_id=flight.task_id,
+                        environment=self.runner.env.name,
+                        token_ids=[],
+                        prompt_len=0,
+                        stop_reason="interrupted",
+                        admitted_at_version=flight.admitted_at,
+                        started_at=now,
+                        finished_at=now,
+                    )
+                )
+            groups.append(Group(id=gid, task_id=flight.task_id, episodes=episodes))
+        return groups
+
+    def budget(self) -> int:
+        """Groups that may be admitted in total at the current trainer version."""
+        return (self.clock.version + 1 + self.max_lag) * self.groups_per_batch + self.dropped
+
+    async def release_dropped(self, n: int) -> None:
+        """A downstream stage dropped ``n`` groups: their admission slots are free again."""
+        self.dropped += n
+        self.events.emit("release", n=n)
+        await self.clock.poke()
+
+    def bounds(self, admitted_at: int) -> VersionBounds:
+        """Bounds of a call made now by a group admitted at ``admitted_at``."""
+        return VersionBounds(min=max(admitted_at, self.clock.version - self.max_lag))
+
+    def _task_stream(self) -> Iterator[dict[str, Any]]:
+        """Tasks from index ``first_index`` on, in the same order a fresh run would see them."""
+        n = len(self.tasks)
+        first_epoch, skip = divmod(self.first_index, n) if n else (0, 0)
+        for epoch in itertools.count(first_epoch):
+            order = self.tasks.shuffle(seed=self.seed + epoch)
+            yield from order.select(range(skip, n)) if skip else order
+            skip = 0
+
+    async def run(self, out: MemoryObjectSendStream[Group]) -> None:
+        """Admit and run groups until cancelled, sending each finished group to ``out``."""
+        async with out, anyio.create_task_group() as tg:
+            for n, task in enumerate(self._task_stream(), start=self.first_index):
+                while self.admitted >= self.budget():
+                    await self.clock.changed()
+                self.admitted += 1
+                group_id = f"g{n:06d}"
+                # durable before the group's first model call (the event log flushes on
+                # admit): the exactly-once accounting (orchestrator/record/accounting.py)
+                # relies on it
+                self.events.emit(
+                    "admit",
+                    index=n,
+                    group_id=group_id,
+                    task_id=str(task["id"]),
+                    admitted=self.admitted,
+                    budget=self.budget(),
+                )
+                # Registered before the task starts, so a group cancelled before it ran is
+                # still accounted for by abandoned().
+                self._in_flight[group_id] = _Flight(
+                    str(task["id"]), self.clock.version, [None] * self.group_size
+                )
+                tg.start_soon(self._group, task, n, self.clock.version, out)
+
+    async def _group(
+        self, task: dict[str, Any], index: int, admitted_at: int, out: MemoryObjectSendStream[Group]
+    ) -> None:
+        group_id = f"g{index:06d}"
+        flight = self._in_flight[group_id]
+        episodes = flight.episodes
+
+        async def one(i: int) -> None:
+            async with self.limiter:
+                episodes[i] = await self.runner.run(
+                    task,
+                    group_id,
+                    lambda: self.bounds(admitted_at),
+                    admitted_at,
+                    seed=(self.seed * 1_000_003 + index * self.group_size + i) % 2**31,
+                    episode_id=f"{group_id}-{i}",
+                )
+
+        with structlog.contextvars.bound_contextvars(group=group_id):
+            async with anyio.create_task_group() as tg:
+                for i in range(self.group_size):
+                    tg.start_soon(one, i)
+        done = [e for e in episodes if e is not None]
+        await out.send(Group(id=group_id, task_id=flight.task_id, episodes=done))
+        del self._in_flight[group_id]  # only once delivered: a cancelled send is abandoned()

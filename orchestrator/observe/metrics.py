@@ -1,0 +1,144 @@
+"""Prometheus metrics for the orchestrator, fed by the same events as the event log.
+
+:class:`RunMetrics` is an :class:`~orchestrator.record.events.EventSink`: put it next to the
+:class:`~orchestrator.record.events.EventLog` with :class:`Tee` (``trajlog.events = Tee(log,
+metrics)``) and every decision the log records also moves a metric, so the two never disagree.
+The orchestrator's admin API serves them as ``GET /metrics`` (Prometheus text format).
+
+Metrics (all prefixed ``sprawl_``; one private registry per :class:`RunMetrics`):
+``calls_total{endpoint}``, ``call_failures_total{endpoint}``,
+``version_unavailable_total{endpoint}``, ``call_latency_seconds{endpoint}`` (histogram),
+``endpoint_applied_version{endpoint}``, ``endpoint_healthy{endpoint}``, ``trainer_version``,
+``admitted_groups_total``, ``groups_total{decision}``, ``group_lag`` (histogram of the lag of
+decided groups), ``waiting_routes_total`` (routing attempts that found no endpoint).
+
+Not covered: authentication on ``/metrics`` (bind it to a private interface).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from orchestrator.types import EventSink, NullEvents
+
+if TYPE_CHECKING:
+    from orchestrator.types import Endpoint
+    from policies.wire.lane import VersionBounds
+
+
+class Tee:
+    """An event sink that forwards every call to several sinks, in order."""
+
+    def __init__(self, *sinks: EventSink) -> None:
+        self.sinks = sinks
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        for s in self.sinks:
+            s.emit(kind, **fields)
+
+    def route(
+        self,
+        endpoints: Iterable[Endpoint],
+        bounds: VersionBounds,
+        affinity: str | None,
+        exclude: Iterable[str],
+        chosen: Endpoint | None,
+    ) -> None:
+        endpoints, exclude = list(endpoints), list(exclude)
+        for s in self.sinks:
+            s.route(endpoints, bounds, affinity, exclude, chosen)
+
+    def endpoint(self, ep: Endpoint) -> None:
+        for s in self.sinks:
+            s.endpoint(ep)
+
+    def close(self) -> None:
+        for s in self.sinks:
+            s.close()
+
+
+class RunMetrics(NullEvents):
+    """Prometheus counters, gauges and histograms driven by orchestrator events."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.calls = Counter("sprawl_calls", "Model calls served", ["endpoint"], registry=r)
+        self.failures = Counter(
+            "sprawl_call_failures", "Failed model calls", ["endpoint"], registry=r
+        )
+        self.conflicts = Counter(
+            "sprawl_version_unavailable", "409 answers", ["endpoint"], registry=r
+        )
+        self.latency = Histogram(
+            "sprawl_call_latency_seconds", "Model call latency", ["endpoint"], registry=r
+        )
+        self.applied = Gauge(
+            "sprawl_endpoint_applied_version", "Applied policy version", ["endpoint"], registry=r
+        )
+        self.healthy = Gauge(
+            "sprawl_endpoint_healthy", "1 when the endpoint is healthy", ["endpoint"], registry=r
+        )
+        self.trainer_version = Gauge("sprawl_trainer_version", "Trainer version", registry=r)
+        self.admitted = Counter("sprawl_admitted_groups", "Groups admitted", registry=r)
+        self.groups = Counter(
+            "sprawl_groups", "Groups decided, by decision", ["decision"], registry=r
+        )
+        self.group_lag = Histogram(
+            "sprawl_group_lag",
+            "Max lag of decided groups (versions)",
+            buckets=(0, 1, 2, 3, 4, 6, 8, 16, float("inf")),
+            registry=r,
+        )
+        self.waiting = Counter(
+            "sprawl_waiting_routes", "Routing attempts that found no endpoint", registry=r
+        )
+
+    def emit(self, kind: str, **f: Any) -> None:
+        match kind:
+            case "served":
+                self.calls.labels(f["endpoint"]).inc()
+                self.latency.labels(f["endpoint"]).observe(f["latency_s"])
+            case "call_failed":
+                self.failures.labels(f["endpoint"]).inc()
+            case "version_unavailable":
+                self.conflicts.labels(f["endpoint"]).inc()
+            case "trainer_version":
+                self.trainer_version.set(f["version"])
+            case "admit":
+                self.admitted.inc()
+            case "decide":
+                self.groups.labels(f["decision"]).inc()
+                self.group_lag.observe(f["max_lag"])
+            case _:
+                pass
+
+    def route(
+        self,
+        endpoints: Iterable[Endpoint],
+        bounds: VersionBounds,
+        affinity: str | None,
+        exclude: Iterable[str],
+        chosen: Endpoint | None,
+    ) -> None:
+        if chosen is None:
+            self.waiting.inc()
+
+    def endpoint(self, ep: Endpoint) -> None:
+        self.healthy.labels(ep.id).set(1.0 if ep.healthy else 0.0)
+        if ep.applied_version is not None:
+            self.applied.labels(ep.id).set(ep.applied_version)
+
+    def exposition(self) -> bytes:
+        """The current values in Prometheus text format."""
+        data: bytes = generate_latest(self.registry)
+        return data

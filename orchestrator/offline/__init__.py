@@ -1,0 +1,9 @@
+"""Tools over a finished (or running) run's logs.
+
+- :mod:`~orchestrator.offline.inspect_log` — ``orchestrate inspect``: tables and transcripts;
+- :mod:`~orchestrator.offline.replay` — ``orchestrate replay``: what-if staleness policies,
+  retraining from the log;
+- :mod:`~orchestrator.offline.resimulate` — re-derive every logged decision from the event log;
+- :mod:`~orchestrator.offline.report` — ``orchestrate report``: the HTML report;
+- :mod:`~orchestrator.offline.experiment` — ``orchestrate experiment lag``.
+"""

@@ -1,0 +1,284 @@
+"""``orchestrate report RUN_DIR``: one self-contained HTML page about a run, with PNG plots.
+
+    orchestrate report RUN_DIR [--out FILE]      (default RUN_DIR/report.html)
+
+Reads the trajectory log (``RUN_DIR/trajectories``) and, when present, the scheduler event log
+(``RUN_DIR/events``), and writes one HTML file whose plots are PNGs embedded as data URIs (no
+external file, script or font: it opens offline and can be mailed):
+
+- reward: mean reward per trainer step, and every episode's reward over time;
+- lag: each episode's max lag (trainer version at decision − oldest version that sampled it)
+  over time, kept and dropped;
+- versions: the applied version of each endpoint over time (from ``endpoint`` and ``served``
+  events), with the trainer version;
+- sync: for each published version, seconds until each endpoint was seen serving it — as the
+  orchestrator observed it (by poll or response stamp), so an upper bound on the real swap time;
+- drops: drop rate per trainer step, and per episode-duration bucket
+  (:func:`staleness.metrics.drop_by_duration`).
+
+Times are seconds since the first record. A plot whose data is absent (no event log, no step
+yet) says so instead of drawing. Pure data first (:func:`report_data`), rendering second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import io
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from orchestrator.offline.inspect_log import LogSummary, resolve_log, summarize
+from orchestrator.record.events import read_events
+from orchestrator.record.trajlog import batch_records, episode_records, run_header
+from staleness.metrics import DropByDuration, drop_by_duration
+
+Series = list[tuple[float, float]]
+
+
+@dataclass
+class ReportData:
+    """Everything the page shows, as plain numbers (seconds since ``t0``)."""
+
+    run: str
+    summary: LogSummary
+    step_reward: Series = field(default_factory=list)  # (t, reward mean) per trainer step
+    step_versions: list[int] = field(default_factory=list)  # the version each step produced
+    episode_reward: Series = field(default_factory=list)  # (t, reward)
+    lag_kept: Series = field(default_factory=list)  # (t, max lag)
+    lag_dropped: Series = field(default_factory=list)
+    endpoint_versions: dict[str, Series] = field(default_factory=dict)  # id -> (t, version)
+    trainer_versions: Series = field(default_factory=list)  # (t, version)
+    sync: dict[str, Series] = field(default_factory=dict)  # id -> (version, seconds)
+    step_drop_rate: Series = field(default_factory=list)  # (trainer version, drop rate)
+    by_duration: DropByDuration | None = None
+    has_events: bool = False
+
+
+def report_data(run_dir: Path) -> ReportData:
+    log_dir = resolve_log(run_dir)
+    records = episode_records(log_dir)
+    batches = batch_records(log_dir)
+    header = run_header(log_dir)
+    events_dir = log_dir.parent / "events"
+    events = read_events(events_dir) if events_dir.is_dir() else []
+    times = [r.episode.finished_at for r in records] + [b.logged_at for b in batches]
+    times += [e["t"] for e in events]
+    t0 = min(times) if times else 0.0
+    d = ReportData(
+        run=header.run if header else (records[0].run if records else run_dir.name),
+        summary=summarize(records, batches),
+        has_events=bool(events),
+    )
+    d.step_reward = [(b.logged_at - t0, b.metrics.get("reward_mean", 0.0)) for b in batches]
+    d.step_versions = [b.produced_version for b in batches]
+    for r in records:
+        t = r.episode.finished_at - t0
+        d.episode_reward.append((t, r.episode.reward))
+        starts = [s.policy_version.start for s in r.episode.segments]
+        if starts:
+            lag = r.trainer_version - min(starts)
+            (d.lag_kept if r.decision.decision == "kept" else d.lag_dropped).append((t, lag))
+    first_of_group = {r.decision.group_id: r for r in reversed(records)}
+    per_version: dict[int, list[bool]] = {}
+    for r in first_of_group.values():
+        per_version.setdefault(r.trainer_version, []).append(r.decision.decision == "dropped")
+    d.step_drop_rate = [(v, sum(x) / len(x)) for v, x in sorted(per_version.items())]
+    if records:
+        d.by_duration = drop_by_duration(
+            [r.episode.duration_s for r in records],
+            [r.decision.decision == "kept" for r in records],
+        )
+    _from_events(d, events, t0)
+    return d
+
+
+def _from_events(d: ReportData, events: list[dict[str, Any]], t0: float) -> None:
+    published: dict[int, float] = {}
+    synced: set[tuple[str, int]] = set()
+
+    def applied(endpoint: str, version: int | None, t: float) -> None:
+        if version is None:
+            return
+        series = d.endpoint_versions.setdefault(endpoint, [])
+        if not series or series[-1][1] != version:
+            series.append((t, version))
+        for v, tp in published.items():
+            if v <= version and (endpoint, v) not in synced:
+                synced.add((endpoint, v))
+                d.sync.setdefault(endpoint, []).append((v, max(0.0, t - tp)))
+
+    for e in events:
+        t = e["t"] - t0
+        match e["kind"]:
+            case "trainer_version":
+                if not d.trainer_versions:  # the version before the first step, from the start
+                    d.trainer_versions.append((events[0]["t"] - t0, e["version"] - 1))
+                published[e["version"]] = t
+                d.trainer_versions.append((t, e["version"]))
+            case "endpoint":
+                applied(e["id"], e["applied_version"], t)
+            case "served":
+                applied(e["endpoint"], e["end"], t)
+
+
+# -- rendering ------------------------------------------------------------------------------------
+def _png(draw: Callable[[Axes], None], title: str) -> str:
+    fig = Figure(figsize=(7.5, 3.2), dpi=100, layout="tight")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.set_title(title, fontsize=11)
+    ax.grid(alpha=0.3)
+    draw(ax)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _xy(series: Series) -> tuple[list[float], list[float]]:
+    return [p[0] for p in series], [p[1] for p in series]
+
+
+def _empty(ax: Axes, why: str) -> None:
+    ax.text(0.5, 0.5, why, ha="center", va="center", transform=ax.transAxes, color="gray")
+
+
+def plots(d: ReportData) -> dict[str, str]:
+    """Title → base64 PNG, one per plot, in page order."""
+
+    def reward(ax: Axes) -> None:
+        if d.episode_reward:
+            ax.scatter(*_xy(d.episode_reward), s=6, alpha=0.3, label="episode")
+        if d.step_reward:
+            ax.plot(*_xy(d.step_reward), "o-", color="C1", label="step mean")
+            for (t, r), v in zip(d.step_reward, d.step_versions, strict=True):
+                ax.annotate(f"v{v}", (t, r), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("reward")
+        if d.episode_reward or d.step_reward:
+            ax.legend(fontsize=8)
+        else:
+            _empty(ax, "no episodes logged")
+
+    def lag(ax: Axes) -> None:
+        if d.lag_kept:
+            ax.scatter(*_xy(d.lag_kept), s=8, label="kept")
+        if d.lag_dropped:
+            ax.scatter(*_xy(d.lag_dropped), s=8, color="C3", marker="x", label="dropped")
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("max lag (versions)")
+        if d.lag_kept or d.lag_dropped:
+            ax.legend(fontsize=8)
+        else:
+            _empty(ax, "no model calls logged")
+
+    def versions(ax: Axes) -> None:
+        for name, series in sorted(d.endpoint_versions.items()):
+            ax.step(*_xy(series), where="post", label=name)
+        if d.trainer_versions:
+            ax.step(*_xy(d.trainer_versions), where="post", color="k", ls="--", label="trainer")
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("version")
+        if d.endpoint_versions or d.trainer_versions:
+            ax.legend(fontsize=8)
+        else:
+            _empty(ax, "no event log" if not d.has_events else "no version seen")
+
+    def sync(ax: Axes) -> None:
+        for name, series in sorted(d.sync.items()):
+            ax.plot(*_xy(series), "o-", label=name)
+        ax.set_xlabel("version")
+        ax.set_ylabel("seconds to observed sync")
+        if d.sync:
+            ax.legend(fontsize=8)
+        else:
+            _empty(ax, "no event log" if not d.has_events else "no version published")
+
+    def drops(ax: Axes) -> None:
+        if d.by_duration is not None and d.by_duration.buckets:
+            b = d.by_duration.buckets
+            labels = [f"{x.lo:.1f}–{x.hi:.1f}s" for x in b]
+            ax.bar(labels, [x.drop_rate for x in b], color="C3", alpha=0.7)
+            ax.set_xlabel("episode duration bucket")
+        else:
+            _empty(ax, "no episodes logged")
+        ax.set_ylabel("drop rate")
+        ax.set_ylim(0, 1)
+
+    def step_drops(ax: Axes) -> None:
+        if d.step_drop_rate:
+            ax.plot(*_xy(d.step_drop_rate), "o-", color="C3")
+        else:
+            _empty(ax, "no decisions logged")
+        ax.set_xlabel("trainer version at decision")
+        ax.set_ylabel("group drop rate")
+        ax.set_ylim(0, 1)
+
+    return {
+        "Reward": _png(reward, "reward: episodes over time, mean per step"),
+        "Lag over time": _png(lag, "max lag per episode"),
+        "Version per endpoint": _png(versions, "applied version per endpoint"),
+        "Sync durations": _png(sync, "publish → endpoint serving it"),
+        "Drop rate by episode duration": _png(drops, "drop rate by duration bucket"),
+        "Drop rate per step": _png(step_drops, "groups dropped per trainer version"),
+    }
+
+
+def render_html(d: ReportData) -> str:
+    s = d.summary
+    rows = [
+        ("episodes", f"{s.episodes} ({s.episodes_dropped} dropped, {s.errors} errors)"),
+        ("groups", f"{s.groups} ({s.groups_dropped} dropped)"),
+        ("trainer steps", str(s.steps)),
+        ("mean reward", f"{s.reward_mean:.4f}"),
+        ("stop reasons", ", ".join(f"{k}×{n}" for k, n in s.stop_reasons.most_common())),
+        ("length-biased drops", "yes" if d.by_duration and d.by_duration.biased else "no"),
+    ]
+    table = "\n".join(
+        f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows
+    )
+    figures = "\n".join(
+        f"<figure><figcaption>{html.escape(title)}</figcaption>"
+        f'<img alt="{html.escape(title)}" src="data:image/png;base64,{png}"></figure>'
+        for title, png in plots(d).items()
+    )
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<title>sprawl run {html.escape(d.run)}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 80em; color: #222; }}
+table {{ border-collapse: collapse; margin-bottom: 1.5em; }}
+th, td {{ text-align: left; padding: .2em 1em .2em 0; border-bottom: 1px solid #ddd; }}
+figure {{ display: inline-block; margin: 0 1em 1.5em 0; }}
+figcaption {{ font-weight: 600; margin-bottom: .3em; }}
+img {{ max-width: 100%; }}
+</style></head>
+<body>
+<h1>sprawl run <code>{html.escape(d.run)}</code></h1>
+<table>
+{table}
+</table>
+{figures}
+</body></html>
+"""
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="orchestrate report", description="Write a self-contained HTML report of a run."
+    )
+    parser.add_argument("run_dir", type=Path, help="a run directory (holds trajectories/)")
+    parser.add_argument("--out", type=Path, help="output file (default RUN_DIR/report.html)")
+    args = parser.parse_args(argv)
+    out = args.out or args.run_dir / "report.html"
+    out.write_text(render_html(report_data(args.run_dir)), encoding="utf-8")
+    sys.stdout.write(f"{out}\n")
+    return 0

@@ -1,3 +1,0 @@
-"""Backends that put an external engine (vLLM, SGLang, an OpenAI-compatible server) behind the
-sprawl sidecar; see :mod:`policies.adapters.base` for what every adapter guarantees and
-``docs/fleet.md`` for the engine versions they were written against."""

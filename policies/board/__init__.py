@@ -1,0 +1,17 @@
+"""The board: immutable versions and one monotonic pointer per run, on any fsspec URL.
+
+Public surface (lazily imported, so ``policies.board.types`` stays torch-free):
+:class:`Board` (the publisher), :class:`BoardReader`, :class:`BoardOptions`, :class:`Manifest`,
+:class:`CatchUp`, :class:`PatchRef`, :class:`Step`, :class:`TensorEntry`, ``BASE_FILES``,
+``WEIGHTS``, ``MANIFEST``, :func:`anchor_payload`, :func:`redact`.
+
+Modules: :mod:`~policies.board.publish` (writing versions), :mod:`~policies.board.read`
+(reading, catch-up, materializing), :mod:`~policies.board.plan` (which patches and anchors,
+pure), :mod:`~policies.board.store` (the fsspec store), :mod:`~policies.board.types` (manifests
+and options), :mod:`~policies.board.cli` (``orchestrate versions`` / ``materialize``),
+:mod:`~policies.board.failpoints` (fault injection for the chaos harness, inert by default).
+"""
+
+import lazy_loader
+
+__getattr__, __dir__, __all__ = lazy_loader.attach_stub(__name__, __file__)

@@ -1,0 +1,20 @@
+from .publish import Board
+from .read import BASE_FILES, MANIFEST, WEIGHTS, BoardReader, anchor_payload
+from .store import redact
+from .types import BoardOptions, CatchUp, Manifest, PatchRef, Step, TensorEntry
+
+__all__ = [
+    "BASE_FILES",
+    "MANIFEST",
+    "WEIGHTS",
+    "Board",
+    "BoardOptions",
+    "BoardReader",
+    "CatchUp",
+    "Manifest",
+    "PatchRef",
+    "Step",
+    "TensorEntry",
+    "anchor_payload",
+    "redact",
+]

@@ -1,0 +1,247 @@
+"""The version board: immutable policy versions and one forward-only pointer, on any fsspec URL.
+
+Layout under ``<url>/<run>/``::
+
+    base/                     config.json, generation_config.json, tokenizer files (written once)
+    versions/<v:08d>/         manifest.json, and
+        model.safetensors     the full served view (anchors only; HF layout, tied names once)
+        from-<u:08d>.patch    bitwise patch u → v (policies.codec): the delta from the previous
+                              version and squashed catch-up patches (policies.board.plan)
+    POINTER                   {"version": v, "digest": …} — the newest durable version
+
+Publishing (:meth:`Board.publish`) writes a delta against the previous version unless an anchor
+is due (``BoardOptions.anchor_every`` versions since the last one, or the delta bytes since it
+would pass ``anchor_fraction`` of a full view, or the publisher does not hold the previous view);
+an anchor version also stores its patches, so replicas one version behind never fetch it whole.
+The publisher keeps the views it will patch from in memory (at most ``catchup_levels + 1``; it
+holds references, so callers must not modify a view after publishing it) and never re-reads the
+board to publish.
+
+Guarantees:
+
+- bytes are durable before the pointer moves: data files, then the manifest, then the pointer,
+  each written atomically (local: temp file + fsync + rename + directory fsync; object stores:
+  one PUT per object, the pointer last);
+- the pointer only moves forward, and readers see only versions at or below it
+  (:meth:`versions`, :meth:`load` refuse newer ones), so no reader observes a half-written
+  version; a reader verifies what it reads anyway: every anchor tensor's xxh3-128 checksum, every
+  patch's frame checksum, base digest and written-tensor checksums, and the target digest;
+- a patch names its base's digest and is refused against any other (:class:`PatchBaseMismatch`);
+- damaged, truncated or missing files raise :class:`VersionCorrupt` (a :class:`BoardError`)
+  naming the version and file; storage failures raise :class:`BoardError` with the URL's
+  credentials and any configured secret removed (the original exception is not chained);
+- :meth:`gc` keeps every version a replica holding ``≥ keep_from`` (or starting fresh) needs.
+
+Not covered: concurrent publishers to one run (one trainer publishes; the forward-only check is
+not atomic against another writer); a reader racing :meth:`gc` below ``keep_from``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import torch
+
+from policies.board import plan as board_plan
+from policies.board.read import (
+    BASE_FILES,
+    MANIFEST,
+    WEIGHTS,
+    BoardReader,
+    anchor_payload,
+    state_digest,
+)
+from policies.board.store import redact
+from policies.board.types import BoardOptions, CatchUp, Manifest, PatchRef, Step, TensorEntry
+from policies.codec import CODEC, encode_patch, read_patch_header
+from policies.codec.digests import checksums, storage_key, tensor_checksum
+from policies.errors import BoardError, VersionCorrupt
+
+__all__ = [
+    "BASE_FILES",
+    "WEIGHTS",
+    "Board",
+    "BoardOptions",
+    "BoardReader",
+    "CatchUp",
+    "Manifest",
+    "PatchRef",
+    "Step",
+    "TensorEntry",
+    "anchor_payload",
+    "redact",
+    "state_digest",
+    "tensor_checksum",
+]
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class _Held:
+    view: dict[str, torch.Tensor]
+    digest: str
+
+
+class Board(BoardReader):
+    """A run's board as its one publisher (the trainer) uses it: reading, plus writing versions
+    and retention. The publisher keeps the views it will patch from in memory."""
+
+    def __init__(
+        self,
+        url: str,
+        run: str,
+        *,
+        options: BoardOptions | None = None,
+        storage_options: Mapping[str, object] | None = None,
+        **fields: int | float | None,
+    ) -> None:
+        super().__init__(url, run, options=options, storage_options=storage_options, **fields)
+        self._held: dict[int, _Held] = {}
+        self._head: Manifest | None = None
+
+    def _write(self, path: str, data: bytes) -> None:
+        self.store.write(path, data)
+
+    # -- writing ---------------------------------------------------------------------------------
+    def create(self, model_dir: Path) -> None:
+        """Copy the static model files (config, tokenizer) into ``base/``; idempotent."""
+        for name in BASE_FILES:
+            src = model_dir / name
+            if src.exists():
+                self._write(f"{self.root}/base/{name}", src.read_bytes())
+
+    def publish(
+        self, version: int, view: Mapping[str, torch.Tensor], *, view_name: str
+    ) -> Manifest:
+        """Write ``version`` (a delta, or an anchor when due), then move the pointer to it."""
+        latest = self._durable_latest()
+        if latest is not None and version <= latest:
+            raise BoardError(f"pointer only moves forward: version {version} <= current {latest}")
+        opts = self.options
+        tensors = {k: v.detach().cpu().contiguous() for k, v in view.items()}
+        sums = checksums(tensors)
+        entries = {
+            k: TensorEntry(
+                dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), checksum=sums[k]
+            )
+            for k, t in tensors.items()
+        }
+        digest = state_digest(entries)
+        full_bytes = sum(t.nbytes for t in {storage_key(t): t for t in tensors.values()}.values())
+        head = self._head if self._head is not None and self._head.version == latest else None
+        held = self._held if head is not None else {}
+        patches: dict[int, tuple[bytes, PatchRef]] = {}
+        for b in board_plan.patch_bases(version, latest, held, opts.catchup_levels):
+            data = encode_patch(
+                held[b].view, tensors, level=opts.zstd_level, base_digest=held[b].digest,
+                target_checksums=sums,
+            )  # fmt: skip
+            hdr = read_patch_header(data)
+            ref = PatchRef(
+                base=b, file=f"from-{b:08d}.patch", bytes=len(data), changed=hdr.changed,
+                units=hdr.units, base_digest=hdr.base_digest,
+            )  # fmt: skip
+            patches[b] = (data, ref)
+        delta = patches.get(latest) if latest is not None else None
+        is_anchor = (
+            head is None
+            or delta is None
+            or head.anchor is None
+            or version - head.anchor >= opts.anchor_every
+            or head.chain_bytes + delta[1].bytes > opts.anchor_fraction * full_bytes
+        )
+        vdir = self._vdir(version)
+        for data, ref in patches.values():
+            self._write(f"{vdir}/{ref.file}", data)
+        aliases: dict[str, str] = {}
+        payload = b""
+        if is_anchor:
+            payload, aliases = anchor_payload(tensors)
+            self._write(f"{vdir}/{WEIGHTS}", payload)
+        manifest = Manifest(
+            version=version,
+            kind="anchor" if is_anchor else "delta",
+            base=None if is_anchor else latest,
+            view=view_name,
+            codec="safetensors" if is_anchor else CODEC,
+            tensors=entries,
+            digest=digest,
+            bytes=len(payload) if is_anchor else delta[1].bytes if delta else 0,
+            created_at=time.time(),
+            patches=[ref for _, ref in patches.values()],
+            aliases=aliases,
+            anchor=version if is_anchor else head.anchor if head else None,
+            chain_bytes=0
+            if is_anchor or delta is None or head is None
+            else head.chain_bytes + delta[1].bytes,
+            full_bytes=full_bytes,
+        )
+        self._write(f"{vdir}/{MANIFEST}", manifest.model_dump_json(indent=1).encode())
+        self._write(
+            f"{self.root}/POINTER", json.dumps({"version": version, "digest": digest}).encode()
+        )
+        held = {**held, version: _Held(tensors, digest)}
+        self._held = {v: held[v] for v in board_plan.keep_views(version, held, opts.catchup_levels)}
+        self._head = manifest
+        log.info(
+            "board.published", board=self.safe_url, run=self.run, version=version,
+            kind=manifest.kind, bytes=manifest.bytes, patches=len(patches),
+            stored=len(payload) + sum(r.bytes for _, r in patches.values()),
+        )  # fmt: skip
+        if opts.retain_versions is not None:
+            self.gc(version - opts.retain_versions + 1)
+        return manifest
+
+    def _durable_latest(self) -> int | None:
+        """The pointer's version; if the pointer names a version without a manifest (damaged),
+        the newest version that has one, so the next publish repairs the pointer."""
+        latest = self.latest()
+        if latest is None or (self._head is not None and self._head.version == latest):
+            return latest  # nothing, or the version this publisher wrote last
+        try:
+            self.manifest(latest)
+            return latest
+        except VersionCorrupt:
+            raise
+        except BoardError:
+            found = self.store.dirs_with(f"{self.root}/versions", MANIFEST)
+            newest = max((int(d) for d in found if d.isdigit()), default=None)
+            log.error("board.pointer_dangling", run=self.run, pointer=latest, newest=newest)
+            return newest
+
+    # -- retention -------------------------------------------------------------------------------
+    def gc(self, keep_from: int) -> list[int]:
+        """Delete versions no replica holding ``≥ keep_from`` (or starting fresh) needs.
+
+        Keeps the newest anchor at or before ``keep_from`` and everything after it; returns
+        the versions deleted. Call it with the oldest version any live replica may still hold.
+        """
+        vs = self.versions()
+        kinds: dict[int, str] = {}
+        for v in reversed(vs):
+            kinds[v] = "unknown"
+            if v <= keep_from:
+                kinds[v] = self.manifest(v).kind
+                if kinds[v] == "anchor":
+                    break
+        kinds.update({v: "unknown" for v in vs if v not in kinds})
+        gone = board_plan.removable(kinds, keep_from, vs[-1] if vs else None)
+        for v in gone:
+            self._manifests.pop(v, None)
+            vdir = self._vdir(v)
+            self.store.remove_dir(vdir, MANIFEST)  # manifest first: never listed half-deleted
+        if gone:
+            log.info(
+                "board.gc",
+                board=self.safe_url,
+                run=self.run,
+                keep_from=keep_from,
+                deleted=len(gone),
+            )
+        return gone

@@ -1,0 +1,308 @@
+"""Reading the version board: the pointer, manifests, catch-up plans, verified views.
+
+:class:`BoardReader` is everything a replica (a sidecar, ``orchestrate versions``,
+``materialize``) does with a board; :class:`policies.board.Board` adds publishing and retention.
+The layout and the guarantees are in :mod:`policies.board`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, MutableMapping
+from pathlib import Path
+
+import structlog
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from policies.board import plan as board_plan
+from policies.board.store import Store
+from policies.board.types import BoardOptions, CatchUp, Manifest, Step, TensorEntry
+from policies.codec import apply_patch, read_patch_header
+from policies.codec.digests import checksums, digest_of, storage_key, tensor_checksum
+from policies.errors import BoardError, PatchBaseMismatch, PatchError, VersionCorrupt
+
+log = structlog.get_logger(__name__)
+
+BASE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+WEIGHTS = "model.safetensors"
+MANIFEST = "manifest.json"
+
+
+def state_digest(entries: Mapping[str, TensorEntry]) -> str:
+    """Digest of a whole version: names, dtypes, shapes and checksums (= the codec's digest)."""
+    return digest_of((k, e.dtype, e.shape, e.checksum) for k, e in entries.items())
+
+
+def anchor_payload(view: Mapping[str, torch.Tensor]) -> tuple[bytes, dict[str, str]]:
+    """The safetensors bytes of a full view (each storage once) and the aliases left out."""
+    primary: dict[object, str] = {}
+    ptrs: set[int] = set()
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    for name in sorted(view):
+        t = view[name].detach().cpu().contiguous()
+        key = storage_key(t)
+        if key in primary:
+            aliases[name] = primary[key]
+            continue
+        primary[key] = name
+        ptr = t.untyped_storage().data_ptr()
+        tensors[name] = t.clone() if ptr in ptrs and t.numel() else t
+        ptrs.add(ptr)
+    return st_save(tensors), aliases
+
+
+class BoardReader:
+    """One run's versions on an fsspec URL (a plain path means the local filesystem), read.
+
+    ``options`` (or its fields as keyword arguments) matter to a publisher, except
+    ``catchup_levels``, which bounds how far back a direct patch route is searched.
+    ``storage_options`` go to fsspec (e.g. ``{"client_kwargs": {"endpoint_url": …}}``).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        run: str,
+        *,
+        options: BoardOptions | None = None,
+        storage_options: Mapping[str, object] | None = None,
+        **fields: int | float | None,
+    ) -> None:
+        self.url = url
+        self.run = run
+        self.options = options or BoardOptions.model_validate(fields)
+        self.store = Store(url, storage_options)
+        self.safe_url = self.store.safe_url
+        self.fs = self.store.fs
+        self.root = f"{self.store.root}/{run}"
+        self._manifests: dict[int, Manifest] = {}
+        self._seen_latest: int | None = None
+        self._bad_patches: set[tuple[int, str]] = set()
+
+    # -- storage edge ----------------------------------------------------------------------------
+    def _vdir(self, version: int) -> str:
+        return f"{self.root}/versions/{version:08d}"
+
+    def _read(self, path: str) -> bytes:
+        return self.store.read(path)
+
+    def latest(self) -> int | None:
+        """The version the pointer names, or None before the first publish."""
+        try:
+            raw = self._read(f"{self.root}/POINTER")
+        except FileNotFoundError:
+            return None
+        try:
+            latest = int(json.loads(raw)["version"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BoardError(f"{self.safe_url}/{self.run}/POINTER is unreadable: {exc}") from None
+        self._seen_latest = latest
+        return latest
+
+    def versions(self) -> list[int]:
+        """Every published version (a manifest at or below the pointer), ascending."""
+        latest = self.latest()
+        if latest is None:
+            return []
+        try:
+            found = self.store.dirs_with(f"{self.root}/versions", MANIFEST)
+        except FileNotFoundError:
+            return []
+        return sorted(int(d) for d in found if d.isdigit() and int(d) <= latest)
+
+    def manifest(self, version: int) -> Manifest:
+        """The manifest of ``version`` (cached once the pointer has passed it: immutable)."""
+        cached = self._manifests.get(version)
+        if cached is not None:
+            return cached
+        try:
+            raw = self._read(f"{self._vdir(version)}/{MANIFEST}")
+        except FileNotFoundError:
+            raise BoardError(
+                f"version {version} is not on the board {self.safe_url}/{self.run}"
+            ) from None
+        try:
+            m = Manifest.model_validate_json(raw)
+        except ValueError as exc:
+            raise VersionCorrupt(f"version {version}: manifest unreadable: {exc}") from None
+        if m.version != version or state_digest(m.tensors) != m.digest:
+            raise VersionCorrupt(f"version {version}: manifest does not match its own digest")
+        if self._seen_latest is not None and version <= self._seen_latest:
+            self._manifests[version] = m
+        return m
+
+    def catch_up(self, have: int | None, want: int | None = None) -> CatchUp:
+        """The patches (or anchor + patches) that take a view at ``have`` to ``want``.
+
+        ``want`` defaults to the newest version; ``have=None`` means the replica holds nothing.
+        A direct patch route is searched only when ``have`` is at most ``4 · 2**catchup_levels``
+        versions behind (else the plan starts at an anchor).
+        """
+        latest = self.latest()
+        want = latest if want is None else want
+        if latest is None or want is None or want > latest:
+            raise BoardError(
+                f"version {want} is not published on {self.safe_url}/{self.run} (newest: {latest})"
+            )
+        if have == want:
+            return CatchUp(have=have, want=want, anchor=None, steps=[])
+        horizon = 4 << self.options.catchup_levels
+        direct = have is not None and have < want and want - have <= horizon
+        manifests: dict[int, Manifest] = {}
+        for v in reversed([v for v in self.versions() if v <= want]):
+            found_anchor = any(m.kind == "anchor" for m in manifests.values())
+            if found_anchor and (not direct or (have is not None and v <= have)):
+                break
+            manifests[v] = self._usable(self.manifest(v))
+        route = board_plan.plan(manifests, have if direct else None, want)
+        if route is None:
+            raise BoardError(
+                f"no route to version {want} from {have}: no anchor at or before it on "
+                f"{self.safe_url}/{self.run}"
+            )
+        return CatchUp(
+            have=have,
+            want=want,
+            anchor=route.anchor,
+            anchor_bytes=route.anchor_bytes,
+            steps=route.steps,
+        )
+
+    def _usable(self, m: Manifest) -> Manifest:
+        """``m`` without the patches that failed verification here (plans route around them)."""
+        bad = [p for p in m.patches if (m.version, p.file) in self._bad_patches]
+        if not bad:
+            return m
+        return m.model_copy(update={"patches": [p for p in m.patches if p not in bad]})
+
+    def read_patch(self, step: Step) -> bytes:
+        """The bytes of one planned patch (verify them by applying with :meth:`advance`)."""
+        try:
+            return self._read(f"{self._vdir(step.version)}/{step.file}")
+        except FileNotFoundError:
+            raise VersionCorrupt(f"version {step.version}: {step.file} is missing") from None
+
+    def advance(
+        self,
+        view: MutableMapping[str, torch.Tensor],
+        have: int | None,
+        want: int | None = None,
+        *,
+        verify_base: bool = False,
+    ) -> Manifest:
+        """Bring ``view`` (holding ``have``, or nothing) to ``want`` in place; its manifest.
+
+        Patches are applied bitwise into ``view``'s tensors; an anchor in the plan replaces the
+        contents. ``verify_base`` hashes the held view instead of trusting that it is ``have``.
+        If this raises, ``view`` may be partly advanced: reload it (``have=None``).
+        """
+        plan = self.catch_up(have, want)
+        digest: str | None = None
+        if plan.anchor is not None:
+            fresh = self._read_anchor(self.manifest(plan.anchor))
+            view.clear()
+            view.update(fresh)
+            digest = self.manifest(plan.anchor).digest
+        elif have is not None and not verify_base:
+            try:
+                digest = self.manifest(have).digest
+            except BoardError:
+                digest = None  # retired by gc: hash the view instead
+        for step in plan.steps:
+            digest = self._apply(view, step, digest)
+        target = self.manifest(plan.want)
+        if set(view) != set(target.tensors):
+            raise VersionCorrupt(f"version {plan.want}: tensor names differ from the manifest")
+        if plan.want == have and verify_base:
+            self._check_digest(view, target)
+        return target
+
+    def _apply(
+        self, view: MutableMapping[str, torch.Tensor], step: Step, digest: str | None
+    ) -> str:
+        try:
+            return self._apply_verified(view, step, digest)
+        except VersionCorrupt:
+            # the file itself is wrong (damaged, truncated, or another version's patch): later
+            # plans from this reader avoid it (squashed patches or an anchor route around it)
+            self._bad_patches.add((step.version, step.file))
+            raise
+
+    def _apply_verified(
+        self, view: MutableMapping[str, torch.Tensor], step: Step, digest: str | None
+    ) -> str:
+        data = self.read_patch(step)
+        m = self.manifest(step.version)
+        where = f"version {step.version}: {step.file}"
+        try:
+            hdr = read_patch_header(data)
+            if hdr.target_digest != m.digest:
+                raise VersionCorrupt(
+                    f"{where} makes {hdr.target_digest}, the manifest says {m.digest}"
+                )
+            if digest is not None and hdr.base_digest != digest:
+                raise PatchBaseMismatch(
+                    f"{where} applies to version {step.base} (digest {hdr.base_digest}); the view "
+                    f"held has digest {digest}: catch up from the version actually held"
+                )
+            apply_patch(view, data, base_digest=digest, verify=True)
+        except PatchBaseMismatch as exc:
+            raise PatchBaseMismatch(str(exc) if where in str(exc) else f"{where}: {exc}") from None
+        except PatchError as exc:
+            raise VersionCorrupt(f"{where}: {exc}") from None
+        return m.digest
+
+    def _check_digest(self, view: Mapping[str, torch.Tensor], m: Manifest) -> None:
+        sums = checksums(view)
+        if any(sums.get(k) != e.checksum for k, e in m.tensors.items()):
+            raise VersionCorrupt(f"version {m.version}: the view does not match its manifest")
+
+    def _read_anchor(self, m: Manifest) -> dict[str, torch.Tensor]:
+        try:
+            payload = self._read(f"{self._vdir(m.version)}/{WEIGHTS}")
+        except FileNotFoundError:
+            raise VersionCorrupt(f"version {m.version}: {WEIGHTS} is missing") from None
+        try:
+            tensors = st_load(payload)
+        except Exception as exc:  # safetensors raises its own untyped errors on torn files
+            raise VersionCorrupt(f"version {m.version}: weights unreadable: {exc}") from None
+        for alias, primary in m.aliases.items():
+            if primary not in tensors:
+                raise VersionCorrupt(f"version {m.version}: alias {alias} of missing {primary}")
+            tensors[alias] = tensors[primary]
+        if set(tensors) != set(m.tensors):
+            raise VersionCorrupt(f"version {m.version}: tensor names differ from the manifest")
+        for name, entry in m.tensors.items():
+            if tensor_checksum(tensors[name]) != entry.checksum:
+                raise VersionCorrupt(f"version {m.version}: checksum mismatch for {name}")
+        return tensors
+
+    def load(self, version: int) -> tuple[Manifest, dict[str, torch.Tensor]]:
+        """The full served view of ``version`` (anchor + patches), verified; a fresh copy."""
+        view: dict[str, torch.Tensor] = {}
+        return self.advance(view, None, version), view
+
+    def read_base(self, name: str) -> bytes:
+        return self._read(f"{self.root}/base/{name}")
+
+    def materialize(self, version: int, out: Path) -> Path:
+        """Write an HF checkpoint dir of ``version``, bit-identical to an anchor of it."""
+        out.mkdir(parents=True, exist_ok=True)
+        for name in BASE_FILES:
+            try:
+                (out / name).write_bytes(self.read_base(name))
+            except FileNotFoundError:
+                continue
+        _, tensors = self.load(version)
+        (out / WEIGHTS).write_bytes(anchor_payload(tensors)[0])
+        return out

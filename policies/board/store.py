@@ -1,0 +1,131 @@
+"""The board's storage edge: whole-object reads and atomic writes on any fsspec filesystem.
+
+Guarantees: :meth:`Store.write` makes an object appear whole or not at all (local: temp file in
+the same directory + fsync + rename + directory fsync; object stores: one PUT); :meth:`Store.read`
+returns the object's bytes as stored (``FileNotFoundError`` if absent); every other storage
+failure becomes :class:`BoardError` whose message has the URL's credentials, configured secrets
+and ``AWS_*`` credentials from the environment removed, and which does not chain the original
+exception (tracebacks cannot leak it either).
+
+Not covered: listing consistency on eventually consistent stores beyond what the store offers
+(fsspec's listings cache is off unless ``storage_options`` turn it on).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import TypeVar
+
+import fsspec
+
+from policies.board import failpoints
+from policies.errors import BoardError, PolicyError
+
+T = TypeVar("T")
+_SECRET_KEYS = ("key", "secret", "token", "password")
+_SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+
+
+_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][\w+.-]*://)[^/@\s]+@")
+_QUERY = re.compile(r"\?\S*")
+
+
+def redact(text: str) -> str:
+    """``text`` with URL credentials (``user:pass@``) and query strings (signed tokens) replaced
+    by ``<redacted>``, so board URLs can be logged and put in error messages."""
+    return _QUERY.sub("?<redacted>", _CREDENTIALS.sub(r"\g<scheme><redacted>@", text))
+
+
+def _flatten(d: Mapping[str, object], prefix: str = "") -> Iterator[tuple[str, object]]:
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            yield from _flatten(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+class Store:
+    """Objects under one root of an fsspec URL."""
+
+    def __init__(self, url: str, storage_options: Mapping[str, object] | None = None) -> None:
+        self.safe_url = redact(url)
+        # Another process publishes under us: a cached listing would hide versions written
+        # after it (fsspec answers "not found" from a parent listing it holds), so none is kept.
+        options = {"use_listings_cache": False, **dict(storage_options or {})}
+        self.fs, self.root = fsspec.core.url_to_fs(url, **options)
+        self.root = self.root.rstrip("/")
+        protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else self.fs.protocol
+        self.local = any(p in ("file", "local") for p in protocols)
+        self._secrets = [
+            str(v)
+            for k, v in _flatten(storage_options or {})
+            if any(s in k.lower() for s in _SECRET_KEYS) and v
+        ] + [os.environ[k] for k in _SECRET_ENV if os.environ.get(k)]
+
+    def call(self, what: str, fn: Callable[[], T]) -> T:
+        """Run a storage call; convert third-party failures to :class:`BoardError` (scrubbed)."""
+        try:
+            return fn()
+        except (FileNotFoundError, PolicyError):
+            raise
+        except Exception as exc:  # any fsspec backend's error: converted at the edge
+            msg = f"{type(exc).__name__}: {exc}"
+            for s in self._secrets:
+                msg = msg.replace(s, "***")
+            raise BoardError(f"board {self.safe_url}: {what} failed: {msg}") from None
+
+    def read(self, path: str) -> bytes:
+        data: bytes = self.call(f"reading {path}", lambda: self.fs.cat_file(path))
+        return data
+
+    def write(self, path: str, data: bytes) -> None:
+        data = failpoints.mutate("board.write", path, data)
+        try:
+            self.call(f"writing {path}", lambda: self._put(path, data))
+        except FileNotFoundError:  # a missing bucket or directory: the board is unusable
+            raise BoardError(f"board {self.safe_url}: writing {path} failed: not found") from None
+
+    def _put(self, path: str, data: bytes) -> None:
+        if not self.local:
+            self.fs.pipe_file(path, data)  # one PUT: the object appears whole or not at all
+            return
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dfd = os.open(Path(path).parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def dirs_with(self, root: str, name: str) -> list[str]:
+        """Names of the subdirectories of ``root`` that hold an object ``name``."""
+
+        def scan() -> list[str]:
+            if self.local:
+                return [d for d in os.listdir(root) if os.path.exists(f"{root}/{d}/{name}")]
+            out = []
+            for path in self.fs.find(root):
+                parts = str(path).rsplit("/", 2)
+                if len(parts) == 3 and parts[2] == name:
+                    out.append(parts[1])
+            return out
+
+        return self.call(f"listing {root}", scan)
+
+    def remove_dir(self, path: str, first: str) -> None:
+        """Delete ``path/first``, then the rest of ``path``."""
+
+        def rm() -> None:
+            self.fs.rm(f"{path}/{first}")
+            self.fs.rm(path, recursive=True)
+
+        self.call(f"deleting {path}", rm)

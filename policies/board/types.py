@@ -1,0 +1,115 @@
+"""The board's vocabulary: options, manifests and catch-up plans (no I/O, no torch).
+
+Importing this module is cheap (pydantic only), so the orchestrator's config can build
+:class:`BoardOptions` without importing torch.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class BoardOptions(BaseModel):
+    """How a publisher lays versions out on the board."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    anchor_every: int = Field(default=16, ge=1, le=1_000_000)
+    """Write a full view (anchor) at least every this many versions (1: every version)."""
+    anchor_fraction: float = Field(default=0.5, gt=0, le=100)
+    """Also write an anchor once the delta bytes since the last anchor would exceed this fraction
+    of a full view (a fresh replica then reads at most ``1 + fraction`` views' worth of bytes)."""
+    catchup_levels: int = Field(default=4, ge=0, le=16)
+    """Squashed catch-up patches spanning up to ``2**levels`` versions; a replica up to that many
+    versions behind applies at most ``log2(k) + 1`` patches. The publisher keeps up to
+    ``levels + 1`` views in memory."""
+    retain_versions: int | None = Field(default=None, ge=1)
+    """After each publish, drop versions no replica within this many versions of the newest can
+    need (``Board.gc(latest - retain_versions + 1)``); None keeps every version."""
+    zstd_level: int = Field(default=3, ge=1, le=22)
+    """zstd level of patch sections."""
+
+
+class TensorEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    dtype: str
+    shape: list[int]
+    checksum: str
+
+
+class PatchRef(BaseModel):
+    """One patch stored in a version directory: ``base`` → this version."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    base: int
+    file: str
+    bytes: int
+    changed: int
+    units: int
+    base_digest: str
+
+    @property
+    def density(self) -> float:
+        return self.changed / self.units if self.units else 0.0
+
+
+class Manifest(BaseModel):
+    """What one version directory holds; written after its data files, before the pointer."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    version: int
+    kind: Literal["anchor", "delta"]
+    base: int | None
+    """The version the primary patch applies to (the previous version); None for an anchor."""
+    view: str
+    codec: str
+    tensors: dict[str, TensorEntry]
+    digest: str
+    bytes: int
+    """Bytes of the primary representation: the full view (anchor) or the delta patch."""
+    created_at: float
+    patches: list[PatchRef] = Field(default_factory=list)
+    """Every patch into this version (the delta from ``base`` and squashed catch-up patches)."""
+    aliases: dict[str, str] = Field(default_factory=dict)
+    """Names stored once in the anchor file under another name (tied tensors)."""
+    anchor: int | None = None
+    """The newest anchor at or before this version (itself for an anchor)."""
+    chain_bytes: int = 0
+    """Delta bytes published since ``anchor`` (this version's included)."""
+    full_bytes: int = 0
+    """Bytes of the view's tensors (what an anchor of it stores)."""
+
+    @property
+    def density(self) -> float | None:
+        """Changed fraction of the view against the previous version (None if unknown)."""
+        for p in self.patches:
+            if p.base == self.base:
+                return p.density
+        return None
+
+
+class Step(BaseModel):
+    """Apply the patch ``file`` of ``version`` to a view at ``base``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    base: int
+    version: int
+    file: str
+    bytes: int
+
+
+class CatchUp(BaseModel):
+    """How to go from the version a replica holds to the one it wants."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    have: int | None
+    want: int
+    anchor: int | None
+    """Start from this anchor's full view (None: start from ``have``)."""
+    anchor_bytes: int = 0
+    steps: list[Step]
+
+    @property
+    def bytes(self) -> int:
+        return self.anchor_bytes + sum(s.bytes for s in self.steps)

@@ -1,0 +1,17 @@
+"""Served views and the bitwise sparse patch codec.
+
+Public surface (lazily imported): :func:`encode_patch`, :func:`apply_patch`, :func:`squash`,
+:func:`read_patch_header`, :class:`PatchHeader`, :class:`TensorRecord`, ``CODEC``,
+:func:`state_digest`, :func:`checksums`, :func:`tensor_checksum`.
+
+Modules: :mod:`~policies.codec.encode` (the format's spec, and encoding),
+:mod:`~policies.codec.apply` (applying, verified or not), :mod:`~policies.codec.format` (frame and
+header), :mod:`~policies.codec.ops` (sections; vectorized numpy reference alongside),
+:mod:`~policies.codec.kernels` and :mod:`~policies.codec.kernels_apply` (numba loops),
+:mod:`~policies.codec.views` (bf16 / fp8 / int4 / nvfp4 served views),
+:mod:`~policies.codec.digests` (per-tensor checksums, whole-state digests).
+"""
+
+import lazy_loader
+
+__getattr__, __dir__, __all__ = lazy_loader.attach_stub(__name__, __file__)

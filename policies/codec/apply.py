@@ -1,0 +1,162 @@
+"""Applying a patch: :func:`apply_patch` (re-exported by :mod:`policies.codec`).
+
+Integrity is checked in this order: the frame checksum (:func:`parse_patch`), the base digest,
+then, with ``verify=True``, every written tensor against the target's xxh3-128 checksum. Tensors
+are decompressed, patched (compiled, :func:`policies.codec.ops.apply_section`) and verified on a
+thread pool, one tensor per task.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
+
+import structlog
+import torch
+import zstandard
+
+from policies.codec.digests import (
+    StorageKey,
+    dtype_name,
+    state_digest,
+    storage_key,
+    tensor_checksum,
+)
+from policies.codec.format import TensorRecord, parse_patch
+from policies.codec.ops import apply_section, unit_view
+from policies.errors import PatchBaseMismatch, PatchChecksumMismatch, PatchCorrupt, PatchError
+
+log = structlog.get_logger("policies.codec")
+
+
+def _decompress(data: memoryview, name: str) -> bytes:
+    try:
+        return zstandard.ZstdDecompressor().decompress(data)
+    except zstandard.ZstdError as exc:
+        raise PatchCorrupt(f"{name}: section does not decompress: {exc}") from exc
+
+
+def _apply_section(dst: torch.Tensor, rec: TensorRecord, data: bytes, chunk: int) -> None:
+    units = unit_view(dst.reshape(-1).view(torch.uint8).numpy(), rec.width)
+    if units.size != rec.units:
+        raise PatchBaseMismatch(f"{rec.name}: base has {units.size} units, patch {rec.units}")
+    try:
+        apply_section(units, data, chunk)
+    except ValueError as exc:
+        raise PatchCorrupt(f"{rec.name}: {exc}") from exc
+
+
+def _target_tensor(rec: TensorRecord, data: bytes) -> torch.Tensor:
+    dtype = getattr(torch, rec.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise PatchCorrupt(f"{rec.name}: unknown dtype {rec.dtype}")
+    buf = bytearray(data)
+    if len(buf) != rec.units * rec.width:
+        raise PatchCorrupt(f"{rec.name}: {len(buf)} bytes for {rec.units} units")
+    flat = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+    return flat.view(dtype).reshape(rec.shape)
+
+
+def _build(
+    rec: TensorRecord, section: memoryview, dst: torch.Tensor | None, chunk: int, verify: bool
+) -> torch.Tensor:
+    """One target tensor: decompressed (``full``) or ``dst`` patched in place, then verified."""
+    if dst is None:
+        out = _target_tensor(rec, _decompress(section, rec.name))
+    else:
+        if rec.length:
+            _apply_section(dst, rec, _decompress(section, rec.name), chunk)
+        out = dst
+    if verify and (dst is None or rec.length):
+        got = tensor_checksum(out)
+        if got != rec.checksum:
+            raise PatchChecksumMismatch(
+                f"{rec.name}: patched tensor checksum {got} != target {rec.checksum}"
+            )
+    return out
+
+
+def _destination(
+    rec: TensorRecord,
+    base: Mapping[str, torch.Tensor],
+    base_groups: Mapping[StorageKey, list[str]],
+    target_group: Mapping[str, str],
+    in_place: bool,
+) -> torch.Tensor:
+    """The tensor a ``patch`` record is written into: the base tensor itself or a copy of it."""
+    src = base.get(rec.name)
+    if src is None or dtype_name(src) != rec.dtype or tuple(src.shape) != rec.shape:
+        raise PatchBaseMismatch(
+            f"{rec.name}: base lacks this tensor as {rec.dtype}{list(rec.shape)}"
+        )
+    if src.device.type != "cpu":
+        raise PatchError(f"{rec.name}: apply_patch works on CPU tensors, got {src.device}")
+    dst = src.detach()
+    sharers = base_groups.get(storage_key(dst), [])
+    shared = any(target_group.get(s, s) != rec.name for s in sharers if s != rec.name)
+    if not in_place or (rec.length and (shared or not dst.is_contiguous())):
+        dst = dst.contiguous().clone()
+    return dst
+
+
+def apply_patch(
+    base: MutableMapping[str, torch.Tensor],
+    patch: bytes,
+    *,
+    in_place: bool = True,
+    base_digest: str | None = None,
+    verify: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Apply ``patch`` to ``base`` and return the target state.
+
+    ``in_place=True`` writes into the base tensors and the base mapping (no copy of the view);
+    ``in_place=False`` leaves ``base`` untouched. ``base_digest`` vouches for the base (e.g. the
+    digest a previous apply returned) instead of hashing it. Tensors are decoded and verified on
+    a thread pool. If a checksum check fails after writing in place, the base is partially
+    patched: reload it from a verified version.
+    """
+    header, body = parse_patch(patch)
+    bdig = base_digest if base_digest is not None else state_digest(base)
+    if bdig != header.base_digest:
+        raise PatchBaseMismatch(
+            f"patch expects base {header.base_digest}, got base {bdig}: apply the patch to the "
+            "version it was made from (or fetch a patch or anchor for this base)"
+        )
+    base_groups: dict[StorageKey, list[str]] = {}
+    for name, t in base.items():
+        base_groups.setdefault(storage_key(t), []).append(name)
+    target_group = {r.name: r.alias_of or r.name for r in header.tensors}
+    out: dict[str, torch.Tensor] = {}
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        jobs = {}
+        for rec in header.tensors:
+            if rec.op not in ("patch", "full", "alias"):
+                raise PatchCorrupt(f"{rec.name}: unknown op {rec.op}")
+            if rec.op == "alias":
+                continue
+            dst = None
+            if rec.op == "patch":
+                dst = _destination(rec, base, base_groups, target_group, in_place)
+            section = body[rec.offset : rec.offset + rec.length]
+            jobs[rec.name] = pool.submit(_build, rec, section, dst, header.chunk, verify)
+        for rec in header.tensors:
+            if rec.op != "alias":
+                out[rec.name] = jobs[rec.name].result()
+            elif rec.alias_of in out:
+                out[rec.name] = out[rec.alias_of]
+            else:
+                raise PatchCorrupt(f"{rec.name}: alias of unknown tensor {rec.alias_of}")
+    log.info(
+        "patch.applied",
+        base=header.base_digest,
+        target=header.target_digest,
+        changed=header.changed,
+        bytes=header.patch_bytes,
+        verified=verify,
+    )
+    if in_place:
+        for name in header.removed:
+            base.pop(name, None)
+        base.update(out)
+    return out

@@ -1,0 +1,252 @@
+"""Compiled (numba) decoder of the patch codec: validate a section, then write its changes.
+
+See :mod:`policies.codec.kernels` for how the kernels are compiled and cached.
+
+Guarantees: :func:`apply_changes` checks the whole section against the tensor before writing
+anything and returns a non-zero :data:`ERRORS` code (nothing written) when it does not fit;
+it never writes outside the tensor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from policies.codec.kernels import (
+    BLOCK,
+    I64,
+    U8,
+    U64,
+    ZERO,
+    UInt,
+    inverse,
+    jit,
+    prefetch_write,
+    unit_bytes,
+)
+
+AHEAD = 64
+"""How many units ahead the scattered writes prefetch (best of 16…256 on ``bench codec``)."""
+
+ERRORS = {
+    1: "bad chunk modes",
+    2: "position planes past the section end",
+    3: "bitmask chunks do not add up",
+    4: "section sizes do not add up",
+    5: "varint continues past its last plane",
+    6: "varint planes do not add up",
+    7: "sparse position past the tensor end",
+    8: "bitmask position past its chunk",
+}
+"""What a non-zero return of :func:`apply_changes` means (the caller raises it as corruption)."""
+
+
+@jit
+def _write_block(
+    units: UInt,
+    at: U64,
+    m: int,
+    buf: U8,
+    vstart: int,
+    n_vals: int,
+    j: int,
+    coding: int,
+    mask: np.uint64,
+    sign: np.uint64,
+    z: npt.NDArray[np.uint64],
+) -> None:
+    """Apply values ``j … j+m`` of the byte planes at ``buf[vstart:]`` to units ``at[:m]``.
+
+    The scattered read-modify-write loop prefetches :data:`AHEAD` units ahead of itself: the
+    out-of-order window alone holds too few of its (mostly DRAM) misses, and prefetching a
+    whole block at once lets lines fall out of L1 before they are written. The first units'
+    prefetches are in flight while the values are gathered plane by plane (vectorizable).
+    """
+    for q in range(min(AHEAD, m)):
+        prefetch_write(units, at[q])  # type: ignore[call-arg]  # an intrinsic, typed by numba
+    z[:m] = ZERO
+    for k in range(unit_bytes(units)):
+        plane = np.uint64(vstart + k * n_vals + j)
+        shift = np.uint64(8 * k)
+        for q in range(m):
+            z[q] |= np.uint64(buf[plane + np.uint64(q)]) << shift
+    # One loop per coding (a constant inside each), so the loop body has no branches; at[]
+    # has AHEAD slack entries past m, so the prefetch needs no bounds test either.
+    if coding == 0:
+        for q in range(m):
+            units[at[q]] = inverse(np.uint64(units[at[q]]), z[q], 0, mask, sign)
+            prefetch_write(units, at[q + AHEAD])  # type: ignore[call-arg]
+    elif coding == 1:
+        for q in range(m):
+            units[at[q]] = inverse(np.uint64(units[at[q]]), z[q], 1, mask, sign)
+            prefetch_write(units, at[q + AHEAD])  # type: ignore[call-arg]
+    else:
+        for q in range(m):
+            units[at[q]] = inverse(np.uint64(units[at[q]]), z[q], 2, mask, sign)
+            prefetch_write(units, at[q + AHEAD])  # type: ignore[call-arg]
+
+
+@jit
+def _varint(buf: U8, pstart: I64, cur: I64, i: int) -> int:
+    """Gap ``i`` of a checked section (its first byte in plane 0); advances the plane cursors.
+
+    Branch-free: every plane is read (one byte past a plane's end at most, which is still
+    inside the section because the value planes follow) and only the bytes that belong to
+    the gap are kept.
+    """
+    byte = buf[pstart[0] + i]
+    g = int(byte & 0x7F)
+    more = int(byte >> 7)
+    for k in range(1, pstart.size):
+        byte = buf[pstart[k] + cur[k]]
+        g |= (int(byte & 0x7F) * more) << (7 * k)
+        cur[k] += more
+        more &= int(byte >> 7)
+    return g
+
+
+@jit
+def _check_varints(buf: U8, pstart: I64, lens: I64, n: int) -> int:
+    """Whether the gap planes decode to positions inside ``n`` units; 0 or an error code.
+
+    Plane k+1 holds one byte per byte of plane k whose continuation bit is set, and the last
+    plane has none set; then every gap decodes from exactly its planes' bytes. The positions
+    stay below ``n`` iff the gaps plus one per gap sum to at most ``n``, and each plane's
+    share of that sum is computed on its own (no decoding, no overflow).
+    """
+    total = lens[0] if lens.size else 0
+    for k in range(lens.size):
+        more = 0
+        share = 0
+        for i in range(pstart[k], pstart[k] + lens[k]):
+            more += buf[i] >> 7
+            share += buf[i] & 0x7F
+        if more != (lens[k + 1] if k + 1 < lens.size else 0):
+            return 5 if k + 1 == lens.size else 6
+        if share > n >> (7 * k):
+            return 7
+        total += share << (7 * k)
+        if total > n:
+            return 7
+    return 0
+
+
+@jit
+def _check_layout(
+    units: UInt, buf: U8, start: int, lens: I64, n_vals: int, n_bm: int, chunk: int
+) -> int:
+    """Check modes, plane, bitmask and value sizes of a section; 0 or an :data:`ERRORS` code."""
+    n = units.size
+    nchunks = (n + chunk - 1) // chunk
+    if start + nchunks > buf.size:
+        return 1
+    off = start + nchunks
+    for k in range(lens.size):
+        off += lens[k]
+    if off > buf.size:
+        return 2
+    row = chunk // 8
+    if off + n_bm * row > buf.size:
+        return 3
+    expected = lens[0] if lens.size else 0
+    rank = 0
+    for c in range(nchunks):
+        mode = buf[start + c]
+        clen = min(chunk, n - c * chunk)
+        if mode > 3:
+            return 1
+        if mode == 3:
+            expected += clen
+        elif mode == 2:
+            if rank >= n_bm:
+                return 3
+            base = off + rank * row
+            for i in range(row):
+                byte = buf[base + i]
+                for bit in range(8):
+                    if byte >> bit & 1:
+                        if 8 * i + bit >= clen:
+                            return 8
+                        expected += 1
+            rank += 1
+    if rank != n_bm:
+        return 3
+    if expected != n_vals or off + n_bm * row + n_vals * units.itemsize != buf.size:
+        return 4
+    return 0
+
+
+@jit
+def apply_changes(
+    units: UInt,
+    buf: U8,
+    start: int,
+    lens: I64,
+    n_vals: int,
+    n_bm: int,
+    chunk: int,
+    coding: int,
+    mask: np.uint64,
+    sign: np.uint64,
+) -> int:
+    """Write the changes of an uncompressed section into ``units``; 0 or an error code.
+
+    ``buf`` is the whole section, ``start`` where its MODES begin, ``lens`` its gap plane
+    lengths. Everything is checked first; on an error nothing has been written.
+    """
+    err = _check_layout(units, buf, start, lens, n_vals, n_bm, chunk)
+    nchunks = (units.size + chunk - 1) // chunk
+    pstart = np.empty(lens.size, dtype=np.int64)
+    off = start + nchunks
+    for k in range(lens.size):
+        pstart[k] = off
+        off += lens[k]
+    if err == 0:
+        err = _check_varints(buf, pstart, lens, units.size)
+    if err:
+        return err
+    vstart = off + n_bm * (chunk // 8)
+    # Positions are produced a block at a time and then written by _write_block.
+    cur = np.zeros(lens.size, dtype=np.int64)
+    at = np.zeros(BLOCK + AHEAD, dtype=np.uint64)  # slack: see _write_block
+    z = np.empty(BLOCK, dtype=np.uint64)
+    n_sparse = lens[0] if lens.size else 0
+    pos = -1
+    for j in range(0, n_sparse, BLOCK):
+        m = min(BLOCK, n_sparse - j)
+        for q in range(m):
+            pos += _varint(buf, pstart, cur, j + q) + 1
+            at[q] = pos
+        _write_block(units, at, m, buf, vstart, n_vals, j, coding, mask, sign, z)
+    j = n_sparse
+    rank = 0
+    for c in range(nchunks):
+        mode = buf[start + c]
+        if mode == 2:
+            row = off + rank * (chunk // 8)
+            rank += 1
+            m = 0
+            for i in range(chunk // 8):
+                byte = buf[row + i]
+                for bit in range(8):
+                    if byte >> bit & 1:
+                        at[m] = c * chunk + 8 * i + bit
+                        m += 1
+                        if m == BLOCK:
+                            _write_block(
+                                units, at, m, buf, vstart, n_vals, j, coding, mask, sign, z
+                            )
+                            j += m
+                            m = 0
+            _write_block(units, at, m, buf, vstart, n_vals, j, coding, mask, sign, z)
+            j += m
+    for c in range(nchunks):  # dense values come after all bitmask values
+        if buf[start + c] == 3:
+            hi = min((c + 1) * chunk, units.size)
+            for lo in range(c * chunk, hi, BLOCK):
+                m = min(BLOCK, hi - lo)
+                for q in range(m):
+                    at[q] = lo + q
+                _write_block(units, at, m, buf, vstart, n_vals, j, coding, mask, sign, z)
+                j += m
+    return 0

@@ -1,0 +1,368 @@
+"""Array transforms of the patch codec: positions, values, byte planes and whole sections.
+
+:mod:`policies.codec` frames what this module produces. The wire format is specified in the
+``policies.codec`` docstring: chunk modes (0 unchanged, :data:`SPARSE`, :data:`BITMASK`,
+:data:`DENSE`), gap varints split into byte planes, packed bitmasks, and values transformed by a
+:data:`Coding` and split into ``width`` byte planes, low byte first. Whole sections are found,
+written and applied (:func:`find_changes`, :func:`encode_section`, :func:`apply_section`) by the
+compiled loops of :mod:`policies.codec.kernels` and :mod:`policies.codec.kernels_apply`; the
+vectorized numpy functions here (:func:`encode_positions`, :func:`decode_positions`,
+:func:`transform`, :func:`varint_planes`) are the readable reference the tests hold them to.
+
+Guarantees: :func:`apply_section` applies exactly what :func:`encode_section` wrote, and raises
+``ValueError`` without writing anything for a section that does not fit the tensor;
+:func:`decode_positions` inverts :func:`encode_positions` and raises ``ValueError`` (never reads
+out of range) on inconsistent input; :func:`varint_values` inverts :func:`varint_planes` for
+integers below 2**56.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from policies.codec.kernels import (
+    scan_changes,
+    varint_lengths,
+    write_bitmasks,
+    write_values,
+    write_varints,
+)
+from policies.codec.kernels_apply import ERRORS, apply_changes
+
+Coding = Literal["xor", "delta", "odelta"]
+SPARSE, BITMASK, DENSE = 1, 2, 3
+MAX_PLANES = 8
+SAMPLE = 16384
+"""Stored values :func:`pick_coding` looks at."""
+CODINGS: tuple[Coding, ...] = ("xor", "delta", "odelta")
+UInt = npt.NDArray[np.unsignedinteger[Any]]
+I64 = npt.NDArray[np.int64]
+U8 = npt.NDArray[np.uint8]
+
+
+def unit_view(raw: U8, width: int) -> UInt:
+    """``raw`` bytes read as little-endian unsigned integers of ``width`` bytes."""
+    return raw.view(np.dtype(f"<u{width}"))
+
+
+def _zigzag(d: UInt) -> UInt:
+    one, top = d.dtype.type(1), d.dtype.type(d.dtype.itemsize * 8 - 1)
+    return (d << one) ^ (np.zeros_like(d) - (d >> top))
+
+
+def _ordered(u: UInt) -> UInt:
+    """Sign-magnitude bits → integers whose order is the float order (a bijection)."""
+    sign = u.dtype.type(1 << (u.dtype.itemsize * 8 - 1))
+    return np.where(u & sign, ~u, u | sign)
+
+
+def transform(b: UInt, t: UInt, coding: Coding) -> UInt:
+    """Values stored for a change from ``b`` to ``t`` (the compiled codec's reference)."""
+    if coding == "xor":
+        return b ^ t
+    if coding == "delta":
+        return _zigzag(t - b)
+    return _zigzag(_ordered(t) - _ordered(b))
+
+
+def _entropy_bits(plane: U8) -> float:
+    counts = np.bincount(plane, minlength=256)
+    p = counts[counts > 0] / plane.size
+    return float(-(p * np.log2(p)).sum() * plane.size)
+
+
+def pick_coding(b: UInt, t: UInt, floating: bool) -> Coding:
+    """The coding whose byte planes have the lowest order-0 entropy on the first :data:`SAMPLE`
+    changes ``b → t``."""
+    b, t = b[:SAMPLE], t[:SAMPLE]
+    order: tuple[Coding, ...] = ("delta", "odelta", "xor") if floating else ("delta", "xor")
+    costs = [sum(_entropy_bits(p) for p in _planes(transform(b, t, c))) for c in order]
+    return order[int(np.argmin(costs))]
+
+
+def _planes(values: UInt) -> U8:
+    return np.ascontiguousarray(values.view(np.uint8).reshape(-1, values.itemsize).T)
+
+
+@dataclass(frozen=True)
+class Positions:
+    """Chunk modes and position streams of one tensor (see the wire format)."""
+
+    modes: U8
+    gap_planes: list[U8]
+    bitmasks: U8
+    sparse_sel: npt.NDArray[np.bool_] | None
+    """Which changes sit in sparse chunks (``None``: all of them)."""
+    bitmask_sel: npt.NDArray[np.bool_] | None
+    dense_chunks: I64
+
+
+def varint_planes(g: I64) -> list[U8]:
+    """Non-negative integers as 7-bit-group varints, plane k holding every k-th byte."""
+    planes: list[U8] = []
+    while g.size:
+        more = g > 0x7F
+        planes.append((g.astype(np.uint8) & np.uint8(0x7F)) | (more.view(np.uint8) << np.uint8(7)))
+        g = g[more] >> 7
+    return planes
+
+
+def varint_values(planes: list[U8]) -> I64:
+    """Inverse of :func:`varint_planes`; ``ValueError`` if the planes do not fit together."""
+    if not planes:
+        return np.empty(0, dtype=np.int64)
+    if len(planes) > MAX_PLANES:
+        raise ValueError("varint longer than 56 bits")
+    g = (planes[0] & 0x7F).astype(np.int64)
+    sel = np.flatnonzero(planes[0] >> 7)
+    for k, p in enumerate(planes[1:], 1):
+        if p.size != sel.size:
+            raise ValueError("varint planes do not add up")
+        g[sel] |= (p & 0x7F).astype(np.int64) << (7 * k)
+        sel = sel[np.flatnonzero(p >> 7)]
+    if sel.size:
+        raise ValueError("varint continues past its last plane")
+    return g
+
+
+def encode_positions(pos: I64, units: int, chunk: int) -> Positions:
+    """Choose a mode per chunk by its change count and encode the positions (vectorized)."""
+    nchunks = -(-units // chunk)
+    starts = np.arange(nchunks + 1, dtype=np.int64) * chunk
+    starts[-1] = units
+    counts = np.diff(np.searchsorted(pos, starts))  # positions are sorted
+    clen = np.diff(starts)
+    modes = np.where(counts > 0, SPARSE, 0).astype(np.uint8)
+    modes[(counts > 0) & (counts * 8 >= clen)] = BITMASK
+    modes[(counts > 0) & (counts * 2 > clen)] = DENSE
+    sparse_sel = bitmask_sel = None
+    ps = pos
+    if modes.max(initial=0) > SPARSE:
+        cid = pos // chunk
+        cmode = modes[cid]
+        sparse_sel, bitmask_sel = cmode == SPARSE, cmode == BITMASK
+        ps = pos[sparse_sel]
+    g = np.empty_like(ps)
+    g[:1] = ps[:1]
+    np.subtract(ps[1:], ps[:-1], out=g[1:])
+    g[1:] -= 1
+    is_bm = modes == BITMASK
+    mask = np.zeros((int(is_bm.sum()), chunk), dtype=bool)
+    if bitmask_sel is not None and mask.size:
+        rank = np.cumsum(is_bm) - 1
+        bcid = pos[bitmask_sel] // chunk
+        mask[rank[bcid], pos[bitmask_sel] - bcid * chunk] = True
+    return Positions(
+        modes=modes,
+        gap_planes=varint_planes(g),
+        bitmasks=np.packbits(mask, axis=1, bitorder="little"),
+        sparse_sel=sparse_sel,
+        bitmask_sel=bitmask_sel,
+        dense_chunks=np.flatnonzero(modes == DENSE),
+    )
+
+
+def decode_positions(
+    buf: U8, nchunks: int, units: int, chunk: int, plane_lens: list[int], n_bitmask: int
+) -> tuple[list[I64], I64, int]:
+    """Inverse of :func:`encode_positions`: ``([sparse, bitmask] positions, dense chunks, end)``.
+
+    Raises ``ValueError`` on any inconsistency (the caller reports it as corruption).
+    """
+    modes = buf[:nchunks]
+    if modes.size != nchunks or modes.max(initial=0) > DENSE:
+        raise ValueError("bad chunk modes")
+    off = nchunks
+    planes = []
+    for n in plane_lens:
+        planes.append(buf[off : off + n])
+        off += n
+    if off > buf.size:
+        raise ValueError("position planes past the section end")
+    g = varint_values(planes)
+    if g.size > units or (g.size and int(g.max()) >= units):
+        raise ValueError("sparse gaps out of range")
+    g += 1
+    sparse = np.cumsum(g, out=g)
+    sparse -= 1
+    if sparse.size and sparse[-1] >= units:
+        raise ValueError("sparse position past the tensor end")
+    bc = np.flatnonzero(modes == BITMASK)
+    row = chunk // 8
+    raw_bm = buf[off : off + n_bitmask * row]
+    off += n_bitmask * row
+    if bc.size != n_bitmask or raw_bm.size != n_bitmask * row:
+        raise ValueError("bitmask chunks do not add up")
+    r, c = np.nonzero(np.unpackbits(raw_bm.reshape(n_bitmask, row), axis=1, bitorder="little"))
+    starts = bc * chunk
+    if np.any(c >= np.minimum(starts + chunk, units)[r] - starts[r]):
+        raise ValueError("bitmask position past its chunk")
+    return [sparse, starts[r] + c], np.flatnonzero(modes == DENSE), off
+
+
+# -- one tensor section (uncompressed) -------------------------------------------------------------
+
+SECTION = struct.Struct("<BBQQ")
+"""CODING u8 | K u8 | N_VALUES u64 | N_BITMASK u64 (then K × u64 plane lengths)."""
+_JOB_UNITS = 1 << 22
+
+
+def _mask_sign(width: int) -> tuple[np.uint64, np.uint64]:
+    """All bits of a ``width``-byte unit, and its top bit, as the kernels' uint64 arguments."""
+    return np.uint64((1 << 8 * width) - 1), np.uint64(1 << (8 * width - 1))
+
+
+class Changes(NamedTuple):
+    """The changes of ``b → t`` by chunk mode (what :func:`encode_section` stores)."""
+
+    modes: U8
+    spos: I64
+    """Changed positions in sparse chunks; ``svals`` their (base, target) units as two rows."""
+    svals: UInt
+    bpos: I64
+    """Changed positions in bitmask chunks; ``bvals`` their (base, target) units."""
+    bvals: UInt
+    dense_changed: int
+    """Changed units in dense chunks (which store every unit)."""
+
+    @property
+    def changed(self) -> int:
+        return self.spos.size + self.bpos.size + self.dense_changed
+
+
+_local = threading.local()
+
+
+def _scratch(units: int, dtype: np.dtype[Any]) -> tuple[I64, UInt, I64, UInt]:
+    """This thread's output arrays for scanning ``units`` units (capacities as
+    :func:`policies.codec.kernels.scan_changes` needs), reused from job to job: allocating
+    them per job cost more than the scan at 1% density (page faults, and unmapping, which
+    interrupts the other threads)."""
+    key = (units, dtype)
+    if getattr(_local, "key", None) != key:
+        spos = np.empty(units // 8 + 1, dtype=np.int64)
+        bpos = np.empty(units // 2 + 1, dtype=np.int64)
+        _local.key = key
+        _local.arrays = (
+            spos,
+            np.empty((2, spos.size), dtype=dtype),
+            bpos,
+            np.empty((2, bpos.size), dtype=dtype),
+        )
+    arrays: tuple[I64, UInt, I64, UInt] = _local.arrays
+    return arrays
+
+
+def find_changes(b: UInt, t: UInt, pool: ThreadPoolExecutor, chunk: int) -> Changes:
+    """Find and classify the changes of ``b → t`` (compiled; ~4 Mi-unit ranges on ``pool``)."""
+    return start_changes(b, t, pool, chunk)()
+
+
+def start_changes(b: UInt, t: UInt, pool: ThreadPoolExecutor, chunk: int) -> Callable[[], Changes]:
+    """Queue the scan of ``b → t`` on ``pool`` now; the returned call waits for its
+    :class:`Changes` (so the encoder can queue the next tensors' scans before waiting)."""
+    n = b.size
+    nchunks = -(-n // chunk)
+    lanes = 8 // b.itemsize
+    bw = b[: n // lanes * lanes].view(np.uint64)
+    tw = t[: n // lanes * lanes].view(np.uint64)
+    modes = np.empty(nchunks, dtype=np.uint8)
+    step = max(1, _JOB_UNITS // chunk)
+
+    def job(c0: int) -> tuple[I64, UInt, I64, UInt, int]:
+        c1 = min(c0 + step, nchunks)
+        spos, svals, bpos, bvals = _scratch(step * chunk, b.dtype)
+        ns, nb, nd = scan_changes(b, t, bw, tw, c0, c1, chunk, modes, spos, svals, bpos, bvals)
+        return spos[:ns].copy(), svals[:, :ns].copy(), bpos[:nb].copy(), bvals[:, :nb].copy(), nd
+
+    jobs = [pool.submit(job, c0) for c0 in range(0, nchunks, step)]
+
+    def collect() -> Changes:
+        parts = [j.result() for j in jobs]
+        pos: list[I64] = [np.empty(0, dtype=np.int64)]
+        vals: list[UInt] = [np.empty((2, 0), dtype=b.dtype)]
+        return Changes(
+            modes=modes,
+            spos=np.concatenate(pos + [p[0] for p in parts]),
+            svals=np.concatenate(vals + [p[1] for p in parts], axis=1),
+            bpos=np.concatenate(pos + [p[2] for p in parts]),
+            bvals=np.concatenate(vals + [p[3] for p in parts], axis=1),
+            dense_changed=sum(p[4] for p in parts),
+        )
+
+    return collect
+
+
+def _sample(b: UInt, t: UInt, ch: Changes, chunk: int) -> tuple[UInt, UInt]:
+    """Base and target units of (at least) the first :data:`SAMPLE` stored values."""
+    vals = np.concatenate([ch.svals[:, :SAMPLE], ch.bvals[:, :SAMPLE]], axis=1)
+    dense = np.flatnonzero(ch.modes == DENSE)
+    if vals.shape[1] >= SAMPLE or not dense.size:
+        return vals[0], vals[1]
+    lo = int(dense[0]) * chunk
+    return np.concatenate([vals[0], b[lo : lo + chunk]]), np.concatenate(
+        [vals[1], t[lo : lo + chunk]]
+    )
+
+
+def encode_section(b: UInt, t: UInt, ch: Changes, floating: bool, chunk: int) -> U8:
+    """The uncompressed section storing changes ``ch`` of ``b → t`` (empty if none).
+
+    Written straight into one buffer by compiled loops: head, modes, gap planes, bitmasks,
+    value planes.
+    """
+    if not ch.changed:
+        return np.empty(0, dtype=np.uint8)
+    coding = CODINGS.index(pick_coding(*_sample(b, t, ch, chunk), floating))
+    lens = varint_lengths(ch.spos)
+    lens = lens[: np.count_nonzero(lens)]
+    dense = np.flatnonzero(ch.modes == DENSE)
+    n_vals = ch.spos.size + ch.bpos.size + dense.size * chunk
+    if dense.size and dense[-1] == ch.modes.size - 1:
+        n_vals -= ch.modes.size * chunk - b.size  # the last chunk is partial
+    n_bm = int(np.count_nonzero(ch.modes == BITMASK))
+    head = SECTION.pack(coding, lens.size, n_vals, n_bm) + lens.astype("<u8").tobytes()
+    row_bytes = n_bm * (chunk // 8)
+    size = len(head) + ch.modes.size + int(lens.sum()) + row_bytes + n_vals * b.itemsize
+    out = np.empty(size, dtype=np.uint8)
+    out[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+    off = len(head) + ch.modes.size
+    out[len(head) : off] = ch.modes
+    write_varints(ch.spos, out, off + np.cumsum(lens) - lens, lens)
+    off += int(lens.sum())
+    out[off : off + row_bytes] = 0
+    write_bitmasks(ch.bpos, chunk, out, off)
+    mask, sign = _mask_sign(b.itemsize)
+    vstart = off + row_bytes
+    write_values(ch.svals, ch.bvals, b, t, ch.modes, chunk, coding, mask, sign, out, vstart, n_vals)
+    return out
+
+
+def apply_section(units: UInt, data: bytes, chunk: int) -> None:
+    """Write the changes of an uncompressed section into ``units`` (in place).
+
+    Raises ``ValueError`` if the section does not fit ``units`` (nothing is written then).
+    """
+    buf = np.frombuffer(data, dtype=np.uint8)
+    if buf.size < SECTION.size:
+        raise ValueError("section too short")
+    code, n_planes, n_vals, n_bm = SECTION.unpack_from(data, 0)
+    start = SECTION.size + 8 * n_planes
+    if code >= len(CODINGS) or n_planes > MAX_PLANES or buf.size < start:
+        raise ValueError("bad section head")
+    lens = np.frombuffer(data, dtype="<u8", count=n_planes, offset=SECTION.size)
+    if np.any(lens > buf.size) or max(n_vals, n_bm) > buf.size:
+        raise ValueError("section sizes do not add up")
+    mask, sign = _mask_sign(units.itemsize)
+    lens64 = lens.astype(np.int64)
+    err = apply_changes(units, buf, start, lens64, n_vals, n_bm, chunk, code, mask, sign)
+    if err:
+        raise ValueError(ERRORS[err])

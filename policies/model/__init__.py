@@ -1,0 +1,10 @@
+"""sprawl's own tiny *real* model: tokenizer, chat template and weights, built offline.
+
+Public surface (lazily imported): :func:`init_model`, :func:`build_tokenizer`, ``ModelSize``.
+Modules: :mod:`~policies.model.build` (tokenizer + ``Qwen2ForCausalLM``), and
+:mod:`~policies.model.corpus` (the generated text the tokenizer is trained on).
+"""
+
+import lazy_loader
+
+__getattr__, __dir__, __all__ = lazy_loader.attach_stub(__name__, __file__)

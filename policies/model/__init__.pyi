@@ -1,0 +1,3 @@
+from .build import ModelSize, build_tokenizer, init_model
+
+__all__ = ["ModelSize", "build_tokenizer", "init_model"]

@@ -1,0 +1,244 @@
+"""The project's own tiny *real* model, built offline: tokenizer, chat template and weights.
+
+Nothing may come from a model hub, so ``init_model(out, size, seed)`` makes one from scratch:
+
+1. a byte-level BPE tokenizer trained with ``tokenizers`` on text from ``policies.model.corpus``,
+   with the chat-control special tokens ``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>``
+   (eos) and the tool-call markers ``<tool_call>``, ``</tool_call>``, ``<tool_response>``,
+   ``</tool_response>``;
+2. the Hermes-style chat template ``policies.wire.toolcalls.CHAT_TEMPLATE``, stored in
+   ``tokenizer_config.json``;
+3. a randomly initialised ``Qwen2ForCausalLM`` (tied embeddings, float32) whose vocabulary is the
+   tokenizer's, saved in HF layout: ``config.json``, ``generation_config.json``,
+   ``model.safetensors``.
+
+Guarantees:
+
+- Offline and deterministic: the same ``(size, seed)`` gives byte-identical files
+  (``model.safetensors``, ``tokenizer.json``, …) on a given torch/transformers/tokenizers
+  version. The tokenizer depends on ``size`` only (its corpus seed is fixed), so every seed of a
+  size shares token ids; ``seed`` drives the weight init, under a forked torch RNG so the
+  caller's global RNG is left untouched.
+- ``AutoTokenizer.from_pretrained(out)`` and ``AutoModelForCausalLM.from_pretrained(out)`` load
+  the result with ``HF_HUB_OFFLINE=1``; ``apply_chat_template(messages, tools=...)`` works.
+- The tool-call markers are *added but not special* tokens (as in Qwen2.5): one id each, and they
+  survive ``decode(..., skip_special_tokens=True)``, so the engine can parse calls from decoded
+  text. ``<|im_start|>``, ``<|im_end|>`` and ``<|endoftext|>`` are special.
+- The tokenizer pipeline is exactly Qwen2's (NFC, Qwen's split pattern, byte level), and
+  ``tokenizer_config.json`` names ``Qwen2Tokenizer`` with ``additional_special_tokens``; so
+  transformers 5 (which rebuilds Qwen2 tokenizers from vocab + merges), transformers 4.46+ and
+  the raw ``tokenizer.json`` all give the same ids. Digits are single tokens.
+- ``decode(encode(s)) == s`` for NFC text, which includes all ASCII (NFC is the one lossy step).
+- Each file is written to a temporary sibling first and moved into ``out``, so a crash never
+  leaves a half-written file (it may leave a partial set; rerun to finish).
+
+Not covered: a *trained* model. The weights are random; the model produces well-formed tokens,
+not sensible text, until RL or SFT moves it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import structlog
+import torch
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    trainers,
+)
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+from transformers.utils import logging as hf_logging
+
+from policies.model.corpus import generate_corpus
+from policies.wire.toolcalls import (
+    CHAT_TEMPLATE,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    TOOL_RESPONSE_CLOSE,
+    TOOL_RESPONSE_OPEN,
+)
+
+log = structlog.get_logger(__name__)
+
+ModelSize = Literal["tiny", "small"]
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+EOS_TOKEN = "<|im_end|>"
+SPECIAL_TOKENS = (PAD_TOKEN, IM_START, EOS_TOKEN)
+TOOL_TOKENS = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE, TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE)
+
+# The tokenizer's training text is fixed per size, so all seeds of a size share one vocabulary.
+CORPUS_SEED = 20240601
+
+# transformers 5 loads every `model_type: qwen2` checkpoint through Qwen2Tokenizer, which rebuilds
+# the pipeline around the saved vocab and merges: NFC normalizer, Qwen's split pattern (single
+# digits, letter runs, punctuation runs, newline runs), byte-level mapping. We train with exactly
+# that pipeline, taking the pattern from transformers itself, so the tokenizer every loader sees
+# (tokenizers, transformers 4 or 5, vLLM) is the one that was trained.
+_SPLIT_PATTERN: str = PRETOKENIZE_REGEX
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of one model size; ``vocab_size`` counts the special and tool tokens."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    corpus_docs: int
+
+
+SPECS: dict[ModelSize, ModelSpec] = {
+    # Small enough that an RL demo runs on 2 CPU cores.
+    "tiny": ModelSpec(2048, 64, 2, 4, 2, 176, 2048, corpus_docs=20_000),
+    "small": ModelSpec(4096, 256, 4, 8, 4, 688, 2048, corpus_docs=40_000),
+}
+
+
+def build_tokenizer(size: ModelSize = "tiny") -> PreTrainedTokenizerFast:
+    """Train the byte-level BPE tokenizer for ``size`` and wrap it with the chat template."""
+    spec = SPECS[size]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab_size - len(TOOL_TOKENS),
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(generate_corpus(spec.corpus_docs, CORPUS_SEED), trainer=trainer)
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tokenizer,
+        bos_token=None,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        additional_special_tokens=list(SPECIAL_TOKENS),
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=spec.max_position_embeddings,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _portable_tokenizer_config(saved: dict[str, object]) -> dict[str, object]:
+    """The saved config, rewritten in the form transformers 4.x and 5.x both load."""
+    config = dict(saved)
+    config.pop("extra_special_tokens", None)  # 5.x spelling; 4.x expects a dict there
+    config.pop("backend", None)
+    config["tokenizer_class"] = "Qwen2Tokenizer"
+    config["additional_special_tokens"] = list(SPECIAL_TOKENS)
+    config["bos_token"] = None
+    config["chat_template"] = CHAT_TEMPLATE
+    return config
+
+
+def _token_id(tokenizer: PreTrainedTokenizerFast, token: str) -> int:
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    if not isinstance(token_id, int):
+        raise TypeError(f"{token!r} does not map to one token id: {token_id!r}")
+    return token_id
+
+
+def _model_config(spec: ModelSpec, tokenizer: PreTrainedTokenizerFast) -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        max_window_layers=spec.num_hidden_layers,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=_token_id(tokenizer, EOS_TOKEN),
+        pad_token_id=_token_id(tokenizer, PAD_TOKEN),
+        dtype="float32",
+        architectures=["Qwen2ForCausalLM"],
+    )
+
+
+def _write_json(path: Path, obj: object) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def _save(staging: Path, tokenizer: PreTrainedTokenizerFast, model: Qwen2ForCausalLM) -> None:
+    tokenizer.save_pretrained(staging, save_jinja_files=False)
+    saved = json.loads((staging / "tokenizer_config.json").read_text())
+    _write_json(staging / "tokenizer_config.json", _portable_tokenizer_config(saved))
+    _write_json(
+        staging / "special_tokens_map.json",
+        {
+            "eos_token": EOS_TOKEN,
+            "pad_token": PAD_TOKEN,
+            "additional_special_tokens": list(SPECIAL_TOKENS),
+        },
+    )
+    # transformers' shard-writing progress bar is noise in a sub-second save; restore the
+    # caller's setting afterwards.
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    try:
+        model.save_pretrained(staging)
+    finally:
+        if bars_were_on:
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
+    # transformers 5 writes `dtype`; transformers 4 before 4.56 reads only `torch_dtype`.
+    config = json.loads((staging / "config.json").read_text())
+    config["torch_dtype"] = config["dtype"]
+    _write_json(staging / "config.json", config)
+
+
+def init_model(out: Path, size: ModelSize = "tiny", seed: int = 0) -> Path:
+    """Build the tokenizer and a random ``Qwen2ForCausalLM`` for ``(size, seed)`` in ``out``."""
+    spec = SPECS[size]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(size)
+    config = _model_config(spec, tokenizer)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
+        bos_token_id=None, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    )
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-") as tmp:
+        staging = Path(tmp)
+        _save(staging, tokenizer, model)
+        for item in sorted(staging.iterdir()):
+            item.chmod(0o644)  # temporary files are private; the model is not
+            os.replace(item, out / item.name)
+    log.info(
+        "model_initialised",
+        out=str(out),
+        size=size,
+        seed=seed,
+        vocab_size=len(tokenizer),
+        parameters=sum(p.numel() for p in model.parameters()),
+    )
+    return out

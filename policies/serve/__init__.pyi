@@ -1,0 +1,14 @@
+from .decode import DecodeBatcher
+from .engine import Engine
+from .server import LaneServer, run_lane, serve_board, serve_model
+from .sidecar import Sidecar
+
+__all__ = [
+    "DecodeBatcher",
+    "Engine",
+    "LaneServer",
+    "Sidecar",
+    "run_lane",
+    "serve_board",
+    "serve_model",
+]

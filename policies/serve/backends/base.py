@@ -1,0 +1,144 @@
+"""The shared part of every external-engine backend: version gating, stamps, HTTP calls.
+
+An adapter subclasses :class:`HttpBackend` and implements :meth:`HttpBackend.generate_one` (one
+choice, one seed) and, for engines that take new weights, :meth:`HttpBackend.stage` and
+:meth:`HttpBackend.apply`.
+
+Guarantees (the sidecar proxies every request, so it knows what is in flight):
+
+- a request is checked against its ``policy_version`` bounds when it is admitted, at the version
+  applied then; its stamp is that version and the version applied when it finished;
+- during an activation new requests wait at the gate; mode ``"wait"`` also waits for every
+  in-flight request to finish before weights change (so ``start == end``); mode ``"pause"``
+  lets the adapter pause the engine at a step boundary instead (responses may span versions);
+- ``n`` choices are ``n`` engine requests seeded ``seed + i`` (the lane's seed semantics, which
+  engines' own ``n`` does not give);
+- engine errors become :class:`EngineUnavailable` (HTTP 503 on the lane), never a crash; the
+  sidecar's bearer token and the board's credentials are never sent in logs.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+import anyio
+import structlog
+
+from policies.board import Board
+from policies.errors import EngineError
+from policies.serve.decode import Generation, OutOfBounds, QuiesceMode
+from policies.wire.lane import FinishReason, GenerateChoice, GenerateRequest
+
+log = structlog.get_logger(__name__)
+
+
+class EngineUnavailable(EngineError):
+    """The external engine answered with an error or could not be reached."""
+
+
+class HttpBackend:
+    """Gating, stamps and fan-out shared by the HTTP adapters."""
+
+    kind = "http"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        model: str,
+        max_context: int,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.name = model
+        self.max_context = max_context
+        self.version: int | None = None
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+        self._gate: anyio.Event | None = None
+        self._inflight = 0
+        self._idle = anyio.Event()
+        self._idle.set()
+
+    # -- HTTP -----------------------------------------------------------------------------------
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(headers=self._headers, timeout=self._timeout)
+        return self._session
+
+    async def call(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        """POST ``body`` (or GET when None) to the engine; return its JSON (or None if empty)."""
+        method = "GET" if body is None else "POST"
+        try:
+            async with self.session.request(method, f"{self.url}{path}", json=body) as r:
+                text = await r.text()
+                if r.status >= 400:
+                    raise EngineUnavailable(f"{self.kind} {path} answered {r.status}: {text[:300]}")
+        except aiohttp.ClientError as exc:
+            raise EngineUnavailable(f"{self.kind} {path} unreachable: {exc}") from exc
+        if not text.strip():
+            return None
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    # -- what adapters implement ----------------------------------------------------------------
+    async def generate_one(
+        self, req: GenerateRequest, seed: int | None
+    ) -> tuple[list[int], list[float], FinishReason]:
+        raise NotImplementedError
+
+    async def stage(self, board: Board, version: int) -> None:
+        raise EngineError(f"{self.kind} engines serve a fixed version")
+
+    async def apply(self, version: int, mode: QuiesceMode) -> None:
+        raise EngineError(f"{self.kind} engines serve a fixed version")
+
+    # -- the Backend protocol -------------------------------------------------------------------
+    async def generate(self, req: GenerateRequest) -> Generation:
+        while self._gate is not None:
+            await self._gate.wait()
+        start = self.version
+        if start is not None and not req.policy_version.admits(start):
+            raise OutOfBounds(start)
+        self._inflight += 1
+        self._idle = anyio.Event() if self._idle.is_set() else self._idle
+        try:
+            choices: list[GenerateChoice] = []
+            for i in range(req.n):
+                seed = None if req.seed is None else req.seed + i
+                tokens, logprobs, finish = await self.generate_one(req, seed)
+                choices.append(
+                    GenerateChoice(
+                        index=i, token_ids=tokens, logprobs=logprobs, finish_reason=finish
+                    )
+                )
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+        return Generation(choices, start, self.version)
+
+    async def activate(self, version: int, mode: QuiesceMode) -> float:
+        gate = anyio.Event()
+        self._gate = gate
+        try:
+            if mode == "wait" and self._inflight:
+                await self._idle.wait()
+            t0 = anyio.current_time()
+            await self.apply(version, mode)
+            self.version = version
+            return anyio.current_time() - t0
+        finally:
+            self._gate = None
+            gate.set()

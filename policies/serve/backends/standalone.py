@@ -1,0 +1,200 @@
+"""``orchestrate sidecar``: the lane in front of an external engine (vLLM, SGLang, OpenAI API).
+
+    orchestrate sidecar --engine-url URL --engine-kind vllm|sglang|openai --board URL
+        [--run NAME] [--port P] [--host H] [--token T] [--engine-api-key K]
+        [--activation wait|pause] [--materialize-dir DIR] [--version N] [--model NAME]
+        [--tls-cert PEM --tls-key PEM]
+
+The board's ``base/`` files give the tokenizer (for ``/v1/chat/completions`` and
+``/v1/completions``) and the context length. ``--token`` (default ``$SPRAWL_TOKEN``) guards the
+sidecar's routes; ``--engine-api-key`` (default ``$SPRAWL_ENGINE_API_KEY``) is sent to the
+engine. The board URL is logged with its credentials removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import ssl
+import sys
+import tempfile
+from pathlib import Path
+
+import anyio
+import structlog
+from anyio.abc import TaskStatus
+from prometheus_client import CollectorRegistry
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from policies.board import BASE_FILES, Board
+from policies.board.store import redact
+from policies.errors import BoardError
+from policies.serve.backends.base import HttpBackend
+from policies.serve.backends.openai import OpenAIBackend
+from policies.serve.backends.sglang import SGLangBackend
+from policies.serve.backends.vllm import VLLMBackend
+from policies.serve.decode import QuiesceMode
+from policies.serve.server import run_lane, tls_context
+from policies.serve.sidecar import Sidecar
+
+log = structlog.get_logger(__name__)
+KINDS = ("vllm", "sglang", "openai")
+
+
+def _load_base(board: Board, into: Path) -> tuple[PreTrainedTokenizerBase | None, int]:
+    for name in BASE_FILES:
+        try:
+            (into / name).write_bytes(board.read_base(name))
+        except FileNotFoundError:
+            continue
+    config = into / "config.json"
+    max_context = 4096
+    if config.exists():
+        max_context = int(json.loads(config.read_text()).get("max_position_embeddings", 4096))
+    tokenizer = None
+    if (into / "tokenizer_config.json").exists() or (into / "tokenizer.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(into)
+    return tokenizer, max_context
+
+
+def make_backend(
+    kind: str,
+    engine_url: str,
+    *,
+    board: Board,
+    model: str,
+    max_context: int,
+    api_key: str | None,
+    materialize_dir: Path,
+    version: int | None,
+    tokenizer: PreTrainedTokenizerBase | None,
+) -> HttpBackend:
+    common = {"model": model, "max_context": max_context, "api_key": api_key}
+    if kind == "sglang":
+        return SGLangBackend(engine_url, materialize_dir=materialize_dir, **common)
+    if kind == "vllm":
+        return VLLMBackend(engine_url, board_url=board.url, **common)
+    if kind == "openai":
+        if version is None:
+            raise BoardError("--engine-kind openai needs --version (the version it serves)")
+        return OpenAIBackend(engine_url, version=version, tokenizer=tokenizer, **common)
+    raise BoardError(f"unknown engine kind {kind!r}; one of {', '.join(KINDS)}")
+
+
+async def serve_sidecar(
+    *,
+    engine_url: str,
+    engine_kind: str,
+    board_url: str,
+    run: str,
+    host: str,
+    port: int,
+    token: str | None,
+    api_key: str | None = None,
+    activation: QuiesceMode = "wait",
+    poll_interval_s: float = 1.0,
+    materialize_dir: Path | None = None,
+    version: int | None = None,
+    model: str | None = None,
+    tls: ssl.SSLContext | None = None,
+    task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the sidecar until cancelled; ``started`` with the bound port."""
+    board = Board(board_url, run)
+    log.info("sidecar_starting", engine=engine_kind, board=redact(board_url), run=run)
+    with tempfile.TemporaryDirectory(prefix="sprawl-sidecar-") as tmp:
+        tokenizer, max_context = await anyio.to_thread.run_sync(_load_base, board, Path(tmp))
+        backend = make_backend(
+            engine_kind,
+            engine_url,
+            board=board,
+            model=model or run,
+            max_context=max_context,
+            api_key=api_key,
+            materialize_dir=materialize_dir or Path(tmp) / "versions",
+            version=version,
+            tokenizer=tokenizer,
+        )
+        registry = CollectorRegistry()
+        sidecar = Sidecar(
+            backend,
+            board,
+            poll_interval_s=poll_interval_s,
+            registry=registry,
+            activation=activation,
+            fixed_version=version if engine_kind == "openai" else None,
+        )
+        await run_lane(
+            sidecar,
+            host=host,
+            port=port,
+            token=token,
+            registry=registry,
+            tokenizer=tokenizer,
+            tls=tls,
+            task_status=task_status,
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="orchestrate sidecar", description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine-url", required=True)
+    p.add_argument("--engine-kind", choices=KINDS, required=True)
+    p.add_argument("--board", required=True, help="board URL (fsspec) or path")
+    p.add_argument("--run", default="demo")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--token", default=os.environ.get("SPRAWL_TOKEN"))
+    p.add_argument("--engine-api-key", default=os.environ.get("SPRAWL_ENGINE_API_KEY"))
+    p.add_argument("--activation", choices=["wait", "pause"], default="wait")
+    p.add_argument("--poll-interval", type=float, default=1.0)
+    p.add_argument("--materialize-dir", type=Path, help="where SGLang reads versions from")
+    p.add_argument("--version", type=int, help="the fixed version an openai endpoint serves")
+    p.add_argument("--model", help="model name the engine serves (default: the run name)")
+    p.add_argument("--tls-cert", type=Path)
+    p.add_argument("--tls-key", type=Path)
+    p.add_argument("--log-format", choices=["auto", "pretty", "json"], default="auto")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    from policies.wire.logs import configure
+
+    args = build_parser().parse_args(argv)
+    configure(args.log_format)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        sys.stderr.write("orchestrate sidecar: --tls-cert and --tls-key go together\n")
+        return 2
+    tls = tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
+
+    async def run() -> None:
+        async with anyio.create_task_group() as tg:
+            bound = await tg.start(
+                lambda task_status: serve_sidecar(
+                    engine_url=args.engine_url,
+                    engine_kind=args.engine_kind,
+                    board_url=args.board,
+                    run=args.run,
+                    host=args.host,
+                    port=args.port,
+                    token=args.token,
+                    api_key=args.engine_api_key,
+                    activation=args.activation,
+                    poll_interval_s=args.poll_interval,
+                    materialize_dir=args.materialize_dir,
+                    version=args.version,
+                    model=args.model,
+                    tls=tls,
+                    task_status=task_status,
+                )
+            )
+            scheme = "https" if tls else "http"
+            sys.stdout.write(json.dumps({"url": f"{scheme}://{args.host}:{bound}"}) + "\n")
+            sys.stdout.flush()
+
+    try:
+        anyio.run(run)
+    except KeyboardInterrupt:
+        return 130
+    return 0

@@ -1,0 +1,369 @@
+"""Continuous batching for the reference engine: requests join and leave at decode-step boundaries.
+
+Design. One scheduler thread owns the model's forward passes. The active sequences ("rows", one
+per choice of a request) share one batched KV cache, kept per layer as ``[rows, kv_heads, L,
+head_dim]`` key/value tensors that are *right-aligned*: a shorter sequence is left-padded, and a
+``[rows, L]`` attention mask marks its real positions. Every loop iteration is one decode-step
+boundary:
+
+1. **join** — waiting requests are admitted (unless the scheduler is gated or paused). A joining
+   request is checked against its ``policy_version`` bounds at the version applied *now*, its
+   prompt is prefilled alone (batch 1, no padding), the first token of each of its ``n`` choices
+   is sampled from the prefill logits, the prompt cache is replicated ``n`` times and merged into
+   the batch (whichever side is shorter is left-padded);
+2. **step** — one forward over every row's last token, with per-row position ids (the row's real
+   length) and the padded mask; each row samples from its own logits with its own generator;
+3. **leave** — rows that hit a stop token or their token budget (or whose caller went away) are
+   removed from the cache, and leading columns that only hold padding are dropped.
+
+A request's future resolves when all its rows have left.
+
+Guarantees:
+
+- per-request semantics do not depend on batching: choice ``i`` samples with a generator seeded
+  ``seed + i``, stops at the first stop token (which it keeps), is limited by ``max_tokens`` and
+  the model's context, and reports the log prob of each sampled token under the distribution it
+  was sampled from (see :func:`sample_token`);
+- a request alone in the batch computes exactly what an unbatched loop would; in a mixed batch
+  padded attention may change logits in the last bits of float precision (masked positions get
+  weight exactly zero, but reduction shapes differ), so a seeded request is reproducible run to
+  run under the same load, and token-identical under any load except where two candidate tokens
+  are within float rounding of a sampling boundary;
+- :meth:`DecodeBatcher.quiesce` gives the caller the model at a step boundary with no forward
+  in progress: mode ``"pause"`` holds in-flight rows where they are (they resume afterwards, with
+  the new weights), mode ``"wait"`` stops admitting and lets in-flight rows finish first. Either
+  way every request is stamped with the version applied when it joined and when it left.
+
+Not covered: prefix sharing between requests, chunked prefill (a long prompt's prefill delays
+one step for everybody), and preemption when memory runs out (``max_rows`` bounds the batch).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Literal
+
+import structlog
+import torch
+from transformers import DynamicCache
+
+from policies.errors import EngineError
+from policies.wire.lane import FinishReason, GenerateChoice, GenerateRequest
+
+log = structlog.get_logger(__name__)
+
+QuiesceMode = Literal["wait", "pause"]
+KV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class OutOfBounds(EngineError):
+    """The version applied when the request would join lies outside its bounds."""
+
+    def __init__(self, version: int | None) -> None:
+        super().__init__(f"applied version {version} is outside the request's bounds")
+        self.version = version
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A finished request: its choices and the versions applied at its start and end."""
+
+    choices: list[GenerateChoice]
+    start: int | None
+    end: int | None
+
+
+@dataclass(eq=False)
+class _Job:
+    req: GenerateRequest
+    max_tokens: int
+    stops: frozenset[int]
+    future: concurrent.futures.Future[Generation]
+    start: int | None = None
+    end: int | None = None
+    choices: dict[int, GenerateChoice] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _Row:
+    job: _Job
+    index: int
+    gen: torch.Generator
+    cached: int  # real tokens in the KV cache
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: FinishReason | None = None
+
+    def take(self, token: int, logprob: float) -> None:
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        if token in self.job.stops:
+            self.finish = "stop"
+        elif len(self.tokens) >= self.job.max_tokens:
+            self.finish = "length"
+
+
+class DecodeBatcher:
+    """Steps every active sequence of one model together, on its own thread."""
+
+    def __init__(self, model: torch.nn.Module, *, device: torch.device, max_rows: int = 64):
+        self.model = model
+        self.device = device
+        self.max_rows = max_rows
+        self.version: int | None = None
+        self.steps = 0
+        self._cv = threading.Condition()
+        self._waiting: deque[_Job] = deque()
+        self._rows: list[_Row] = []
+        self._kv: KV = []
+        self._mask = torch.zeros(0, 0, dtype=torch.long, device=device)
+        self._pauses = 0
+        self._gates = 0
+        self._parked = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="sprawl-batcher", daemon=True)
+        self._thread.start()
+
+    # -- public ---------------------------------------------------------------------------------
+    @property
+    def active_rows(self) -> int:
+        return len(self._rows)
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    def submit(
+        self, req: GenerateRequest, max_tokens: int, stops: frozenset[int]
+    ) -> concurrent.futures.Future[Generation]:
+        """Queue a validated request; the future resolves with its :class:`Generation`."""
+        fut: concurrent.futures.Future[Generation] = concurrent.futures.Future()
+        with self._cv:
+            if self._closed:
+                raise EngineError("engine is shut down")
+            self._waiting.append(_Job(req, max_tokens, stops, fut))
+            self._cv.notify_all()
+        return fut
+
+    @contextmanager
+    def quiesce(self, mode: QuiesceMode) -> Iterator[float]:
+        """Hold the model at a step boundary; yields seconds spent waiting to get there."""
+        t0 = time.perf_counter()
+        with self._cv:
+            if mode == "pause":
+                self._pauses += 1
+            else:
+                self._gates += 1
+            self._cv.notify_all()
+            try:
+                while not (self._parked and (mode == "pause" or not self._rows)):
+                    self._cv.wait()
+                if mode == "wait":
+                    self._pauses += 1  # stay parked while the caller works
+                    self._gates -= 1
+                    mode = "pause"
+            except BaseException:
+                self._release(mode)
+                raise
+        try:
+            yield time.perf_counter() - t0
+        finally:
+            with self._cv:
+                self._release(mode)
+
+    def _release(self, mode: QuiesceMode) -> None:
+        if mode == "pause":
+            self._pauses -= 1
+        else:
+            self._gates -= 1
+        self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=10)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cv:
+                    while self._pauses or not (self._rows or (self._waiting and not self._gates)):
+                        if self._closed:
+                            self._fail_all(EngineError("engine is shut down"))
+                            return
+                        self._parked = True
+                        self._cv.notify_all()
+                        self._cv.wait()
+                    self._parked = False
+                    joining: list[_Job] = []
+                    while self._waiting and not self._gates and self._room_for(self._waiting[0]):
+                        joining.append(self._waiting.popleft())
+                try:
+                    for job in joining:
+                        self._join(job)
+                    self._drop_finished()
+                    if self._rows:
+                        self._step()
+                        self._drop_finished()
+                except Exception as exc:  # a failed forward must not kill the engine
+                    log.exception("batch_step_failed", rows=len(self._rows))
+                    error = EngineError(f"generation failed: {exc}")
+                    for job in joining:  # jobs taken from the queue but not yet rows
+                        if not job.future.done():
+                            job.future.set_exception(error)
+                    self._fail_all(error)
+
+    def _room_for(self, job: _Job) -> bool:
+        return not self._rows or len(self._rows) + job.req.n <= self.max_rows
+
+    def _join(self, job: _Job) -> None:
+        if job.future.cancelled():
+            return
+        if self.version is not None and not job.req.policy_version.admits(self.version):
+            job.future.set_exception(OutOfBounds(self.version))
+            return
+        job.start = self.version
+        req = job.req
+        ids = torch.tensor([req.prompt_token_ids], device=self.device)
+        out = self.model(ids, use_cache=True)
+        logits = out.logits[0, -1].float()
+        kv = [(layer.keys, layer.values) for layer in out.cache.layers]
+        rows = []
+        for i in range(req.n):
+            gen = torch.Generator(device=self.device)
+            if req.seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(req.seed + i)
+            row = _Row(job, i, gen, cached=len(req.prompt_token_ids))
+            row.take(*sample_token(logits, req.temperature, req.top_k, req.top_p, gen))
+            rows.append(row)
+        live = [r for r in rows if r.finish is None]
+        for r in rows:
+            if r.finish is not None:
+                self._finish(r)
+        if not live:
+            return
+        width = len(live)
+        kv = [(k.expand(width, -1, -1, -1), v.expand(width, -1, -1, -1)) for k, v in kv]
+        mask = torch.ones(width, ids.shape[1], dtype=torch.long, device=self.device)
+        self._merge(kv, mask)
+        self._rows.extend(live)
+
+    def _merge(self, kv: KV, mask: torch.Tensor) -> None:
+        if not self._rows:
+            self._kv, self._mask = [(k.contiguous(), v.contiguous()) for k, v in kv], mask
+            return
+        have, new = self._mask.shape[1], mask.shape[1]
+        if new < have:
+            kv, mask = _pad_left(kv, mask, have - new)
+        elif new > have:
+            self._kv, self._mask = _pad_left(self._kv, self._mask, new - have)
+        self._kv = [
+            (torch.cat([k0, k1]), torch.cat([v0, v1]))
+            for (k0, v0), (k1, v1) in zip(self._kv, kv, strict=True)
+        ]
+        self._mask = torch.cat([self._mask, mask])
+
+    def _step(self) -> None:
+        rows = self._rows
+        last = torch.tensor([[r.tokens[-1]] for r in rows], device=self.device)
+        pos = torch.tensor([[r.cached] for r in rows], device=self.device)
+        mask = torch.cat([self._mask, self._mask.new_ones(len(rows), 1)], dim=1)
+        cache = DynamicCache(self._kv)
+        out = self.model(last, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+        self._kv = [(layer.keys, layer.values) for layer in out.cache.layers]
+        self._mask = mask
+        logits = out.logits[:, -1].float()
+        for i, row in enumerate(rows):
+            row.cached += 1
+            req = row.job.req
+            row.take(*sample_token(logits[i], req.temperature, req.top_k, req.top_p, row.gen))
+        self.steps += 1
+
+    def _drop_finished(self) -> None:
+        for r in self._rows:
+            if r.finish is None and r.job.future.cancelled():
+                r.finish = "abort"
+        keep = [i for i, r in enumerate(self._rows) if r.finish is None]
+        if len(keep) == len(self._rows):
+            return
+        for r in self._rows:
+            if r.finish is not None:
+                self._finish(r)
+        self._rows = [self._rows[i] for i in keep]
+        if not keep:
+            self._kv, self._mask = [], self._mask[:0, :0]
+            return
+        idx = torch.tensor(keep, device=self.device)
+        mask = self._mask.index_select(0, idx)
+        first = int(mask.any(0).to(torch.int8).argmax())
+        self._mask = mask[:, first:]
+        self._kv = [
+            (k.index_select(0, idx)[:, :, first:], v.index_select(0, idx)[:, :, first:])
+            for k, v in self._kv
+        ]
+
+    def _finish(self, row: _Row) -> None:
+        job = row.job
+        assert row.finish is not None
+        job.choices[row.index] = GenerateChoice(
+            index=row.index, token_ids=row.tokens, logprobs=row.logprobs, finish_reason=row.finish
+        )
+        job.end = self.version
+        if len(job.choices) == job.req.n and not job.future.done():
+            choices = [job.choices[i] for i in range(job.req.n)]
+            job.future.set_result(Generation(choices, job.start, job.end))
+
+    def _fail_all(self, exc: EngineError) -> None:
+        jobs = {id(r.job): r.job for r in self._rows}
+        jobs.update({id(j): j for j in self._waiting})
+        self._rows, self._kv = [], []
+        self._waiting.clear()
+        for job in jobs.values():
+            if not job.future.done():
+                job.future.set_exception(exc)
+
+
+def _pad_left(kv: KV, mask: torch.Tensor, pad: int) -> tuple[KV, torch.Tensor]:
+    def grow(t: torch.Tensor) -> torch.Tensor:
+        b, h, _, d = t.shape
+        return torch.cat([t.new_zeros(b, h, pad, d), t], dim=2)
+
+    return [(grow(k), grow(v)) for k, v in kv], torch.cat(
+        [mask.new_zeros(mask.shape[0], pad), mask], dim=1
+    )
+
+
+def sample_token(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator
+) -> tuple[int, float]:
+    """Sample one token id from 1-D ``logits``; return it with its log prob as sampled.
+
+    The distribution is logits / temperature, then top-k, then top-p (the smallest prefix whose
+    mass reaches ``top_p``; the top token always stays), renormalized. Temperature 0 is greedy
+    and reports the log prob under the untempered distribution.
+    """
+    if temperature == 0.0:
+        token = int(torch.argmax(logits))
+        return token, float(torch.log_softmax(logits, -1)[token])
+    scaled = logits / temperature
+    if top_k > 0 and top_k < scaled.numel():
+        kth = torch.topk(scaled, top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, descending=True)
+        probs = torch.softmax(sorted_logits, -1)
+        outside = (torch.cumsum(probs, -1) - probs) >= top_p
+        scaled = scaled.scatter(0, order[outside], float("-inf"))
+    logp = torch.log_softmax(scaled, -1)
+    token = int(torch.multinomial(logp.exp(), 1, generator=gen))
+    return token, float(logp[token])

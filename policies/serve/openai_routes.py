@@ -1,0 +1,251 @@
+"""OpenAI-compatible routes over the lane: ``/v1/chat/completions`` and ``/v1/completions``.
+
+Both routes turn the request into a :class:`GenerateRequest` (token ids, the same sampling
+fields, the same ``policy_version`` bounds), run it through the sidecar like ``/v1/generate``, and
+answer in OpenAI's shape plus the lane's extensions: top-level ``prompt_token_ids`` and
+``policy_version`` stamp, per-choice ``token_ids``.
+
+Chat: ``messages`` and ``tools`` are rendered with the model's chat template
+(``apply_chat_template``, generation prompt added); the generated text is split into content and
+OpenAI ``tool_calls`` by :func:`policies.wire.toolcalls.parse_assistant`. ``tool_choice``:
+``"none"`` renders no tools, ``"auto"`` (default with tools) lets the model choose, ``"required"``
+and a named function are enforced by prefilling the assistant turn with the start of a call (the
+prefill is part of ``prompt_token_ids``, so the result stays token-exact). ``logprobs: true``
+returns ``{"content": [{"token", "logprob", "bytes", "top_logprobs": []}]}``, the log prob of
+each sampled token under the distribution it was sampled from.
+
+Completions: ``prompt`` is text (encoded without special tokens) or a list of token ids;
+``logprobs: 0|1`` returns the legacy ``{"tokens", "token_logprobs", "text_offset"}`` object.
+
+Errors: every invalid request raises :class:`BadRequest` naming the field. ``stop`` strings must
+each be a single token of the vocabulary (they become stop token ids, so generation really
+stops there); multi-token stop strings are refused, not approximated.
+
+Not covered: streaming, top-k alternatives in logprobs (``top_logprobs`` > 0), ``echo``, penalties.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from transformers import PreTrainedTokenizerBase
+
+from policies.errors import BadRequest
+from policies.serve.decode import Generation
+from policies.serve.sidecar import Sidecar, stamps
+from policies.wire.lane import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    GenerateRequest,
+    NamedToolChoice,
+    OpenAIUsage,
+    TokenLogprob,
+    VersionStamp,
+)
+from policies.wire.toolcalls import TOOL_CALL_OPEN, parse_assistant, to_openai_message
+
+DEFAULT_MAX_TOKENS = 256
+M = TypeVar("M", bound=BaseModel)
+
+
+_TYPE_TAGS = ("str", "int", "float", "bool", "none")
+
+
+def param_of(loc: tuple[int | str, ...]) -> str | None:
+    """The field path of a pydantic error location, without the union-member type tags."""
+    parts = [
+        str(p)
+        for p in loc
+        if isinstance(p, int) or not (p[:1].isupper() or "[" in p or "(" in p or p in _TYPE_TAGS)
+    ]
+    return ".".join(parts) or None
+
+
+def parse_body(model: type[M], payload: Any) -> M:
+    """Validate ``payload`` as ``model``; a failure names the first offending field."""
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = param_of(tuple(err["loc"]))
+        raise BadRequest(f"{param}: {err['msg']}", param) from None
+
+
+class OpenAIRoutes:
+    """Builds and answers the OpenAI-shaped requests for one sidecar and tokenizer."""
+
+    def __init__(self, sidecar: Sidecar, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.sidecar = sidecar
+        self.tokenizer = tokenizer
+
+    # -- shared ---------------------------------------------------------------------------------
+    def _stop_ids(self, stops: list[str]) -> list[int]:
+        ids = []
+        for s in stops:
+            enc = self.tokenizer.encode(s, add_special_tokens=False)
+            if len(enc) != 1:
+                raise BadRequest(
+                    f"stop string {s!r} is {len(enc)} tokens; only single-token stop strings "
+                    "are supported (or pass stop_token_ids)",
+                    "stop",
+                )
+            ids.append(int(enc[0]))
+        return ids
+
+    def _lane(
+        self,
+        req: ChatCompletionRequest | CompletionRequest,
+        prompt: list[int],
+        max_tokens: int | None,
+    ) -> GenerateRequest:
+        if len(prompt) >= self.sidecar.backend.max_context:
+            raise BadRequest(
+                f"prompt has {len(prompt)} tokens; the model's context is "
+                f"{self.sidecar.backend.max_context}",
+                "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+            )
+        return GenerateRequest(
+            prompt_token_ids=prompt,
+            max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            seed=req.seed,
+            stop_token_ids=[*req.stop_token_ids, *self._stop_ids(req.stops())],
+            n=req.n,
+            policy_version=req.policy_version,
+        )
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def _token_texts(self, ids: list[int]) -> list[str]:
+        return [str(self.tokenizer.decode([i])) for i in ids]
+
+    # -- chat -----------------------------------------------------------------------------------
+    def chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], str]:
+        """The prompt token ids for ``req`` and the text prefilled into the assistant turn."""
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        for m in messages:
+            for call in m.get("tool_calls", []):
+                args = call["function"].get("arguments")
+                if isinstance(args, str):
+                    try:
+                        json.loads(args)
+                    except json.JSONDecodeError:
+                        raise BadRequest(
+                            "assistant tool call arguments are not JSON", "messages"
+                        ) from None
+        tools: list[dict[Any, Any] | Callable[..., Any]] | None = None
+        if req.tools and req.tool_choice != "none":
+            tools = [t.model_dump(exclude_none=True) for t in req.tools]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # jinja raises its own error types on unrenderable input
+            raise BadRequest(f"messages cannot be rendered: {exc}", "messages") from None
+        prefill = ""
+        if isinstance(req.tool_choice, NamedToolChoice):
+            name = json.dumps(req.tool_choice.function.name)
+            prefill = f'{TOOL_CALL_OPEN}\n{{"name": {name}, "arguments": '
+        elif req.tool_choice == "required":
+            prefill = f"{TOOL_CALL_OPEN}\n"
+        ids = self.tokenizer.encode(str(text) + prefill, add_special_tokens=False)
+        return [int(i) for i in ids], prefill
+
+    async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse:
+        prompt, prefill = self.chat_prompt(req)
+        lane = self._lane(req, prompt, req.max_completion_tokens or req.max_tokens)
+        gen = await self.sidecar.run_request(lane)
+        choices = []
+        for c in gen.choices:
+            parsed = parse_assistant(prefill + self._decode(c.token_ids))
+            finish = c.finish_reason
+            finish_out = "tool_calls" if parsed.tool_calls and finish == "stop" else finish
+            logprobs = None
+            if req.logprobs:
+                logprobs = ChatLogprobs(
+                    content=[
+                        TokenLogprob(token=t, logprob=lp, bytes=list(t.encode()))
+                        for t, lp in zip(self._token_texts(c.token_ids), c.logprobs, strict=True)
+                    ]
+                )
+            choices.append(
+                ChatChoice(
+                    index=c.index,
+                    message=to_openai_message(parsed),
+                    finish_reason=finish_out,
+                    logprobs=logprobs,
+                    token_ids=c.token_ids,
+                )
+            )
+        return ChatCompletionResponse(
+            id=f"chatcmpl-{uuid.uuid4().hex[:16]}", choices=choices, **self._envelope(gen, prompt)
+        )
+
+    # -- completions ----------------------------------------------------------------------------
+    async def complete(self, req: CompletionRequest) -> CompletionResponse:
+        if isinstance(req.prompt, str):
+            prompt = [int(i) for i in self.tokenizer.encode(req.prompt, add_special_tokens=False)]
+            if not prompt:
+                raise BadRequest("prompt encodes to no tokens", "prompt")
+        else:
+            prompt = list(req.prompt)
+        lane = self._lane(req, prompt, req.max_tokens)
+        try:
+            gen = await self.sidecar.run_request(lane)
+        except BadRequest as exc:
+            param = "prompt" if exc.param == "prompt_token_ids" else exc.param
+            raise BadRequest(str(exc), param) from None
+        choices = []
+        for c in gen.choices:
+            logprobs = None
+            if req.logprobs is not None:
+                texts = self._token_texts(c.token_ids)
+                offsets, pos = [], 0
+                for t in texts:
+                    offsets.append(pos)
+                    pos += len(t)
+                logprobs = CompletionLogprobs(
+                    tokens=texts, token_logprobs=c.logprobs, text_offset=offsets
+                )
+            choices.append(
+                CompletionChoice(
+                    index=c.index,
+                    text=self._decode(c.token_ids),
+                    finish_reason=c.finish_reason,
+                    logprobs=logprobs,
+                    token_ids=c.token_ids,
+                )
+            )
+        return CompletionResponse(
+            id=f"cmpl-{uuid.uuid4().hex[:16]}", choices=choices, **self._envelope(gen, prompt)
+        )
+
+    def _envelope(self, gen: Generation, prompt: list[int]) -> dict[str, Any]:
+        """The fields both OpenAI responses share: time, model, usage, prompt ids, versions."""
+        start, end = stamps(gen, self.sidecar.applied_version)
+        completion = sum(len(c.token_ids) for c in gen.choices)
+        return {
+            "created": int(time.time()),
+            "model": self.sidecar.board.run,
+            "usage": OpenAIUsage(
+                prompt_tokens=len(prompt),
+                completion_tokens=completion,
+                total_tokens=len(prompt) + completion,
+            ),
+            "prompt_token_ids": prompt,
+            "policy_version": VersionStamp(start=start, end=end),
+        }

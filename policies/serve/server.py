@@ -1,0 +1,373 @@
+"""The reference engine's HTTP server: the request lane over aiohttp, with the sidecar embedded.
+
+Routes: ``POST /v1/generate``, ``POST /v1/chat/completions``, ``POST /v1/completions``
+(``policies.serve.openai_routes``), ``GET /v1/models``, ``GET /v1/policy``, ``POST
+/v1/policy/notify``, ``GET /health``, ``GET /metrics`` (Prometheus). Every route except ``/health``
+requires ``Authorization: Bearer <token>`` when a token is set (compared in constant time). Every
+bad request (malformed JSON, a field out of range, an unknown field, an over-long prompt, an invalid
+tool schema) gets a 4xx JSON error naming the field, and the server keeps running; version
+conflicts get 409 ``policy_version_unavailable`` with ``Retry-After``. TLS is optional
+(:func:`tls_context` from a PEM certificate and key).
+
+:func:`serve_board` follows a board; :func:`serve_model` serves a plain model dir as the fixed
+version 0. The same server fronts the standalone sidecar (``policies.serve.backends``):
+:func:`run_lane` serves any :class:`Sidecar` whose backend is an external engine.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import ssl
+import tempfile
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import structlog
+import torch
+from aiohttp import web
+from anyio.abc import TaskStatus
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from safetensors.torch import load_file
+from transformers import PreTrainedTokenizerBase
+
+from policies.board import BASE_FILES, Board
+from policies.errors import BadRequest, EngineError
+from policies.serve.backends.reference import ReferenceBackend
+from policies.serve.decode import QuiesceMode
+from policies.serve.engine import Engine
+from policies.serve.openai_routes import OpenAIRoutes, parse_body
+from policies.serve.sidecar import Sidecar, VersionNotServed
+from policies.wire.lane import (
+    VERSION_UNAVAILABLE,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorBody,
+    GenerateRequest,
+)
+
+log = structlog.get_logger(__name__)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_response(
+    status: int,
+    type_: str,
+    message: str,
+    *,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+    **extra: int | None,
+) -> web.Response:
+    body = ErrorBody(type=type_, message=message, param=param, **extra)
+    return web.json_response(
+        {"error": body.model_dump(exclude_none=True)}, status=status, headers=headers
+    )
+
+
+def tls_context(cert: Path, key: Path) -> ssl.SSLContext:
+    """A server TLS context (TLS 1.2+) from PEM files."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cert, key)
+    return ctx
+
+
+class LaneServer:
+    """Binds a :class:`Sidecar` (and its engine) to the lane's routes."""
+
+    def __init__(
+        self,
+        sidecar: Sidecar,
+        *,
+        token: str | None,
+        registry: CollectorRegistry,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+    ):
+        self.sidecar = sidecar
+        self.token = token
+        self.registry = registry
+        self.openai = OpenAIRoutes(sidecar, tokenizer) if tokenizer is not None else None
+        self.requests = Counter(
+            "sprawl_lane_requests",
+            "Lane requests by route and status",
+            ["route", "status"],
+            registry=registry,
+        )
+        self.inflight = Gauge("sprawl_lane_inflight", "Requests being served", registry=registry)
+        self.app = web.Application(middlewares=[self._auth, self._count])
+        routes = [
+            web.post("/v1/generate", self.generate),
+            web.get("/v1/models", self.models),
+            web.get("/v1/policy", self.policy),
+            web.post("/v1/policy/notify", self.notify),
+            web.get("/health", self.health),
+            web.get("/metrics", self.metrics),
+        ]
+        if self.openai is not None:
+            routes += [
+                web.post("/v1/chat/completions", self.chat),
+                web.post("/v1/completions", self.completions),
+            ]
+        self.app.add_routes(routes)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self.token is not None and request.path != "/health":
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+                return error_response(401, "unauthorized", "missing or wrong bearer token")
+        return await handler(request)
+
+    @web.middleware
+    async def _count(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        route = request.match_info.route.resource
+        label = route.canonical if route is not None else "unmatched"
+        try:
+            resp = await handler(request)
+        except web.HTTPException as exc:
+            self.requests.labels(label, str(exc.status)).inc()
+            raise
+        self.requests.labels(label, str(resp.status)).inc()
+        return resp
+
+    async def _answer(
+        self, request: web.Request, serve: Callable[[Any], Awaitable[BaseModel]]
+    ) -> web.Response:
+        """Parse JSON, serve it, and map every failure to its JSON error."""
+        try:
+            payload = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return error_response(400, "invalid_request_error", f"body is not JSON: {exc}")
+        self.inflight.inc()
+        try:
+            answer = await serve(payload)
+        except VersionNotServed as exc:
+            return error_response(
+                409,
+                VERSION_UNAVAILABLE,
+                str(exc),
+                headers={"Retry-After": "1"},
+                applied_version=exc.applied,
+                staged_version=exc.staged,
+            )
+        except BadRequest as exc:
+            return error_response(400, "invalid_request_error", str(exc), param=exc.param)
+        except EngineError as exc:
+            return error_response(503, "engine_unavailable", str(exc))
+        finally:
+            self.inflight.dec()
+        return web.json_response(answer.model_dump())
+
+    async def generate(self, request: web.Request) -> web.Response:
+        async def serve(payload: Any) -> BaseModel:
+            req = parse_body(GenerateRequest, payload)
+            return await self.sidecar.generate(req, f"gen-{uuid.uuid4().hex[:16]}")
+
+        return await self._answer(request, serve)
+
+    async def chat(self, request: web.Request) -> web.Response:
+        assert self.openai is not None
+        openai = self.openai
+
+        async def serve(payload: Any) -> BaseModel:
+            return await openai.chat(parse_body(ChatCompletionRequest, payload))
+
+        return await self._answer(request, serve)
+
+    async def completions(self, request: web.Request) -> web.Response:
+        assert self.openai is not None
+        openai = self.openai
+
+        async def serve(payload: Any) -> BaseModel:
+            return await openai.complete(parse_body(CompletionRequest, payload))
+
+        return await self._answer(request, serve)
+
+    async def models(self, _request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.sidecar.board.run,
+                        "object": "model",
+                        "owned_by": "sprawl",
+                        "max_model_len": self.sidecar.backend.max_context,
+                    }
+                ],
+            }
+        )
+
+    async def policy(self, _request: web.Request) -> web.Response:
+        return web.json_response(self.sidecar.policy_state().model_dump())
+
+    async def notify(self, _request: web.Request) -> web.Response:
+        self.sidecar.notify()
+        return web.json_response({"ok": True})
+
+    async def health(self, _request: web.Request) -> web.Response:
+        ready = self.sidecar.applied_version is not None
+        return web.json_response(
+            {"status": "ok" if ready else "starting"}, status=200 if ready else 503
+        )
+
+    async def metrics(self, _request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+
+async def run_lane(
+    sidecar: Sidecar,
+    *,
+    host: str,
+    port: int,
+    token: str | None,
+    registry: CollectorRegistry,
+    tokenizer: PreTrainedTokenizerBase | None,
+    tls: ssl.SSLContext | None = None,
+    task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Reconcile ``sidecar`` and serve its lane until cancelled; ``started`` with the port."""
+    server = LaneServer(sidecar, token=token, registry=registry, tokenizer=tokenizer)
+    runner = web.AppRunner(server.app, access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(sidecar.run)
+            site = web.TCPSite(runner, host, port, ssl_context=tls)
+            await site.start()
+            bound = int(runner.addresses[0][1])
+            log.info(
+                "lane_ready",
+                port=bound,
+                version=sidecar.applied_version,
+                tls=tls is not None,
+                auth=token is not None,
+            )
+            task_status.started(bound)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await runner.cleanup()
+            await sidecar.backend.aclose()
+
+
+async def serve_board(
+    board_url: str,
+    run: str,
+    *,
+    host: str,
+    port: int,
+    device: str,
+    token: str | None,
+    poll_interval_s: float,
+    activation: QuiesceMode = "wait",
+    tls: ssl.SSLContext | None = None,
+    task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the board's newest version until cancelled; ``started`` with the bound port."""
+    board = Board(board_url, run)
+    with tempfile.TemporaryDirectory(prefix="sprawl-engine-") as tmp:
+        model_dir = Path(tmp) / run
+        model_dir.mkdir()
+        latest = await _wait_for_board(board)
+        for name in BASE_FILES:
+            try:
+                (model_dir / name).write_bytes(board.read_base(name))
+            except FileNotFoundError:
+                continue
+        dtype = _served_dtype(board, latest)
+        engine = await anyio.to_thread.run_sync(
+            lambda: Engine(model_dir, device=device, dtype=dtype)
+        )
+        registry = CollectorRegistry()
+        sidecar = Sidecar(
+            ReferenceBackend(engine),
+            board,
+            poll_interval_s=poll_interval_s,
+            registry=registry,
+            activation=activation,
+        )
+        await run_lane(
+            sidecar,
+            host=host,
+            port=port,
+            token=token,
+            registry=registry,
+            tokenizer=engine.tokenizer,
+            tls=tls,
+            task_status=task_status,
+        )
+
+
+async def serve_model(
+    model_dir: Path,
+    *,
+    host: str,
+    port: int,
+    device: str,
+    token: str | None,
+    tls: ssl.SSLContext | None = None,
+    task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve a plain HF model dir as the fixed version 0 (no board) until cancelled.
+
+    The weights (every ``*.safetensors`` in the dir, in their stored dtype) are copied into the
+    engine once; the sidecar is in fixed-version mode, so it never polls, every response is
+    stamped 0 and bounds excluding 0 get 409. Its board is an empty private directory that is
+    never read; it only names the run (the dir's name) in ``/v1/models`` and responses.
+    """
+
+    def load() -> Engine:
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise EngineError(f"{model_dir} holds no *.safetensors weights")
+        weights: dict[str, torch.Tensor] = {}
+        for f in files:
+            weights.update(load_file(f))
+        floats = {t.dtype for t in weights.values() if t.is_floating_point()}
+        dtype = floats.pop() if len(floats) == 1 else torch.float32
+        engine = Engine(model_dir, device=device, dtype=dtype)
+        engine.activate(weights, version=0)
+        return engine
+
+    engine = await anyio.to_thread.run_sync(load)
+    with tempfile.TemporaryDirectory(prefix="sprawl-fixed-") as tmp:
+        registry = CollectorRegistry()
+        sidecar = Sidecar(
+            ReferenceBackend(engine),
+            Board(tmp, model_dir.name),
+            poll_interval_s=3600.0,
+            registry=registry,
+            fixed_version=0,
+        )
+        await run_lane(
+            sidecar,
+            host=host,
+            port=port,
+            token=token,
+            registry=registry,
+            tokenizer=engine.tokenizer,
+            tls=tls,
+            task_status=task_status,
+        )
+
+
+async def _wait_for_board(board: Board) -> int:
+    while True:
+        latest = await anyio.to_thread.run_sync(board.latest)
+        if latest is not None:
+            return latest
+        await anyio.sleep(0.2)
+
+
+def _served_dtype(board: Board, version: int) -> torch.dtype:
+    dtypes = {e.dtype for e in board.manifest(version).tensors.values()}
+    floats = [d for d in dtypes if d in ("bfloat16", "float16", "float32")]
+    return getattr(torch, floats[0]) if len(floats) == 1 else torch.float32

@@ -1,0 +1,286 @@
+"""The sidecar: makes an engine version-aware by reconciling it with the board.
+
+It watches the board pointer (every ``poll_interval_s``, or at once when notified through
+``POST /v1/policy/notify``; a missed notification only delays convergence), then for a newer
+version: **stage** (fetch and verify checksums while the engine keeps serving) → **activate**
+(the backend applies it at a decode-step boundary) → report. The engine is reached through a
+:class:`Backend`: :class:`~policies.serve.backends.reference.ReferenceBackend` wraps the reference
+engine (weights copied into the live tensors in place); ``policies.serve.backends`` also holds the
+vLLM, SGLang and frozen-OpenAI backends.
+
+Activation modes (``activation``): ``"wait"`` (default) stops admitting new requests, lets
+in-flight generations finish, applies, resumes; ``"pause"`` holds in-flight generations at the
+next step boundary, applies, and resumes them on the new weights — their responses then report
+``policy_version.start != end``.
+
+Guarantees:
+
+- ``applied_version`` is never reported before the backend has activated that version;
+- a request whose ``policy_version`` bounds exclude the version applied when it *joins the
+  engine* gets :class:`VersionNotServed` (the server answers 409 with ``Retry-After``); it is
+  never served;
+- every response carries the versions applied at its start and its end;
+- a version that fails verification is never activated: the old one keeps serving, the failure is
+  logged and counted, and the sidecar moves on to the next newer version when one appears; an
+  activation the engine fails (e.g. an external engine briefly unreachable) is logged, counted
+  and retried at the next reconcile; a version the pointer names but that cannot be read or
+  reached (missing manifest, no route) is not refused: it is tried again at the next reconcile;
+- board URLs are logged with their credentials (``user:password@``, query strings) removed.
+
+Catch-up: the sidecar always targets the newest version; the board plans the route (squashed
+patches when far behind, an anchor when too far) and the backend applies it to a CPU
+shadow of the served view, falling back to the nearest anchor when a patch fails; a patch file
+that failed verification is never planned again by this sidecar (a damaged, truncated or
+misplaced patch is routed around through squashed patches or a later anchor).
+
+Not covered: more than one staged version at a time (a newer version published while one is
+being staged is picked up by the next reconcile).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import anyio
+import structlog
+from anyio.abc import TaskStatus
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from policies.board import Board
+from policies.board.store import redact
+from policies.errors import BoardError, EngineError, PatchError, PolicyError, VersionCorrupt
+from policies.serve.backends.reference import ReferenceBackend
+from policies.serve.decode import Generation, OutOfBounds, QuiesceMode
+from policies.serve.engine import Engine
+from policies.wire.lane import (
+    GenerateRequest,
+    GenerateResponse,
+    PolicyState,
+    SidecarState,
+    Usage,
+    VersionStamp,
+)
+
+log = structlog.get_logger(__name__)
+
+
+class VersionNotServed(EngineError):
+    """No version inside the request's bounds is applied (answered as 409)."""
+
+    def __init__(self, message: str, applied: int | None, staged: int | None, catching_up: bool):
+        super().__init__(message)
+        self.applied = applied
+        self.staged = staged
+        self.catching_up = catching_up
+
+
+class Backend(Protocol):
+    """An engine as the sidecar drives it."""
+
+    name: str
+    max_context: int
+
+    async def stage(self, board: Board, version: int) -> None:
+        """Fetch and verify ``version`` while the engine keeps serving (raise on failure)."""
+
+    async def activate(self, version: int, mode: QuiesceMode) -> float:
+        """Make the staged version live; return the seconds generation was held (paused)."""
+
+    async def generate(self, req: GenerateRequest) -> Generation:
+        """Serve ``req``; raise :class:`OutOfBounds` if the live version is outside its bounds."""
+
+    async def aclose(self) -> None:
+        """Release resources."""
+
+
+class SidecarMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.applied = Gauge(
+            "sprawl_applied_version", "Policy version being served", registry=registry
+        )
+        self.activations = Counter(
+            "sprawl_version_activations", "Versions activated", registry=registry
+        )
+        self.failures = Counter(
+            "sprawl_version_failures", "Versions refused by verification", registry=registry
+        )
+        self.pause = Histogram(
+            "sprawl_activation_pause_seconds",
+            "Time generation was held while a version was applied",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0),
+            registry=registry,
+        )
+        self.conflicts = Counter(
+            "sprawl_version_conflicts", "Requests answered 409", registry=registry
+        )
+        self.tokens = Counter("sprawl_generated_tokens", "Tokens sampled", registry=registry)
+
+
+class Sidecar:
+    def __init__(
+        self,
+        backend: Backend | Engine,
+        board: Board,
+        *,
+        poll_interval_s: float,
+        registry: CollectorRegistry,
+        activation: QuiesceMode = "wait",
+        fixed_version: int | None = None,
+    ) -> None:
+        self.backend: Backend = (
+            ReferenceBackend(backend) if isinstance(backend, Engine) else backend
+        )
+        self.board = board
+        self.poll_interval_s = poll_interval_s
+        self.activation: QuiesceMode = activation
+        self.applied_version: int | None = fixed_version
+        self.fixed = fixed_version is not None
+        self.staged_version: int | None = None
+        self.state: SidecarState = "serving" if self.fixed else "starting"
+        self.metrics = SidecarMetrics(registry)
+        if fixed_version is not None:
+            self.metrics.applied.set(fixed_version)
+        self._wake = anyio.Event()
+        self._refused: set[int] = set()
+
+    # -- reconcile ------------------------------------------------------------------------------
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Reconcile forever; ``started`` once a version is applied (at once when fixed)."""
+        if self.fixed:
+            task_status.started()
+            await anyio.sleep_forever()
+        started = False
+        while True:
+            await self.reconcile()
+            if not started and self.applied_version is not None:
+                task_status.started()
+                started = True
+            with anyio.move_on_after(self.poll_interval_s):
+                await self._wake.wait()
+            self._wake = anyio.Event()
+
+    def notify(self) -> None:
+        """Check the board now rather than at the next poll."""
+        self._wake.set()
+
+    async def reconcile(self) -> None:
+        """Bring the engine to the board's newest good version, if it is not there yet."""
+        if self.fixed:
+            return
+        try:
+            target = await anyio.to_thread.run_sync(self.board.latest)
+        except BoardError as exc:
+            log.warning("board_unreadable", error=redact(str(exc)))
+            return
+        if target is None or target in self._refused:
+            return
+        if self.applied_version is not None and target <= self.applied_version:
+            return
+        self.state = "staging" if self.applied_version is not None else "catching_up"
+        self.staged_version = target
+        try:
+            await self.backend.stage(self.board, target)
+        except PolicyError as exc:
+            if not isinstance(exc, (VersionCorrupt, PatchError)):
+                # not on the board (yet), or no route to it: nothing failed verification, so
+                # it is tried again at the next reconcile rather than refused for good
+                log.warning("version_unavailable", version=target, error=redact(str(exc)))
+                self.staged_version = None
+                self.state = "serving" if self.applied_version is not None else "starting"
+                return
+            self._refused.add(target)
+            self.metrics.failures.inc()
+            log.error(
+                "version_refused",
+                version=target,
+                error=redact(str(exc)),
+                serving=self.applied_version,
+            )
+            self.staged_version = None
+            self.state = "serving" if self.applied_version is not None else "starting"
+            return
+        self.state = "activating"
+        try:
+            pause = await self.backend.activate(target, self.activation)
+        except PolicyError as exc:
+            # The engine did not switch (it may be briefly unreachable): keep serving the old
+            # version and try again at the next reconcile.
+            self.metrics.failures.inc()
+            log.error("activation_failed", version=target, error=redact(str(exc)))
+            self.staged_version = None
+            self.state = "serving" if self.applied_version is not None else "starting"
+            return
+        self.applied_version = target
+        self.staged_version = None
+        self.state = "serving"
+        self.metrics.pause.observe(pause)
+        self.metrics.activations.inc()
+        self.metrics.applied.set(target)
+        log.info(
+            "version_activated",
+            version=target,
+            digest=self._digest(target),
+            pause_ms=round(pause * 1e3, 2),
+            mode=self.activation,
+        )
+
+    def _digest(self, version: int) -> str | None:
+        """The board's digest of ``version`` (what the activated view was verified against)."""
+        try:
+            return self.board.manifest(version).digest
+        except BoardError:
+            return None
+
+    # -- serving --------------------------------------------------------------------------------
+    def _conflict(self, req: GenerateRequest, applied: int | None) -> VersionNotServed:
+        self.metrics.conflicts.inc()
+        staged = self.staged_version
+        return VersionNotServed(
+            f"applied version {applied} is outside the requested bounds "
+            f"[{req.policy_version.min}, {req.policy_version.max}]",
+            applied,
+            staged,
+            staged is not None and req.policy_version.admits(staged),
+        )
+
+    async def run_request(self, req: GenerateRequest) -> Generation:
+        """Serve ``req`` at a version inside its bounds; the generation carries its stamps."""
+        applied = self.applied_version
+        if applied is None or not req.policy_version.admits(applied):
+            raise self._conflict(req, applied)
+        try:
+            gen = await self.backend.generate(req)
+        except OutOfBounds as exc:  # an activation landed while the request queued
+            raise self._conflict(req, exc.version) from None
+        self.metrics.tokens.inc(sum(len(c.token_ids) for c in gen.choices))
+        return gen
+
+    async def generate(self, req: GenerateRequest, request_id: str) -> GenerateResponse:
+        """Serve ``POST /v1/generate``."""
+        gen = await self.run_request(req)
+        start, end = stamps(gen, self.applied_version)
+        completion = sum(len(c.token_ids) for c in gen.choices)
+        return GenerateResponse(
+            id=request_id,
+            model=self.board.run,
+            prompt_token_ids=req.prompt_token_ids,
+            choices=gen.choices,
+            policy_version=VersionStamp(start=start, end=end),
+            usage=Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=completion),
+        )
+
+    def policy_state(self) -> PolicyState:
+        return PolicyState(
+            applied_version=self.applied_version,
+            staged_version=self.staged_version,
+            state=self.state,
+            run=self.board.run,
+        )
+
+
+def stamps(gen: Generation, applied: int | None) -> tuple[int, int]:
+    start = gen.start if gen.start is not None else applied
+    end = gen.end if gen.end is not None else start
+    if start is None or end is None:
+        raise EngineError("generation finished without a version")
+    return start, end

@@ -1,0 +1,13 @@
+"""Training: the reference trainer, its config and the SFT warm start.
+
+Public surface (lazily imported, so ``policies.train.config`` stays torch-free):
+:class:`Trainer`, :class:`TrainSample`, :class:`TrainerConfig`, :func:`warm_start`.
+
+Modules: :mod:`~policies.train.config` (the ``[trainer]`` config tree),
+:mod:`~policies.train.trainer` (GRPO steps with a staleness correction, publishing every
+version), :mod:`~policies.train.sft` (teach a fresh model the tool-call format).
+"""
+
+import lazy_loader
+
+__getattr__, __dir__, __all__ = lazy_loader.attach_stub(__name__, __file__)

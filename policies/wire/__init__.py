@@ -1,0 +1,13 @@
+"""The wire: what both sides of every boundary speak, at the bottom of the import graph.
+
+- :mod:`~policies.wire.lane` — the request lane's pydantic models (orchestrator ↔ endpoint);
+- :mod:`~policies.wire.batches` — the batch protocol (orchestrator ↔ external trainer);
+- :mod:`~policies.wire.toolcalls` — the chat template and tool-call parsing (engine ↔
+  environment ↔ episode runner);
+- :mod:`~policies.wire.chat_tokens` — token-exact multi-turn prompts, and ``Message``;
+- :mod:`~policies.wire.logs` — structlog set-up for every process;
+- :mod:`~policies.wire.errors` — ``SprawlError``, the root of every error tree.
+
+Torch-free and free of sprawl imports outside this package, so an environment, a trainer or a
+vLLM worker can import it anywhere.
+"""

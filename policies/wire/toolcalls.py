@@ -1,0 +1,251 @@
+"""The Hermes-style tool-call syntax: how a model writes calls, and how we read them back.
+
+One syntax serves three places, so it lives here and nowhere else:
+
+- the chat template (``CHAT_TEMPLATE``) that ``policies.model.build`` stores in the tokenizer
+  renders tool schemas, assistant ``tool_calls`` and ``tool`` results in this syntax;
+- the engine turns generated text into OpenAI ``tool_calls`` with :func:`parse_assistant` and
+  :func:`to_openai_message`;
+- the orchestrator hands the environment the calls the model made, from the same parse.
+
+The syntax (Qwen2.5 / Hermes style)::
+
+    <|im_start|>assistant
+    Some optional text.
+    <tool_call>
+    {"name": "calculator", "arguments": {"expression": "37 * 12"}}
+    </tool_call><|im_end|>
+
+Guarantees of :func:`parse_assistant`:
+
+- It never raises on model text. A block that is not a JSON object, lacks a string ``"name"``,
+  has arguments that are not a JSON object, or never closes becomes a :class:`ToolCallError`
+  whose ``message`` names what was wrong and whose ``raw`` is the offending text.
+- ``content`` is the text outside tool-call blocks, each piece stripped, non-empty pieces joined
+  by a newline; a stray ``</tool_call>`` is reported as an error and not kept as content.
+- ``ToolCall.arguments`` is the canonical JSON string of the arguments object
+  (``json.dumps(..., ensure_ascii=False)``), so parsing a rendered call gives back arguments
+  equal (after ``json.loads``) to the ones rendered.
+- Ids are deterministic: ``call_{first_id}``, ``call_{first_id + 1}``, … in text order, counting
+  only well-formed calls. A multi-turn caller passes ``first_id`` to keep ids unique per episode.
+
+Leniency, on purpose: a missing ``"arguments"`` means ``{}``; arguments given as a JSON *string*
+that decodes to an object (an OpenAI habit some models copy) are accepted.
+
+Not covered: other tool-call dialects (Llama ``<|python_tag|>``, Mistral ``[TOOL_CALLS]``), and
+stripping chat-control tokens such as ``<|im_end|>`` (the engine decodes with special tokens
+skipped; ``<tool_call>`` tokens are not special, so they survive that decode).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+TOOL_RESPONSE_OPEN = "<tool_response>"
+TOOL_RESPONSE_CLOSE = "</tool_response>"
+
+TOOLS_PREAMBLE = (
+    "# Tools\n\n"
+    "You can call the functions described below. "
+    "Each function's JSON schema is listed inside <tools></tools>:\n"
+)
+TOOLS_INSTRUCTIONS = (
+    "To call a function, answer with one block per call, holding a JSON object with the "
+    "function's name and its arguments:\n"
+    '<tool_call>\n{"name": "<function name>", "arguments": {"<parameter>": <value>}}\n</tool_call>'
+)
+
+# Whitespace between tags is stripped by the `-` markers, so every character of the output is
+# written by an expression; that keeps the rendering exact and easy to read. The template runs in
+# transformers' sandboxed environment, whose `tojson` does not HTML-escape.
+CHAT_TEMPLATE = (
+    """
+{%- macro render_content(content) -%}
+    {%- if content is string -%}
+        {{- content -}}
+    {%- elif content is iterable and content is not mapping -%}
+        {%- for part in content -%}
+            {%- if part is mapping and part.get('type') == 'text' -%}
+                {{- part.get('text', '') -}}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- endif -%}
+{%- endmacro -%}
+{%- set ns = namespace(system='', first=0) -%}
+{%- if messages and messages[0].role == 'system' -%}
+    {%- set ns.system = render_content(messages[0].get('content')) -%}
+    {%- set ns.first = 1 -%}
+{%- endif -%}
+{%- if tools -%}
+    {{- '<|im_start|>system\\n' -}}
+    {%- if ns.system -%}
+        {{- ns.system + '\\n\\n' -}}
+    {%- endif -%}
+    {{- """
+    + json.dumps(TOOLS_PREAMBLE)
+    + """ + '<tools>' -}}
+    {%- for tool in tools -%}
+        {{- '\\n' + (tool | tojson) -}}
+    {%- endfor -%}
+    {{- '\\n</tools>\\n\\n' + """
+    + json.dumps(TOOLS_INSTRUCTIONS)
+    + """ + '<|im_end|>\\n' -}}
+{%- elif ns.first == 1 -%}
+    {{- '<|im_start|>system\\n' + ns.system + '<|im_end|>\\n' -}}
+{%- endif -%}
+{%- for message in messages[ns.first:] -%}
+    {%- set content = render_content(message.get('content')) -%}
+    {%- if message.role == 'tool' -%}
+        {%- if loop.first or loop.previtem.role != 'tool' -%}
+            {{- '<|im_start|>user' -}}
+        {%- endif -%}
+        {{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' -}}
+        {%- if loop.last or loop.nextitem.role != 'tool' -%}
+            {{- '<|im_end|>\\n' -}}
+        {%- endif -%}
+    {%- elif message.role == 'assistant' -%}
+        {{- '<|im_start|>assistant\\n' + content -}}
+        {%- for tool_call in (message.get('tool_calls') or []) -%}
+            {%- if tool_call.function is defined -%}
+                {%- set call = tool_call.function -%}
+            {%- else -%}
+                {%- set call = tool_call -%}
+            {%- endif -%}
+            {%- if content or not loop.first -%}
+                {{- '\\n' -}}
+            {%- endif -%}
+            {{- '<tool_call>\\n{"name": ' + (call.name | tojson) + ', "arguments": ' -}}
+            {%- if call.arguments is string -%}
+                {{- call.arguments -}}
+            {%- elif call.arguments is defined and call.arguments is not none -%}
+                {{- call.arguments | tojson -}}
+            {%- else -%}
+                {{- '{}' -}}
+            {%- endif -%}
+            {{- '}\\n</tool_call>' -}}
+        {%- endfor -%}
+        {{- '<|im_end|>\\n' -}}
+    {%- else -%}
+        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' -}}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|im_start|>assistant\\n' -}}
+{%- endif -%}
+"""
+).strip()
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One well-formed call; ``arguments`` is a JSON string, as in the OpenAI API."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ToolCallError:
+    """A malformed ``<tool_call>`` block: the raw text and what was wrong with it."""
+
+    raw: str
+    message: str
+
+
+@dataclass(frozen=True)
+class ParsedAssistant:
+    """An assistant turn split into its text, its calls, and its malformed blocks."""
+
+    content: str
+    tool_calls: tuple[ToolCall, ...]
+    errors: tuple[ToolCallError, ...]
+
+
+def _decode_call(body: str) -> tuple[str, str] | str:
+    """``(name, arguments_json)`` for a block body, or a message saying what is wrong."""
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError as exc:
+        return f"tool call is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+    if not isinstance(obj, dict):
+        return f"tool call must be a JSON object, got {type(obj).__name__}"
+    name = obj.get("name")
+    if name is None:
+        return 'tool call has no "name"'
+    if not isinstance(name, str) or not name:
+        return '"name" must be a non-empty string'
+    arguments = obj.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return '"arguments" is a string that is not JSON'
+    if not isinstance(arguments, dict):
+        return f'"arguments" must be a JSON object, got {type(arguments).__name__}'
+    return name, json.dumps(arguments, ensure_ascii=False)
+
+
+def parse_assistant(text: str, *, first_id: int = 0) -> ParsedAssistant:
+    """Split generated assistant text into content, tool calls and malformed blocks."""
+    pieces: list[str] = []
+    calls: list[ToolCall] = []
+    errors: list[ToolCallError] = []
+    pos = 0
+    while pos < len(text):
+        start = text.find(TOOL_CALL_OPEN, pos)
+        stray = text.find(TOOL_CALL_CLOSE, pos)
+        if stray != -1 and (start == -1 or stray < start):
+            pieces.append(text[pos:stray])
+            end = stray + len(TOOL_CALL_CLOSE)
+            errors.append(ToolCallError(TOOL_CALL_CLOSE, "</tool_call> without an opening tag"))
+            pos = end
+            continue
+        if start == -1:
+            pieces.append(text[pos:])
+            break
+        pieces.append(text[pos:start])
+        body_start = start + len(TOOL_CALL_OPEN)
+        close = text.find(TOOL_CALL_CLOSE, body_start)
+        reopen = text.find(TOOL_CALL_OPEN, body_start)
+        if close == -1 or (reopen != -1 and reopen < close):
+            stop = len(text) if reopen == -1 else reopen
+            errors.append(ToolCallError(text[start:stop], "<tool_call> block is never closed"))
+            pos = stop
+            continue
+        end = close + len(TOOL_CALL_CLOSE)
+        decoded = _decode_call(text[body_start:close].strip())
+        if isinstance(decoded, str):
+            errors.append(ToolCallError(text[start:end], decoded))
+        else:
+            name, arguments = decoded
+            calls.append(ToolCall(f"call_{first_id + len(calls)}", name, arguments))
+        pos = end
+    content = "\n".join(p.strip() for p in pieces if p.strip())
+    return ParsedAssistant(content, tuple(calls), tuple(errors))
+
+
+def to_openai_message(parsed: ParsedAssistant) -> dict[str, object]:
+    """The OpenAI chat ``message`` object for a parsed turn.
+
+    ``content`` is ``None`` when the turn is only tool calls, as OpenAI returns it; the
+    ``tool_calls`` key is present only when there are calls. Malformed blocks are not part of an
+    OpenAI message; callers that care read ``parsed.errors``.
+    """
+    message: dict[str, object] = {
+        "role": "assistant",
+        "content": parsed.content if parsed.content or not parsed.tool_calls else None,
+    }
+    if parsed.tool_calls:
+        message["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments},
+            }
+            for call in parsed.tool_calls
+        ]
+    return message
