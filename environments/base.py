@@ -41,15 +41,17 @@ from datasets import Dataset
 from environments.errors import EnvironmentLoadError, RewardError
 from environments.tasks import load_tasks
 from environments.tools import ToolOutcome, ToolSpec, build_tool, is_tool, run_tool, tool
-from environments.types import EnvConfig, EpisodeState, Message, Reply
-from policies.wire.toolcalls import ParsedAssistant, ToolCall
+from environments.types import EnvConfig, EpisodeState, Reply
+from policies.wire.toolcalls import Message, ParsedAssistant, ToolCall
 
 __all__ = [
     "EnvConfig",
     "Environment",
     "EpisodeState",
     "Message",
+    "ParsedAssistant",
     "Reply",
+    "ToolCall",
     "reward",
     "tool",
 ]

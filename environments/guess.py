@@ -14,8 +14,15 @@ from typing import Any
 
 from pydantic import Field
 
-from environments.base import EnvConfig, Environment, EpisodeState, Message, Reply, reward
-from policies.wire.toolcalls import ParsedAssistant
+from environments.base import (
+    EnvConfig,
+    Environment,
+    EpisodeState,
+    Message,
+    ParsedAssistant,
+    Reply,
+    reward,
+)
 
 _INT = re.compile(r"-?\d+")
 

@@ -19,10 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from policies.wire.toolcalls import ToolCall
-
-Message = dict[str, Any]
-"""An OpenAI-shaped chat message."""
+from policies.wire.toolcalls import Message, ToolCall
 
 FileFormat = Literal["json", "jsonl", "csv", "parquet"]
 """Local task-file formats (``json`` and ``jsonl`` both use the datasets ``json`` builder)."""

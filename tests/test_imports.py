@@ -158,3 +158,21 @@ def test_no_import_cycles_between_modules() -> None:
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_test_file_imports_another_test_file() -> None:
+    """Shared helpers live in ``tests/support``; a test module is never imported by another."""
+    offenders = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            for name in names:
+                if name.rpartition(".")[2].startswith("test_"):
+                    offenders.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert offenders == []

@@ -49,14 +49,13 @@ from environments.types import EpisodeState
 from policies.serve.engine import Engine
 from policies.wire.chat_tokens import ChatTokens
 from policies.wire.lane import GenerateRequest
-from policies.wire.toolcalls import ToolCall, parse_assistant, to_openai_message
+from policies.wire.toolcalls import Message, ToolCall, parse_assistant, to_openai_message
 
 log = structlog.get_logger(__name__)
 
 CALCULATOR = "environments.calculator:Calculator"
 SFT_SEED_OFFSET = 10_000
 _EXPRESSION = re.compile(r"-?\d+(?:\s*[-+*/]\s*-?\d+)+")
-Message = dict[str, Any]
 
 
 @dataclass(frozen=True)

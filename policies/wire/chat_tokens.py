@@ -12,11 +12,12 @@ the end-of-turn token, only the rest of the closing text is added.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import PreTrainedTokenizerBase
+from policies.wire.toolcalls import Message
 
-Message = dict[str, Any]
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 _SENTINEL = "\x00sprawl-sentinel\x00"
 
 

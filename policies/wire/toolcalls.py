@@ -41,6 +41,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
+
+Message = dict[str, Any]
+"""An OpenAI-shaped chat message (``role``, ``content``, ``tool_calls``, …): the one ``Message``
+of sprawl, used by environments, the episode runner and SFT."""
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"

@@ -1,0 +1,80 @@
+"""Elastic fleet membership through the admin API and its CLI client."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import pytest
+
+from orchestrator.errors import SprawlError
+from orchestrator.fleet_cli import _call, admin_url
+from orchestrator.loop.admin import serve_admin
+from orchestrator.loop.pool import Pool
+from orchestrator.types import EndpointRef
+from policies.wire.lane import GenerateRequest, VersionBounds
+from tests.support.fakes import ScriptedTransport
+
+pytestmark = pytest.mark.anyio
+
+
+@asynccontextmanager
+async def admin(pool: Pool, token: str | None = None) -> AsyncIterator[str]:
+    async with anyio.create_task_group() as tg:
+        url = await tg.start(
+            lambda task_status: serve_admin(
+                pool, host="127.0.0.1", port=0, token=token, task_status=task_status
+            )
+        )
+        yield url
+        tg.cancel_scope.cancel()
+
+
+def _args(admin_url: str, action: str, **kw: object) -> argparse.Namespace:
+    base = dict(
+        orchestrator=admin_url, token=None, id=None, url=None, endpoint_token=None, weight=1.0
+    )
+    base.update(kw)
+    return argparse.Namespace(action=action, **base)
+
+
+async def test_add_list_remove_while_serving() -> None:
+    t = ScriptedTransport({"a": 0, "b": 3})
+    pool = Pool(t, version_wait_s=5.0, poll_interval_s=1.0)
+    pool.add(EndpointRef(id="a", url="http://a"))
+    await pool.refresh_all()
+    async with admin(pool) as url:
+        added = await _call(_args(url, "add", id="b", url="http://b/", weight=2.0))
+        assert (added["id"], added["applied_version"], added["healthy"]) == ("b", 3, True)
+        listed = await _call(_args(url, "list"))
+        assert [e["id"] for e in listed["endpoints"]] == ["a", "b"]
+        # the new endpoint takes calls that need its version
+        _, ep, _ = await pool.generate(
+            GenerateRequest(prompt_token_ids=[1], policy_version=VersionBounds(min=3))
+        )
+        assert ep.id == "b"
+        await _call(_args(url, "remove", id="b"))
+        assert [e["id"] for e in (await _call(_args(url, "list")))["endpoints"]] == ["a"]
+        with pytest.raises(SprawlError, match="no endpoint 'zzz'"):
+            await _call(_args(url, "remove", id="zzz"))
+        with pytest.raises(SprawlError, match="HTTP 400: url"):
+            await _call(_args(url, "add", id="c", url="ftp://c"))
+
+
+async def test_admin_requires_its_token() -> None:
+    pool = Pool(ScriptedTransport({}), version_wait_s=5.0, poll_interval_s=1.0)
+    async with admin(pool, token="t0k") as url:
+        with pytest.raises(SprawlError, match="HTTP 401"):
+            await _call(_args(url, "list"))
+        assert await _call(_args(url, "list", token="t0k")) == {"endpoints": []}
+
+
+def test_run_dir_names_the_admin_url(tmp_path: Path) -> None:
+    (tmp_path / "admin.json").write_text('{"url": "http://127.0.0.1:9/"}')
+    assert admin_url(str(tmp_path)) == "http://127.0.0.1:9"
+    assert admin_url("https://h:1/") == "https://h:1"
+    with pytest.raises(SprawlError, match=r"admin\.json is unreadable"):
+        admin_url(str(tmp_path / "nope"))

@@ -1,0 +1,60 @@
+"""The live view: drawn from real pool state and the same events as the log; TTY only."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import anyio
+import pytest
+from rich.console import Console
+
+from orchestrator.observe.live import LiveView, wanted
+from orchestrator.types import Endpoint, EndpointRef
+from tests.support.events import pool_run
+
+
+def test_frame_shows_endpoints_lag_histogram_and_progress(tmp_path: Path) -> None:
+    a = Endpoint(ref=EndpointRef(id="engine-a", url="http://a"), applied_version=3, healthy=True)
+    b = Endpoint(ref=EndpointRef(id="engine-b", url="http://b"), applied_version=1)
+    a.outstanding, a.limit = 2, 4.0
+    view = LiveView(max_steps=8)
+    view.endpoint(a)
+    view.endpoint(b)
+    pool_run(tmp_path, also=view)  # real pool events: served calls
+    assert view.calls > 0
+    view.emit("trainer_version", version=4)
+    for lag, decision in [(0, "kept"), (1, "kept"), (1, "kept"), (3, "dropped")]:
+        view.emit("decide", group_id="g", trainer_version=4, decision=decision, max_lag=lag)
+    buf = io.StringIO()
+    Console(file=buf, width=120, color_system=None).print(view.frame())
+    text = buf.getvalue()
+    assert "trainer v4/8" in text
+    assert "groups kept 3, dropped 1" in text
+    rows = {ln.split("│")[1].strip(): ln for ln in text.splitlines() if ln.count("│") >= 5}
+    assert "v3" in rows["engine-a"]
+    assert "2/4" in rows["engine-a"]
+    assert "ok" in rows["engine-a"]
+    assert "down" in rows["engine-b"]
+    bars = [ln for ln in text.splitlines() if "█" in ln and "│" in ln]
+    assert [ln.count("█") for ln in bars] == [10, 20, 10]  # lags 0, 1, 3
+
+
+def test_only_on_a_terminal() -> None:
+    assert not wanted(io.StringIO())
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    assert wanted(Tty())
+
+
+@pytest.mark.anyio
+async def test_run_redraws_until_cancelled() -> None:
+    view = LiveView(max_steps=2)
+    buf = io.StringIO()
+    console = Console(file=buf, width=100, force_terminal=True, color_system=None)
+    with anyio.move_on_after(0.35):
+        await view.run(console, refresh_s=0.1)
+    assert buf.getvalue().count("trainer v0/2") >= 2

@@ -1,0 +1,194 @@
+"""``orchestrate replay``: what-if staleness policies and deterministic trainer replay."""
+
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from orchestrator.config import Config
+from orchestrator.errors import ConfigError
+from orchestrator.offline.replay import (
+    LOGGED,
+    ModelScorer,
+    load_policies,
+    main,
+    state_digest,
+    train,
+    what_if,
+)
+from orchestrator.record.trajlog import episode_records
+from orchestrator.types import Episode, SamplingParams
+from staleness.config import DropRule, StalenessConfig, TruncatedIS
+from tests.support.trajectories import write_synthetic_log
+
+POLICIES = """
+[policies.same]
+drop = { statistic = "max", max_lag = 1 }
+
+[policies.strict]
+drop = { statistic = "max", max_lag = 0 }
+
+[policies.tis]
+correction = { type = "tis", cap = 1.5 }
+
+[policies.mis]
+correction = { type = "mis", upper = 2.0 }
+"""
+
+
+def test_policy_file_loads_and_names_a_bad_key(tmp_path: Path) -> None:
+    path = tmp_path / "p.toml"
+    path.write_text(POLICIES)
+    policies = load_policies(path)
+    assert list(policies) == ["same", "strict", "tis", "mis"]
+    assert policies["tis"].correction == TruncatedIS(cap=1.5)
+    path.write_text('[policies.bad]\ncorrection = { type = "tis", cap = -1 }\n')
+    with pytest.raises(ConfigError, match=r"policies\.bad\.correction\.tis\.cap"):
+        load_policies(path)
+    path.write_text("[policies]\n")
+    with pytest.raises(ConfigError, match="at least one"):
+        load_policies(path)
+
+
+def test_what_if_reproduces_logged_decisions_and_counts_drops(tmp_path: Path) -> None:
+    write_synthetic_log(tmp_path, steps=4, seed=11)
+    records = episode_records(tmp_path)
+    policies = {
+        "same": StalenessConfig(drop=DropRule(max_lag=1)),
+        "strict": StalenessConfig(drop=DropRule(max_lag=0)),
+        "keep_all": StalenessConfig(),
+    }
+    out = {o.name: o for o in what_if(records, policies)}
+    assert list(out) == [LOGGED, "same", "strict", "keep_all"]
+    logged = out[LOGGED]
+    assert logged.groups_dropped > 0
+    assert (out["same"].groups_kept, out["same"].groups_dropped) == (
+        logged.groups_kept,
+        logged.groups_dropped,
+    )
+    lags = {r.decision.group_id: r.decision.max_lag for r in records}
+    assert out["strict"].groups_kept == sum(1 for lag in lags.values() if lag == 0)
+    assert out["keep_all"].groups_dropped == 0
+    assert out["keep_all"].episodes_kept == len(records)
+    for o in out.values():
+        assert sum(b.episodes for b in o.by_duration.buckets) == len(records)
+        assert sum(b.dropped for b in o.by_duration.buckets) == o.episodes_dropped
+        assert o.correction is None  # no π_prox without a scorer
+    # the run's lag budget caps every policy, as the run's batcher does
+    capped = {o.name: o for o in what_if(records, policies, max_lag=0)}
+    assert capped["keep_all"].groups_kept == out["strict"].groups_kept
+
+
+def test_on_policy_prox_gives_unit_weights_and_full_ess(tmp_path: Path) -> None:
+    write_synthetic_log(tmp_path, steps=2, seed=12)
+    records = episode_records(tmp_path)
+
+    def behaviour(e: Episode) -> list[float]:
+        return [lp for s in e.segments for lp in s.logprobs]
+
+    policies = load_policies_text(POLICIES, tmp_path)
+    for o in what_if(records, policies, behaviour):
+        if o.name == LOGGED:
+            continue
+        assert o.correction is not None
+        kept_tokens = sum(r.episode.n_sampled for r in records if keeps(o.name, r.decision.max_lag))
+        assert o.correction["is/kept_tokens"] == kept_tokens
+        assert o.correction["is/weight_mean"] == pytest.approx(1.0)
+        assert o.correction["is/ess"] == pytest.approx(kept_tokens)
+        assert o.correction["is/frac_masked"] == 0.0
+
+
+def keeps(name: str, lag: int) -> bool:
+    return {"same": lag <= 1, "strict": lag == 0}.get(name, True)
+
+
+def load_policies_text(text: str, tmp_path: Path) -> dict[str, StalenessConfig]:
+    path = tmp_path / "policies.toml"
+    path.write_text(text)
+    return load_policies(path)
+
+
+def test_model_scorer_is_a_distribution_and_follows_temperature(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    write_synthetic_log(tmp_path, steps=1, seed=13, vocab=100)
+    episode = episode_records(tmp_path)[0].episode
+    scorer = ModelScorer(tiny_model_dir)
+    logps = scorer(episode)
+    assert len(logps) == episode.n_sampled
+    assert all(lp <= 0 for lp in logps)
+    hot = episode.model_copy(
+        update={
+            "segments": [
+                s.model_copy(
+                    update={
+                        "sampling": SamplingParams(
+                            temperature=1e6, top_p=1.0, top_k=0, max_tokens=8
+                        )
+                    }
+                )
+                for s in episode.segments
+            ]
+        }
+    )
+    vocab = scorer.model.config.vocab_size
+    assert scorer(hot) == pytest.approx([-math.log(vocab)] * len(logps), abs=1e-3)
+
+    out = io.StringIO()
+    (tmp_path / "p.toml").write_text(POLICIES)
+    argv = [str(tmp_path), "--what-if", str(tmp_path / "p.toml"), "--model", str(tiny_model_dir)]
+    assert main(argv, Console(file=out, width=200, color_system=None)) == 0
+    text = out.getvalue()
+    for name in (LOGGED, "same", "strict", "tis", "mis"):
+        assert name in text
+    (line,) = [ln for ln in text.splitlines() if "is/ess_frac" in ln]
+    cells = [c.strip() for c in line.split("│")[2:-1]]
+    assert cells[0] == "-"  # the logged column has no correction
+    assert all(0 <= float(c) <= 1 for c in cells[1:])
+    assert float(cells[3]) > 0  # tis masks nothing, so some weight survives
+    assert "drop rate" in text
+
+
+def _config(tmp_path: Path, model_dir: Path) -> Config:
+    return Config.model_validate(
+        {
+            "run": {"name": "replay", "root": str(tmp_path), "seed": 3},
+            "model": {"path": str(model_dir), "init": None},
+            "scheduler": {"group_size": 4, "groups_per_batch": 2},
+            "staleness": {"correction": {"type": "tis", "cap": 2.0}},
+            "trainer": {"lr": 1e-3, "checkpoint": False},
+        }
+    )
+
+
+@pytest.mark.slow
+def test_train_replay_is_bit_identical(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    write_synthetic_log(tmp_path / "log", steps=2, seed=14, vocab=100)
+    cfg = _config(tmp_path, tiny_model_dir)
+    first, metrics = train(tmp_path / "log", cfg, tmp_path / "a", seed=3)
+    second, _ = train(tmp_path / "log", cfg, tmp_path / "b", seed=3)
+    assert first == second
+    assert len(metrics) == 2
+    initial = state_digest(AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict())
+    assert first != initial, "replay did not train"
+    write_synthetic_log(tmp_path / "other", steps=2, seed=15, vocab=100)
+    other, _ = train(tmp_path / "other", cfg, tmp_path / "c", seed=3)
+    assert other != first, "a different log must give different weights"
+
+    toml = tmp_path / "cfg.toml"
+    toml.write_text(
+        f'[model]\npath = "{tiny_model_dir}"\ninit = "tiny"\n'
+        '[staleness.correction]\ntype = "tis"\ncap = 2.0\n'
+        '[trainer]\nlr = 1e-3\ncheckpoint = false\n[run]\nseed = 3\nname = "replay"\n'
+    )
+    out = io.StringIO()
+    argv = [str(tmp_path / "log"), "--train", "--config", str(toml)]
+    argv += ["--out", str(tmp_path / "d")]
+    assert main(argv, Console(file=out, width=200, color_system=None)) == 0
+    assert f"weights digest {first}" in out.getvalue()
