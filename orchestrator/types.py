@@ -136,9 +136,10 @@ class GroupDecision(_Record):
 
 
 class Batch(_Record):
-    """Groups handed to the trainer for one optimizer step (trainer version ``version`` → +1)."""
+    """Groups handed to the trainer for one optimizer step (trainer version
+    ``trained_at_version`` → +1; the trajectory log's batch records say the same)."""
 
-    version: int
+    trained_at_version: int
     groups: list[Group]
     decisions: list[GroupDecision]
 

@@ -21,22 +21,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
-import structlog
 import torch
 import zstandard
 
 from policies.codec import apply_patch, checksums, encode_patch, read_patch_header, state_digest
 from policies.codec.kernels import jit
 from policies.codec.views import ViewSpec, build_view
+from policies.wire.logs import quiet_logs
 
 DENSITIES = (0.001, 0.01, 0.03, 0.1)
 _TENSOR_ELEMS = 1 << 24
@@ -360,18 +358,6 @@ def _churn_table(rows: list[dict[str, Any]], lr: float) -> None:
             f"{r['patch_bytes'] / r['full_bytes']:.3%}",
         )
     Console().print(table)
-
-
-@contextmanager
-def quiet_logs() -> Iterator[None]:
-    """Silence the codec's per-patch info lines while measuring (restores the config after);
-    the sparsity bench uses it too."""
-    old = structlog.get_config()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    try:
-        yield
-    finally:
-        structlog.configure(**old)
 
 
 def main(argv: list[str]) -> int:

@@ -27,10 +27,10 @@ from typing import Literal
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from orchestrator.bench.codec import quiet_logs
 from policies.codec import encode_patch, read_patch_header
 from policies.codec.views import ViewKind, ViewSpec, build_view
 from policies.model.corpus import generate_corpus
+from policies.wire.logs import quiet_logs
 
 VIEWS: tuple[ViewKind, ...] = ("bf16", "fp8_block", "int4_group", "nvfp4")
 Master = Literal["fp32", "bf16"]

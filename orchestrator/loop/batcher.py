@@ -100,7 +100,7 @@ class Batcher:
         )
         ids = {g.id for g in groups}
         batch = Batch(
-            version=self.trainer_version(),
+            trained_at_version=self.trainer_version(),
             groups=groups,
             decisions=[d for d in self.decisions if d.group_id in ids],
         )

@@ -21,6 +21,11 @@ from policies.wire.lane import GenerateRequest, GenerateResponse, PolicyState
 
 
 class HttpTransport:
+    """The request lane over one shared aiohttp session: ``POST /v1/generate``,
+    ``GET /v1/policy``, ``POST /v1/policy/notify``, with the connect and whole-call timeouts
+    (``timeouts.connect_s``, ``timeouts.call_s``) and every failure converted (module
+    docstring)."""
+
     def __init__(self, session: aiohttp.ClientSession, *, connect_s: float, call_s: float) -> None:
         self.session = session
         self.call_timeout = aiohttp.ClientTimeout(total=call_s, sock_connect=connect_s)

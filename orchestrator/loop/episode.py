@@ -44,6 +44,10 @@ log = structlog.get_logger(__name__)
 
 
 class EpisodeRunner:
+    """Runs one environment episode at a time per call of :meth:`run`, token-exact (module
+    docstring): the environment gives messages, the pool gives model calls under the episode's
+    bounds, and the result is always an :class:`~orchestrator.types.Episode`, failed or not."""
+
     def __init__(
         self,
         env: Environment,

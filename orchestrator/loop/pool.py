@@ -53,6 +53,14 @@ class _Waiter:
 
 
 class Pool:
+    """The rollout endpoints and which one serves each model call (see the module docstring).
+
+    Use: :meth:`add` / :meth:`remove` endpoints, run :meth:`watch` beside the loop (health and
+    applied versions every ``poll_interval_s``), and :meth:`generate` each call with its
+    version bounds; :meth:`pick` is the routing rule itself (pure over the endpoints' state, so
+    the event log's decisions can be re-simulated). Every decision goes to ``events``.
+    """
+
     def __init__(
         self,
         transport: Transport,

@@ -72,6 +72,15 @@ class VersionClock:
 
 
 class Scheduler:
+    """Admits GRPO groups under the lag budget and runs their episodes (module docstring).
+
+    :meth:`run` admits group after group while :meth:`budget` allows, runs each group's
+    episodes through the :class:`~orchestrator.loop.episode.EpisodeRunner` with the version
+    bounds of the moment, and sends every finished group into the stream exactly once;
+    :meth:`release_dropped` gives a dropped group's slot back; :meth:`abandoned` lists what was
+    in flight when the run was cancelled. Admissions go to ``events`` (durably).
+    """
+
     def __init__(
         self,
         runner: EpisodeRunner,

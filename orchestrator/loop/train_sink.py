@@ -172,19 +172,23 @@ class ExternalTrainer:
 
     async def train(self, batch: Batch) -> dict[str, float]:
         samples = [wire_sample(ep) for g in batch.groups for ep in g.episodes]
-        wire = BatchFile(version=batch.version, group_size=self.group_size, samples=samples)
+        wire = BatchFile(
+            version=batch.trained_at_version, group_size=self.group_size, samples=samples
+        )
         await anyio.to_thread.run_sync(write_batch, self.batch_dir, wire)
         try:
             with anyio.fail_after(self.step_timeout_s):
-                latest = await board_version_above(self.board, batch.version, self.poll_interval_s)
+                latest = await board_version_above(
+                    self.board, batch.trained_at_version, self.poll_interval_s
+                )
         except TimeoutError:
             raise TrainerError(
-                f"the external trainer did not publish version {batch.version + 1} within "
-                f"{self.step_timeout_s}s (timeouts.trainer_step_s); batch file: "
-                f"{self.batch_dir}"
+                "the external trainer did not publish version "
+                f"{batch.trained_at_version + 1} within {self.step_timeout_s}s "
+                f"(timeouts.trainer_step_s); batch file: {self.batch_dir}"
             ) from None
         self._version = latest
-        metrics = read_metrics(self.batch_dir, batch.version)
+        metrics = read_metrics(self.batch_dir, batch.trained_at_version)
         metrics.setdefault("reward_mean", sum(s.reward for s in samples) / max(len(samples), 1))
         return metrics
 

@@ -24,10 +24,10 @@ The schedule is held fixed: a different policy would have changed which groups w
 when the trainer stepped; this answers "what would this policy have done to *these* groups".
 
 **Train.** Feeds the logged batches, in trainer-step order, to a fresh
-:class:`~policies.train.trainer.Trainer` built from the config (model, trainer settings, staleness
+:class:`~policies.train.trainer.Trainer` built from the config (model, ``[trainer]``, staleness
 correction), publishing to a new board under ``--out``. The samples are built by the run's own
-:func:`orchestrator.run.batch_samples`. Same log + config + seed → bit-identical weights on the
-same machine and torch build (the trainer seeds torch; CPU kernels are deterministic). Not
+:func:`orchestrator.loop.train_sink.batch_samples`. Same log + config + seed → bit-identical weights
+on the same machine and torch build (the trainer seeds torch; CPU kernels are deterministic). Not
 covered: GPU determinism (cuBLAS/atomics would need ``torch.use_deterministic_algorithms``).
 """
 
@@ -266,7 +266,11 @@ def logged_batches(path: Path) -> list[Batch]:
         if missing:
             raise TrajlogError(f"batch at v{b.trained_at_version}: groups {missing} not in the log")
         out.append(
-            Batch(version=b.trained_at_version, groups=[groups[g] for g in b.groups], decisions=[])
+            Batch(
+                trained_at_version=b.trained_at_version,
+                groups=[groups[g] for g in b.groups],
+                decisions=[],
+            )
         )
     return out
 

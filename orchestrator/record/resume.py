@@ -186,7 +186,7 @@ def reconcile(logged: LoggedRun, *, trainer_version: int, groups_per_batch: int)
             )
         head, kept = kept[:groups_per_batch], kept[groups_per_batch:]
         reconstructed = Batch(
-            version=logged.last_version,
+            trained_at_version=logged.last_version,
             groups=[g for g, _ in head],
             decisions=[d for _, d in head],
         )

@@ -148,7 +148,7 @@ class TrajectoryLog:
     def write_batch(self, batch: Batch, produced_version: int, metrics: dict[str, float]) -> None:
         record = BatchRecord(
             run=self.run,
-            trained_at_version=batch.version,
+            trained_at_version=batch.trained_at_version,
             produced_version=produced_version,
             logged_at=time.time(),
             groups=[g.id for g in batch.groups],

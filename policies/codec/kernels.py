@@ -10,7 +10,7 @@ Hot loops index arrays with unsigned integers: numba checks every signed index f
 (a negative index counts from the end), which keeps a loop from vectorizing.
 
 Guarantees: the encoder kernels write exactly the layout the reference numpy encoder of
-:mod:`policies.codec.ops` specifies (held to it by ``tests/test_codec_kernels.py``).
+:mod:`policies.codec.ops` specifies (held to it by ``tests/policies/codec/test_codec_kernels.py``).
 """
 
 from __future__ import annotations

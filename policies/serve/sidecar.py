@@ -117,6 +117,11 @@ class SidecarMetrics:
 
 
 class Sidecar:
+    """One engine made version-aware (module docstring): :meth:`run` follows the board and
+    stages → activates versions through the backend; :meth:`generate` serves a request inside
+    its bounds and stamps it; :meth:`policy_state` is ``GET /v1/policy``. ``fixed_version``
+    serves one declared version and never polls."""
+
     def __init__(
         self,
         backend: Backend | Engine,

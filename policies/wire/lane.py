@@ -8,8 +8,9 @@ front of vLLM / SGLang / llama.cpp) speaks OpenAI-compatible HTTP plus the token
   request accepts; absent means any; ``min == max`` pins one version.
 - response: ``{"policy_version": {"start": int, "end": int}}`` — the version applied when
   generation started and when it ended (they differ only if an update landed mid-generation).
-- ``409 Conflict`` with :class:`VersionUnavailable` as ``{"error": {...}}`` and a ``Retry-After``
-  header when no version inside the bounds is applied (the sidecar may be catching up).
+- ``409 Conflict`` with an :class:`ErrorBody` of type ``policy_version_unavailable`` and a
+  ``Retry-After`` header when no version inside the bounds is applied (the sidecar may be catching
+  up).
 - ``GET /v1/policy`` returns :class:`PolicyState`.
 
 These models are the only place the field names are spelled; both sides import them. Importing

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Literal
 
 import structlog
@@ -42,3 +44,15 @@ def _identity(
     _logger: object, _name: str, event: structlog.typing.EventDict
 ) -> structlog.typing.EventDict:
     return event
+
+
+@contextmanager
+def quiet_logs() -> Iterator[None]:
+    """Only warnings and errors while the block runs (benchmarks silence per-patch info lines
+    while measuring); the previous structlog configuration is restored after."""
+    old = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    try:
+        yield
+    finally:
+        structlog.configure(**old)

@@ -120,7 +120,7 @@ def write_synthetic_log(
             if decision.decision == "kept":
                 kept.append(group)
                 decisions.append(decision)
-        batch = Batch(version=version, groups=kept, decisions=decisions)
+        batch = Batch(trained_at_version=version, groups=kept, decisions=decisions)
         tlog.write_batch(batch, version + 1, {"reward_mean": 0.5, "loss": float("nan")})
     tlog.close()
     return tlog

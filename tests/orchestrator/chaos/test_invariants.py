@@ -65,7 +65,9 @@ def _run(tmp_path: Path, *, lie: bool = False, forget: bool = False) -> tuple[Pa
         group = Group(id=gid, task_id=f"t{gid}", episodes=eps)
         decision = GroupDecision(group_id=gid, decision="kept", reason="", max_lag=1)
         tlog.write_group(group, decision, trainer_version=i)
-        tlog.write_batch(Batch(version=i, groups=[group], decisions=[decision]), i + 1, {})
+        tlog.write_batch(
+            Batch(trained_at_version=i, groups=[group], decisions=[decision]), i + 1, {}
+        )
     tlog.close()
     events.close()
     _engine_logs(run_dir, board, {"engine-0": [0, 1], "engine-1": [0, 1]})

@@ -53,7 +53,7 @@ def _episode(i: int, reward: float) -> Episode:
 
 def _batch() -> Batch:
     group = Group(id="g0", task_id="t", episodes=[_episode(0, 1.0), _episode(1, 0.0)])
-    return Batch(version=0, groups=[group], decisions=[])
+    return Batch(trained_at_version=0, groups=[group], decisions=[])
 
 
 def test_masks_cover_exactly_the_sampled_tokens() -> None:
@@ -153,7 +153,7 @@ async def test_groups_restored_by_a_restart_are_trained_first_as_decided() -> No
             max_steps=10,
         )
     assert [[g.id for g in b.groups] for b in sink.batches] == [["g0", "g1"], ["g2", "g3"]]
-    assert [b.version for b in sink.batches] == [3, 4]
+    assert [b.trained_at_version for b in sink.batches] == [3, 4]
     assert [d.max_lag for d in sink.batches[0].decisions] == [1, 1]
     assert recorder.versions == [4, 5]
     assert [g.id for g in batcher.pending] == ["g4"]

@@ -160,7 +160,7 @@ def test_account_reads_a_run_directory(tmp_path: Path) -> None:
     kept = [(g, d) for g, d in groups if d.decision == "kept"]
     for group, decision in groups:
         tlog.write_group(group, decision, trainer_version=0)
-    batch = Batch(version=0, groups=[g for g, _ in kept], decisions=[d for _, d in kept])
+    batch = Batch(trained_at_version=0, groups=[g for g, _ in kept], decisions=[d for _, d in kept])
     tlog.write_batch(batch, 1, {"reward_mean": 0.0})
     tlog.close()
     acc = account(tmp_path)  # the event log is not closed: admits are on disk already

@@ -65,7 +65,7 @@ def test_a_checkpoint_one_step_ahead_rebuilds_the_batch_fifo() -> None:
     logged = _logged("kkdkkk", trained=2)
     rec = reconcile(logged, trainer_version=2, groups_per_batch=2)
     assert rec.reconstructed is not None
-    assert rec.reconstructed.version == 1
+    assert rec.reconstructed.trained_at_version == 1
     assert [g.id for g in rec.reconstructed.groups] == ["g000003", "g000004"]
     assert [d.group_id for d in rec.reconstructed.decisions] == ["g000003", "g000004"]
     assert [g.id for g, _ in rec.restored] == ["g000005"]
@@ -114,7 +114,7 @@ def _synthetic_run(run_dir: Path) -> None:
         events.emit("admit", index=i, group_id=f"g{i:06d}", task_id="t", admitted=i + 1, budget=9)
     for g, d in zip(groups, kept, strict=True):
         tlog.write_group(g, d, trainer_version=0)
-    batch = Batch(version=0, groups=groups[:2], decisions=kept[:2])
+    batch = Batch(trained_at_version=0, groups=groups[:2], decisions=kept[:2])
     tlog.write_batch(batch, 1, {"loss": 0.0, "reward_mean": 0.25})
     tlog.close()
     events.close()  # writes nothing more: the admits flushed everything before them

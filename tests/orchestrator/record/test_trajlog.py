@@ -49,7 +49,9 @@ def test_round_trip_keeps_every_field(tmp_path: Path) -> None:
     written = [make_group(rng, i, 3) for i in range(3)]
     for group, decision in written:
         tlog.write_group(group, decision, trainer_version=3)
-    tlog.write_batch(Batch(version=3, groups=[written[0][0]], decisions=[]), 4, {"x": 1.5})
+    tlog.write_batch(
+        Batch(trained_at_version=3, groups=[written[0][0]], decisions=[]), 4, {"x": 1.5}
+    )
     tlog.close()
 
     header = run_header(tmp_path / "log")
