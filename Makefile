@@ -1,17 +1,23 @@
 # The two commands of the README. Both create .venv if missing and install what they need
-# (idempotent: a stamp file records the installed pyproject.toml).
+# (idempotent: a stamp file records the installed pyproject.toml). `make test` also builds the
+# engines the live tests run (a vLLM CPU env and llama.cpp's llama-server), cached outside the
+# clone under ~/.cache/sprawl/engines, so only the first run pays for them (~13 min on 2 cores).
 PY      ?= python3
 VENV    := .venv
 STAMP   := $(VENV)/.installed
 BIN     := $(VENV)/bin
 
-.PHONY: demo test lint install
+.PHONY: demo test lint install engines
 
 demo: $(STAMP)
 	$(BIN)/orchestrate --config configs/demo.toml
 
-test: $(STAMP) lint
+test: $(STAMP) lint engines
 	$(BIN)/pytest -q
+
+engines: $(STAMP)
+	bash scripts/build-vllm-env.sh >/dev/null
+	bash scripts/build-llama-server.sh >/dev/null
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -20,9 +26,9 @@ lint: $(STAMP)
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/install-system-deps.sh
+$(STAMP): pyproject.toml scripts/install-system-deps.sh scripts/constraints-cpu.txt
 	bash scripts/install-system-deps.sh
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -c scripts/constraints-cpu.txt -e '.[dev]'
 	touch $(STAMP)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +35,7 @@ from anyio.abc import TaskStatus
 
 from orchestrator.config import load_config, parse_overrides
 from orchestrator.errors import SprawlError
+from policies.wire.lifetime import cancel_on_signal, stdin_closed
 from policies.wire.logs import configure
 
 log = structlog.get_logger("orchestrate")
@@ -149,34 +149,14 @@ def _serve(argv: list[str]) -> int:
             scheme = "https" if args.tls_cert else "http"
             sys.stdout.write(json.dumps({"url": f"{scheme}://{args.host}:{port}"}) + "\n")
             sys.stdout.flush()
-            tg.start_soon(_exit_on_signal, tg.cancel_scope)
+            tg.start_soon(cancel_on_signal, tg.cancel_scope)
             if args.parent_stdin:
-                await _stdin_closed()
+                await stdin_closed()
                 log.info("parent_gone")
                 tg.cancel_scope.cancel()
 
     anyio.run(main)
     return 0
-
-
-async def _stdin_closed() -> None:
-    """Return when standard input reaches end of file (the parent process went away)."""
-    fd = sys.stdin.fileno()
-    os.set_blocking(fd, False)
-    while True:
-        await anyio.wait_readable(fd)
-        try:
-            if not os.read(fd, 65536):
-                return
-        except BlockingIOError:
-            continue
-
-
-async def _exit_on_signal(scope: anyio.CancelScope) -> None:
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for _ in signals:
-            scope.cancel()
-            return
 
 
 def _versions(argv: list[str]) -> int:
@@ -205,7 +185,10 @@ def _bench(argv: list[str]) -> int:
         return 2
     import importlib
 
-    module = importlib.import_module(benches[argv[0]])
+    name = benches[argv[0]]
+    if argv[0] == "sync" and any(a == "--engine" or a.startswith("--engine=") for a in argv):
+        name = "orchestrator.bench.engine_sync"  # a real engine behind its sidecar
+    module = importlib.import_module(name)
     result: int = module.main(argv[1:])
     return result
 

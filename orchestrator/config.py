@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -71,6 +71,50 @@ class EndpointConfig(_Section):
     """Relative capacity of this endpoint."""
 
 
+class _IslandConfig(_Section):
+    weight: float = Field(default=1.0, gt=0)
+    """Relative capacity of this island in the pool."""
+    startup_timeout_s: float = Field(default=300.0, gt=0)
+    """How long the island (engine and sidecar) may take to report ready."""
+
+
+class VLLMIslandConfig(_IslandConfig):
+    """A local vLLM engine behind ``orchestrate sidecar --engine-kind vllm``: vLLM starts from
+    the board's version 0, materialized into ``<run dir>/islands/vllm-<i>/model`` (its CPU
+    attention needs head_dim ≥ 32: sprawl's ``small`` model, not ``tiny``), and takes later
+    versions as patches through the sidecar."""
+
+    kind: Literal["vllm"]
+    """The engine kind (``orchestrate sidecar --engine-kind``)."""
+    activation: Literal["wait", "pause"] = "pause"
+    """How the sidecar switches versions: drain in-flight requests, or vLLM's ``/pause``."""
+    max_model_len: int = Field(default=2048, ge=64)
+    """vLLM's ``--max-model-len`` (the context the sidecar advertises)."""
+    python: Path | None = None
+    """Python of the vLLM environment; None: ``scripts/build-vllm-env.sh``'s cached build
+    (built on first use, about 3 minutes)."""
+
+
+class LlamaCppIslandConfig(_IslandConfig):
+    """``orchestrate sidecar --engine-kind llamacpp``: the sidecar runs its own ``llama-server``
+    on each version's GGUF, written under ``<run dir>/islands/llamacpp-<i>``."""
+
+    kind: Literal["llamacpp"]
+    """The engine kind (``orchestrate sidecar --engine-kind``)."""
+    llama_server: Path | None = None
+    """The ``llama-server`` binary; None: ``scripts/build-llama-server.sh``'s cached build
+    (built on first use, about 10 minutes)."""
+    ctx: int | None = Field(default=None, ge=64)
+    """``llama-server -c``; None: the model's ``max_position_embeddings``."""
+    args: list[str] = Field(default_factory=list)
+    """Extra ``llama-server`` arguments, e.g. ``["-t", "2"]``."""
+    restart: bool = False
+    """Stop the old server before starting the new version's (half the memory, a longer pause)."""
+
+
+IslandConfig = Annotated[VLLMIslandConfig | LlamaCppIslandConfig, Field(discriminator="kind")]
+
+
 class FleetConfig(_Section):
     local_engines: int = Field(default=2, ge=0, le=64)
     """Reference engines ``orchestrate`` launches as subprocesses on loopback."""
@@ -78,6 +122,9 @@ class FleetConfig(_Section):
     """Device of the local engines."""
     endpoints: list[EndpointConfig] = Field(default_factory=list)
     """Remote endpoints (any engine behind a sidecar), in addition to the local ones."""
+    islands: list[IslandConfig] = Field(default_factory=list)
+    """Local islands of other engine kinds (``[[fleet.islands]]`` with ``kind = "vllm"`` or
+    ``"llamacpp"``), launched beside the reference engines; endpoint ids ``<kind>-<i>``."""
     startup_timeout_s: float = Field(default=120.0, gt=0)
     """How long a local engine may take to report ready."""
     max_inflight_per_endpoint: int = Field(default=4, ge=1)
@@ -95,8 +142,11 @@ class FleetConfig(_Section):
 
     @model_validator(mode="after")
     def _has_endpoints(self) -> FleetConfig:
-        if self.local_engines == 0 and not self.endpoints:
-            raise ValueError("no rollout endpoints: set fleet.local_engines > 0 or fleet.endpoints")
+        if self.local_engines == 0 and not self.endpoints and not self.islands:
+            raise ValueError(
+                "no rollout endpoints: set fleet.local_engines > 0, fleet.islands or "
+                "fleet.endpoints"
+            )
         return self
 
 

@@ -190,6 +190,8 @@ async def run(cfg: Config) -> RunSummary:
                     log_dir=run_dir / "logs",
                     poll_interval_s=cfg.board.poll_interval_s,
                     startup_timeout_s=cfg.fleet.startup_timeout_s,
+                    islands=cfg.fleet.islands,
+                    island_dir=run_dir / "islands",
                 ) as local,
             ):
                 transport = HttpTransport(

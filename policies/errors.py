@@ -34,6 +34,10 @@ class BadRequest(EngineError):
         self.param = param
 
 
+class ExportError(BoardError):
+    """A version cannot be written in the requested format (e.g. GGUF for another architecture)."""
+
+
 class CheckpointError(PolicyError):
     """A trainer checkpoint is unreadable or does not fit the trainer resuming from it."""
 

@@ -1,72 +1,31 @@
-"""Local fleet: reference engines launched as subprocesses on loopback.
+"""Local fleet: reference engines and islands of other engine kinds, as subprocesses on loopback.
 
-Each engine is ``orchestrate serve --board … --port 0 --parent-stdin``: it binds a free port,
-writes one JSON line ``{"url": …}`` to stdout when it serves, logs to
+Each reference engine is ``orchestrate serve --board … --port 0 --parent-stdin``: it binds a free
+port, writes one JSON line ``{"url": …}`` to stdout when it serves, logs to
 ``<run dir>/logs/engine-<i>.log``, and exits when its stdin closes — so engines never outlive the
-orchestrator, even when it is killed. On exit the fleet sends SIGTERM, waits, then SIGKILLs any
-engine still alive, and reaps every child.
+orchestrator, even when it is killed. Islands (``[[fleet.islands]]``: vLLM, llama.cpp, each
+behind a sidecar) are started beside them by :mod:`orchestrator.loop.islands`. Everything starts
+concurrently; the fleet is yielded once every endpoint serves. On exit every child gets SIGTERM,
+then SIGKILL of what is left of its process group, and is reaped
+(:class:`~orchestrator.loop.children.Children`).
 """
 
 from __future__ import annotations
 
-import json
-import signal
-import subprocess
 import sys
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
 import structlog
-from anyio.abc import Process
-from anyio.streams.text import TextReceiveStream
 
-from orchestrator.errors import FleetError
+from orchestrator.config import IslandConfig
+from orchestrator.loop.children import Children, read_ready
+from orchestrator.loop.islands import island_ids, start_island
 from orchestrator.types import EndpointRef
 
 log = structlog.get_logger(__name__)
-
-
-async def _read_ready(proc: Process, timeout_s: float, log_path: Path) -> str:
-    assert proc.stdout is not None
-    buf = ""
-    with anyio.move_on_after(timeout_s):
-        async for chunk in TextReceiveStream(proc.stdout):
-            buf += chunk
-            if "\n" in buf:
-                line = buf.split("\n", 1)[0]
-                try:
-                    return str(json.loads(line)["url"])
-                except (ValueError, KeyError):
-                    raise FleetError(
-                        f"engine wrote an unexpected ready line {line!r}; see {log_path}"
-                    ) from None
-        raise FleetError(
-            f"engine exited before it was ready (code {await proc.wait()}); see {log_path}"
-        )
-    raise FleetError(
-        f"engine not ready after {timeout_s}s (fleet.startup_timeout_s); see {log_path}"
-    )
-
-
-async def _stop(proc: Process, name: str) -> None:
-    if proc.returncode is None:
-        proc.send_signal(signal.SIGTERM)
-        with anyio.move_on_after(10):
-            await proc.wait()
-    if proc.returncode is None:
-        log.warning("engine_killed", engine=name)
-        proc.kill()
-        await proc.wait()
-    await proc.aclose()
-
-
-async def _stop_all(procs: list[tuple[str, Process, Path]]) -> None:
-    with anyio.CancelScope(shield=True):
-        async with anyio.create_task_group() as tg:
-            for name, proc, _ in procs:
-                tg.start_soon(_stop, proc, name)
 
 
 @asynccontextmanager
@@ -79,51 +38,43 @@ async def local_fleet(
     log_dir: Path,
     poll_interval_s: float,
     startup_timeout_s: float,
+    islands: Sequence[IslandConfig] = (),
+    island_dir: Path | None = None,
 ) -> AsyncIterator[list[EndpointRef]]:
-    """Start ``n`` engines serving ``board_url``/``run``; yield them as pool endpoints."""
-    await anyio.Path(log_dir).mkdir(parents=True, exist_ok=True)
-    async with AsyncExitStack() as stack:
-        procs: list[tuple[str, Process, Path]] = []
-        stack.push_async_callback(_stop_all, procs)
-        for i in range(n):
-            name = f"engine-{i}"
-            log_path = log_dir / f"{name}.log"
-            log_file = stack.enter_context(log_path.open("ab"))
-            proc = await anyio.open_process(
-                [
-                    sys.executable,
-                    "-m",
-                    "orchestrator.cli",
-                    "serve",
-                    "--board",
-                    board_url,
-                    "--run",
-                    run,
-                    "--port",
-                    "0",
-                    "--device",
-                    device,
-                    "--poll-interval",
-                    str(poll_interval_s),
-                    "--parent-stdin",
-                    "--log-format",
-                    "json",
-                ],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log_file,
-                start_new_session=True,
-            )
-            procs.append((name, proc, log_path))
-        endpoints: list[EndpointRef | None] = [None] * n
+    """Start ``n`` engines and the ``islands`` serving ``board_url``/``run``; yield them as pool
+    endpoints (engines first, then islands in config order). Island ``<id>`` works in
+    ``<island_dir>/<id>`` (default ``<log_dir>/../islands``)."""
+    island_dir = island_dir or log_dir.parent / "islands"
+    ids = island_ids(islands)
+    async with Children(log_dir) as children:
+        endpoints: list[EndpointRef | None] = [None] * (n + len(islands))
 
-        async def ready(i: int) -> None:
-            name, proc, log_path = procs[i]
-            url = await _read_ready(proc, startup_timeout_s, log_path)
-            endpoints[i] = EndpointRef(id=name, url=url)
-            log.info("engine_started", engine=name, url=url, pid=proc.pid)
+        async def engine(i: int) -> None:
+            argv = [
+                sys.executable, "-m", "orchestrator.cli", "serve", "--board", board_url,
+                "--run", run, "--port", "0", "--device", device,
+                "--poll-interval", str(poll_interval_s), "--parent-stdin", "--log-format", "json",
+            ]  # fmt: skip
+            child = await children.spawn(f"engine-{i}", argv)
+            url = await read_ready(child, startup_timeout_s, "fleet.startup_timeout_s")
+            endpoints[i] = EndpointRef(id=child.name, url=url)
+            log.info("engine_started", engine=child.name, url=url, pid=child.proc.pid)
+
+        async def island(j: int) -> None:
+            endpoints[n + j] = await start_island(
+                j,
+                islands[j],
+                children,
+                island_id=ids[j],
+                board_url=board_url,
+                run=run,
+                island_dir=island_dir / ids[j],
+                poll_interval_s=poll_interval_s,
+            )
 
         async with anyio.create_task_group() as tg:
             for i in range(n):
-                tg.start_soon(ready, i)
+                tg.start_soon(engine, i)
+            for j in range(len(islands)):
+                tg.start_soon(island, j)
         yield [e for e in endpoints if e is not None]

@@ -2,11 +2,14 @@
 
     orchestrate versions --board URL [--run NAME] [--json]
     orchestrate materialize --board URL [--run NAME] --version N --out DIR
+    orchestrate materialize --board URL [--run NAME] --version N --format gguf --out FILE.gguf
 
 ``versions`` lists every published version: version, kind (anchor | delta), base, bytes of its
 primary representation, density (changed fraction against the previous version, when a delta
 from it is stored), the number of patches into it and the publish time (UTC). ``materialize``
-writes an HF checkpoint directory of one version (bit-identical to an anchor of it). Board
+writes an HF checkpoint directory of one version (bit-identical to an anchor of it), or with
+``--format gguf`` one GGUF file for llama.cpp (:mod:`policies.board.gguf`; F32 matrices unless
+``--gguf-dtype bf16``). Board
 credentials come from the environment (e.g. ``AWS_*``), never from the command line.
 """
 
@@ -70,8 +73,17 @@ def versions(argv: list[str]) -> int:
 def materialize(argv: list[str]) -> int:
     parser = _parser("orchestrate materialize")
     parser.add_argument("--version", type=int, required=True)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True, help="a directory (hf) or file (gguf)")
+    parser.add_argument("--format", choices=["hf", "gguf"], default="hf")
+    parser.add_argument(
+        "--gguf-dtype", choices=["f32", "bf16"], default="f32", help="GGUF matrix dtype"
+    )
     args = parser.parse_args(argv)
-    out = _board(args).materialize(args.version, args.out)
+    if args.format == "gguf":
+        from policies.board.gguf import materialize_gguf
+
+        out = materialize_gguf(_board(args), args.version, args.out, matrix_dtype=args.gguf_dtype)
+    else:
+        out = _board(args).materialize(args.version, args.out)
     sys.stdout.write(f"{out}\n")
     return 0

@@ -60,6 +60,8 @@ class Store:
         self.root = self.root.rstrip("/")
         protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else self.fs.protocol
         self.local = any(p in ("file", "local") for p in protocols)
+        self.bytes_read = 0
+        """Bytes read from the board so far (what crossed the link, for a remote board)."""
         self._secrets = [
             str(v)
             for k, v in _flatten(storage_options or {})
@@ -80,6 +82,7 @@ class Store:
 
     def read(self, path: str) -> bytes:
         data: bytes = self.call(f"reading {path}", lambda: self.fs.cat_file(path))
+        self.bytes_read += len(data)
         return data
 
     def write(self, path: str, data: bytes) -> None:

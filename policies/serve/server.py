@@ -232,15 +232,23 @@ async def run_lane(
     registry: CollectorRegistry,
     tokenizer: PreTrainedTokenizerBase | None,
     tls: ssl.SSLContext | None = None,
+    wait_for_version: bool = True,
     task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Reconcile ``sidecar`` and serve its lane until cancelled; ``started`` with the port."""
+    """Reconcile ``sidecar`` and serve its lane until cancelled; ``started`` with the port.
+
+    ``wait_for_version``: bind only once a version is applied (the reference engine's fleet
+    waits for that); otherwise bind at once, and until the first activation ``/health`` and
+    ``GET /v1/policy`` answer (state ``starting``) and requests get 409 with ``Retry-After``."""
     server = LaneServer(sidecar, token=token, registry=registry, tokenizer=tokenizer)
     runner = web.AppRunner(server.app, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     try:
         async with anyio.create_task_group() as tg:
-            await tg.start(sidecar.run)
+            if wait_for_version:
+                await tg.start(sidecar.run)
+            else:
+                tg.start_soon(sidecar.run)
             site = web.TCPSite(runner, host, port, ssl_context=tls)
             await site.start()
             bound = int(runner.addresses[0][1])

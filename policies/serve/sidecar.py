@@ -23,8 +23,10 @@ Guarantees:
 - a version that fails verification is never activated: the old one keeps serving, the failure is
   logged and counted, and the sidecar moves on to the next newer version when one appears; an
   activation the engine fails (e.g. an external engine briefly unreachable) is logged, counted
-  and retried at the next reconcile; a version the pointer names but that cannot be read or
-  reached (missing manifest, no route) is not refused: it is tried again at the next reconcile;
+  and retried with exponential backoff (``poll_interval_s`` × 2^n, at most 60 s), the old version
+  serving meanwhile (state ``failed`` while none is); a version the pointer names but that cannot be
+  read or reached (missing manifest, no route) is not refused: it is tried again at the next
+  reconcile;
 - board URLs are logged with their credentials (``user:password@``, query strings) removed.
 
 Catch-up: the sidecar always targets the newest version; the board plans the route (squashed
@@ -89,6 +91,10 @@ class Backend(Protocol):
     async def generate(self, req: GenerateRequest) -> Generation:
         """Serve ``req``; raise :class:`OutOfBounds` if the live version is outside its bounds."""
 
+    async def recover(self) -> None:
+        """At every reconcile: if the engine restarted on other weights, put the live version
+        back before it serves again (raise while it cannot be reached)."""
+
     async def aclose(self) -> None:
         """Release resources."""
 
@@ -114,6 +120,16 @@ class SidecarMetrics:
             "sprawl_version_conflicts", "Requests answered 409", registry=registry
         )
         self.tokens = Counter("sprawl_generated_tokens", "Tokens sampled", registry=registry)
+        self.board_bytes = Counter(
+            "sprawl_board_bytes_read",
+            "Bytes read from the board to stage versions (patches; anchors when needed)",
+            registry=registry,
+        )
+        self.activation_failures = Counter(
+            "sprawl_activation_failures",
+            "Activations the engine failed (the old version kept serving; retried with backoff)",
+            registry=registry,
+        )
 
 
 class Sidecar:
@@ -147,6 +163,8 @@ class Sidecar:
             self.metrics.applied.set(fixed_version)
         self._wake = anyio.Event()
         self._refused: set[int] = set()
+        self._failed_activations = 0  # in a row: the retry backoff doubles with each
+        self._retry_at = 0.0
 
     # -- reconcile ------------------------------------------------------------------------------
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -173,6 +191,11 @@ class Sidecar:
         if self.fixed:
             return
         try:
+            await self.backend.recover()
+        except PolicyError as exc:
+            log.warning("engine_unavailable", error=redact(str(exc)), serving=self.applied_version)
+            return
+        try:
             target = await anyio.to_thread.run_sync(self.board.latest)
         except BoardError as exc:
             log.warning("board_unreadable", error=redact(str(exc)))
@@ -181,8 +204,11 @@ class Sidecar:
             return
         if self.applied_version is not None and target <= self.applied_version:
             return
+        if anyio.current_time() < self._retry_at:  # backing off after a failed activation
+            return
         self.state = "staging" if self.applied_version is not None else "catching_up"
         self.staged_version = target
+        before = self.board.store.bytes_read
         try:
             await self.backend.stage(self.board, target)
         except PolicyError as exc:
@@ -204,6 +230,8 @@ class Sidecar:
             self.staged_version = None
             self.state = "serving" if self.applied_version is not None else "starting"
             return
+        bytes_read = self.board.store.bytes_read - before
+        self.metrics.board_bytes.inc(bytes_read)
         self.state = "activating"
         try:
             pause = await self.backend.activate(target, self.activation)
@@ -211,10 +239,21 @@ class Sidecar:
             # The engine did not switch (it may be briefly unreachable): keep serving the old
             # version and try again at the next reconcile.
             self.metrics.failures.inc()
-            log.error("activation_failed", version=target, error=redact(str(exc)))
+            self.metrics.activation_failures.inc()
+            self._failed_activations += 1
+            backoff = min(60.0, self.poll_interval_s * 2**self._failed_activations)
+            self._retry_at = anyio.current_time() + backoff
+            log.error(
+                "activation_failed",
+                version=target,
+                error=redact(str(exc)),
+                serving=self.applied_version,
+                retry_in_s=round(backoff, 2),
+            )
             self.staged_version = None
-            self.state = "serving" if self.applied_version is not None else "starting"
+            self.state = "serving" if self.applied_version is not None else "failed"
             return
+        self._failed_activations = 0
         self.applied_version = target
         self.staged_version = None
         self.state = "serving"
@@ -227,6 +266,7 @@ class Sidecar:
             digest=self._digest(target),
             pause_ms=round(pause * 1e3, 2),
             mode=self.activation,
+            board_bytes_read=bytes_read,
         )
 
     def _digest(self, version: int) -> str | None:

@@ -6,6 +6,7 @@
   environment ↔ episode runner);
 - :mod:`~policies.wire.chat_tokens` — token-exact multi-turn prompts, and ``Message``;
 - :mod:`~policies.wire.logs` — structlog set-up for every process;
+- :mod:`~policies.wire.lifetime` — a child process's lifetime tied to its parent's;
 - :mod:`~policies.wire.errors` — ``SprawlError``, the root of every error tree.
 
 Torch-free and free of sprawl imports outside this package, so an environment, a trainer or a

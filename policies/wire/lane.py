@@ -24,7 +24,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 FinishReason = Literal["stop", "length", "abort"]
-SidecarState = Literal["serving", "staging", "activating", "catching_up", "starting"]
+SidecarState = Literal["serving", "staging", "activating", "catching_up", "starting", "failed"]
 
 
 class _Wire(BaseModel):

@@ -78,8 +78,13 @@ def adam_like_step(
             if t.dtype == torch.bfloat16:
                 bits = new.view(torch.int16).reshape(-1)
                 hit = torch.rand(bits.numel(), generator=g) < density
-                step = torch.randint(0, 2, (int(hit.sum()),), generator=g) * 2 - 1
-                bits[hit] += step.to(torch.int16)
+                step = (torch.randint(0, 2, (int(hit.sum()),), generator=g) * 2 - 1).to(torch.int16)
+                old = bits[hit]
+                moved = old + step  # one ulp of magnitude, in sign-magnitude bits
+                # one ulp below ±0 is the smallest subnormal of the other sign, not a NaN pattern
+                moved[(old == 0) & (step < 0)] = -32767  # 0x8001
+                moved[(old == -32768) & (step < 0)] = 1  # 0x8000 (-0) → 0x0001
+                bits[hit] = moved
             elif t.is_floating_point() and float_noise:
                 new += torch.randn(t.shape, generator=g) * float_noise
             made[id(t)] = new

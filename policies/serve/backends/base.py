@@ -13,6 +13,9 @@ Guarantees (the sidecar proxies every request, so it knows what is in flight):
   lets the adapter pause the engine at a step boundary instead (responses may span versions);
 - ``n`` choices are ``n`` engine requests seeded ``seed + i`` (the lane's seed semantics, which
   engines' own ``n`` does not give);
+- a prompt that does not fit the engine's context (:attr:`HttpBackend.max_context`, which
+  :meth:`HttpBackend.connect` may read from the engine) is a 400 naming ``prompt_token_ids``;
+  ``max_tokens`` is cut to the room left, as the reference engine does;
 - engine errors become :class:`EngineUnavailable` (HTTP 503 on the lane), never a crash; the
   sidecar's bearer token and the board's credentials are never sent in logs.
 """
@@ -20,6 +23,7 @@ Guarantees (the sidecar proxies every request, so it knows what is in flight):
 from __future__ import annotations
 
 import json
+import socket
 from typing import Any
 
 import aiohttp
@@ -27,11 +31,18 @@ import anyio
 import structlog
 
 from policies.board import Board
-from policies.errors import EngineError
+from policies.errors import BadRequest, EngineError
 from policies.serve.decode import Generation, OutOfBounds, QuiesceMode
 from policies.wire.lane import FinishReason, GenerateChoice, GenerateRequest
 
 log = structlog.get_logger(__name__)
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for an engine this process starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class EngineUnavailable(EngineError):
@@ -93,10 +104,16 @@ class HttpBackend:
             await self._session.close()
 
     # -- what adapters implement ----------------------------------------------------------------
+    async def connect(self) -> None:
+        """Learn what the engine serves (e.g. its context length) before the lane opens."""
+
     async def generate_one(
         self, req: GenerateRequest, seed: int | None
     ) -> tuple[list[int], list[float], FinishReason]:
         raise NotImplementedError
+
+    async def recover(self) -> None:
+        """Engines that serve a fixed version (or reload by themselves) have nothing to put back."""
 
     async def stage(self, board: Board, version: int) -> None:
         raise EngineError(f"{self.kind} engines serve a fixed version")
@@ -106,6 +123,15 @@ class HttpBackend:
 
     # -- the Backend protocol -------------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> Generation:
+        room = self.max_context - len(req.prompt_token_ids)
+        if room <= 0:  # the engine's own answer would be a 4xx the lane turns into a 503
+            raise BadRequest(
+                f"prompt has {len(req.prompt_token_ids)} tokens; the engine's context is "
+                f"{self.max_context}",
+                "prompt_token_ids",
+            )
+        if req.max_tokens > room:  # as the reference engine does (and vLLM does silently)
+            req = req.model_copy(update={"max_tokens": room})
         while self._gate is not None:
             await self._gate.wait()
         start = self.version

@@ -3,7 +3,17 @@
     orchestrate sidecar --engine-url URL --engine-kind vllm|sglang|openai --board URL
         [--run NAME] [--port P] [--host H] [--token T] [--engine-api-key K]
         [--activation wait|pause] [--materialize-dir DIR] [--version N] [--model NAME]
-        [--tls-cert PEM --tls-key PEM]
+        [--tls-cert PEM --tls-key PEM] [--parent-stdin]
+    orchestrate sidecar --engine-kind llamacpp --board URL [--llama-server PATH]
+        [--llama-ctx N] [--llama-arg ARG ...] [--llama-startup-timeout S] [--llama-restart]
+
+``--engine-kind llamacpp`` starts and owns its own ``llama-server`` (no ``--engine-url``;
+``scripts/build-llama-server.sh`` builds the binary it finds by default) and restarts it on each
+version's GGUF, written under ``--materialize-dir``.
+
+SIGINT / SIGTERM stop it cleanly (its ``llama-server`` reaped); ``--parent-stdin`` also stops it
+when its stdin closes, which is how the local fleet keeps islands from outliving the
+orchestrator.
 
 The board's ``base/`` files give the tokenizer (for ``/v1/chat/completions`` and
 ``/v1/completions``) and the context length. ``--token`` (default ``$SPRAWL_TOKEN``) guards the
@@ -31,15 +41,18 @@ from policies.board import BASE_FILES, Board
 from policies.board.store import redact
 from policies.errors import BoardError
 from policies.serve.backends.base import HttpBackend
+from policies.serve.backends.llamacpp import LlamaCppBackend
+from policies.serve.backends.llamacpp_wire import LlamaOptions
 from policies.serve.backends.openai import OpenAIBackend
 from policies.serve.backends.sglang import SGLangBackend
 from policies.serve.backends.vllm import VLLMBackend
 from policies.serve.decode import QuiesceMode
 from policies.serve.server import run_lane, tls_context
 from policies.serve.sidecar import Sidecar
+from policies.wire.lifetime import cancel_on_signal, stdin_closed
 
 log = structlog.get_logger(__name__)
-KINDS = ("vllm", "sglang", "openai")
+KINDS = ("vllm", "sglang", "openai", "llamacpp")
 
 
 def _load_base(board: Board, into: Path) -> tuple[PreTrainedTokenizerBase | None, int]:
@@ -69,12 +82,26 @@ def make_backend(
     materialize_dir: Path,
     version: int | None,
     tokenizer: PreTrainedTokenizerBase | None,
+    llama: LlamaOptions | None = None,
+    base_dir: Path | None = None,
 ) -> HttpBackend:
+    if kind == "llamacpp":
+        if llama is None or base_dir is None:
+            raise BoardError("--engine-kind llamacpp needs its llama-server options")
+        from policies.board.gguf import base_files
+
+        return LlamaCppBackend(
+            llama,
+            base=base_files(base_dir),
+            workdir=materialize_dir,
+            model=model,
+            max_context=max_context,
+        )
     common = {"model": model, "max_context": max_context, "api_key": api_key}
     if kind == "sglang":
         return SGLangBackend(engine_url, materialize_dir=materialize_dir, **common)
     if kind == "vllm":
-        return VLLMBackend(engine_url, board_url=board.url, **common)
+        return VLLMBackend(engine_url, work_dir=materialize_dir, **common)
     if kind == "openai":
         if version is None:
             raise BoardError("--engine-kind openai needs --version (the version it serves)")
@@ -98,6 +125,7 @@ async def serve_sidecar(
     version: int | None = None,
     model: str | None = None,
     tls: ssl.SSLContext | None = None,
+    llama: LlamaOptions | None = None,
     task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the sidecar until cancelled; ``started`` with the bound port."""
@@ -115,7 +143,10 @@ async def serve_sidecar(
             materialize_dir=materialize_dir or Path(tmp) / "versions",
             version=version,
             tokenizer=tokenizer,
+            llama=llama,
+            base_dir=Path(tmp),
         )
+        await backend.connect()
         registry = CollectorRegistry()
         sidecar = Sidecar(
             backend,
@@ -133,13 +164,14 @@ async def serve_sidecar(
             registry=registry,
             tokenizer=tokenizer,
             tls=tls,
+            wait_for_version=False,
             task_status=task_status,
         )
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="orchestrate sidecar", description=__doc__.split("\n\n")[0])
-    p.add_argument("--engine-url", required=True)
+    p.add_argument("--engine-url", default="", help="the engine (all kinds but llamacpp)")
     p.add_argument("--engine-kind", choices=KINDS, required=True)
     p.add_argument("--board", required=True, help="board URL (fsspec) or path")
     p.add_argument("--run", default="demo")
@@ -149,12 +181,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-api-key", default=os.environ.get("SPRAWL_ENGINE_API_KEY"))
     p.add_argument("--activation", choices=["wait", "pause"], default="wait")
     p.add_argument("--poll-interval", type=float, default=1.0)
-    p.add_argument("--materialize-dir", type=Path, help="where SGLang reads versions from")
+    p.add_argument(
+        "--materialize-dir",
+        type=Path,
+        help="island-local directory the engine reads staged versions from (vLLM, SGLang)",
+    )
     p.add_argument("--version", type=int, help="the fixed version an openai endpoint serves")
     p.add_argument("--model", help="model name the engine serves (default: the run name)")
     p.add_argument("--tls-cert", type=Path)
     p.add_argument("--tls-key", type=Path)
     p.add_argument("--log-format", choices=["auto", "pretty", "json"], default="auto")
+    p.add_argument(
+        "--parent-stdin",
+        action="store_true",
+        help="exit when stdin closes (used by the local fleet)",
+    )
+    p.add_argument("--llama-server", type=Path, help="llama-server binary (default: cached build)")
+    p.add_argument("--llama-ctx", type=int, help="llama-server -c (default: the model's context)")
+    p.add_argument(
+        "--llama-arg", action="append", default=[], help="extra llama-server argument (repeat)"
+    )
+    p.add_argument("--llama-startup-timeout", type=float, default=60.0)
+    p.add_argument(
+        "--llama-restart",
+        action="store_true",
+        help="stop the old llama-server before starting the new version's (half the memory)",
+    )
     return p
 
 
@@ -167,6 +219,27 @@ def main(argv: list[str]) -> int:
         sys.stderr.write("orchestrate sidecar: --tls-cert and --tls-key go together\n")
         return 2
     tls = tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
+    llama = None
+    if args.engine_kind == "llamacpp":
+        if args.engine_url:
+            sys.stderr.write(
+                "orchestrate sidecar: llamacpp starts its own engine; no --engine-url\n"
+            )
+            return 2
+        from policies.serve.backends.llamacpp_wire import find_llama_server
+
+        llama = LlamaOptions(
+            server=find_llama_server(args.llama_server),
+            ctx_size=args.llama_ctx,
+            extra_args=tuple(args.llama_arg),
+            startup_timeout_s=args.llama_startup_timeout,
+            prewarm=not args.llama_restart,
+        )
+    elif not args.engine_url:
+        sys.stderr.write(
+            f"orchestrate sidecar: --engine-kind {args.engine_kind} needs --engine-url\n"
+        )
+        return 2
 
     async def run() -> None:
         async with anyio.create_task_group() as tg:
@@ -186,12 +259,18 @@ def main(argv: list[str]) -> int:
                     version=args.version,
                     model=args.model,
                     tls=tls,
+                    llama=llama,
                     task_status=task_status,
                 )
             )
             scheme = "https" if tls else "http"
             sys.stdout.write(json.dumps({"url": f"{scheme}://{args.host}:{bound}"}) + "\n")
             sys.stdout.flush()
+            tg.start_soon(cancel_on_signal, tg.cancel_scope)
+            if args.parent_stdin:
+                await stdin_closed()
+                log.info("parent_gone")
+                tg.cancel_scope.cancel()
 
     try:
         anyio.run(run)

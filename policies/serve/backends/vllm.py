@@ -1,34 +1,55 @@
-"""vLLM behind the sidecar: ``/v1/completions`` with token ids, weights patched in place by RPC.
+"""vLLM behind the sidecar: token ids in and out, versions staged from the shadow, exact reloads.
 
-Generation: ``POST /v1/completions`` with ``prompt`` = token ids, ``logprobs: 0`` and
-``return_tokens_as_token_ids: true``; token ids come from ``choices[0].token_ids`` when the
-server returns them (``return_token_ids``, vLLM ≥ 0.10.2) or else from the ``"token_id:N"``
-strings of ``logprobs.tokens``; log probs from ``logprobs.token_logprobs``. Log probs are of the
-distribution sampled only with ``--logprobs-mode processed_logprobs``.
+Generation: ``POST /v1/completions`` with ``prompt`` = token ids and **every sampling field sent
+explicitly** (vLLM fills omitted ones from the model's ``generation_config.json``, and a ``top_k``
+there would change what is sampled): ``temperature``, ``top_p``, ``top_k`` (−1 = off),
+``min_p`` 0, ``repetition_penalty`` 1, ``presence_penalty`` 0, ``frequency_penalty`` 0,
+``min_tokens`` 0, ``ignore_eos`` false, ``stop_token_ids``, ``seed``, ``n`` 1, ``logprobs`` 0,
+``return_tokens_as_token_ids`` and ``return_token_ids``. Token ids come from the choice's
+``token_ids`` (else the ``"token_id:N"`` strings of ``logprobs.tokens``), log probs from
+``logprobs.token_logprobs`` — of the distribution sampled when vLLM runs with ``--logprobs-mode
+processed_logprobs``. The context length is the engine's (``GET /v1/models`` →
+``max_model_len``), read by :meth:`VLLMBackend.connect`.
 
-Activation: the server is started with ``--worker-extension-cls
-policies.serve.backends.vllm_worker.SprawlWorkerExtension`` and ``VLLM_SERVER_DEV_MODE=1``.
-**stage** reads the version's manifest (the worker verifies the tensors when it loads them);
-**apply** calls ``POST /collective_rpc`` ``{"method": "sprawl_load_version", "args": [board_url,
-run, version]}`` — every worker loads the verified view from the board and copies it into its live
-parameters through the model's own ``load_weights`` — then ``POST /reset_prefix_cache`` so no
-KV block computed with the old weights is reused. vLLM runs RPCs between engine steps, so in
-``"pause"`` mode in-flight requests continue on the new weights.
+Versions: **stage** advances the island's :class:`~policies.serve.backends.shadow.Shadow` with
+patches from the board and writes the staged view as an island-local safetensors file (the
+engine must be able to read ``work_dir``); **apply** asks every worker to load it through
+vLLM's own ``reload_weights`` (:mod:`policies.serve.backends.vllm_worker`, ``POST
+/collective_rpc``), checks that every worker loaded the manifest's digest, and resets the prefix
+cache so no KV block of the old weights is reused. Mode ``"pause"`` wraps it in ``POST
+/pause?mode=keep`` … ``POST /resume`` and resets the running requests' KV too
+(``reset_running_requests``), so in-flight requests continue on the new weights; mode ``"wait"``
+drains first (the base class), so no request spans versions.
+
+All-or-nothing: a worker that refuses the file changed nothing; one that failed midway put the
+previous version back before answering; both raise :class:`~policies.errors.EngineError`, so the
+sidecar keeps serving the old version, counts the failure and retries later. A worker that could
+not be put back marks the engine broken: every request is then a 503 until it is restarted.
+Start the engine as in ``docs/fleet.md`` (``--worker-extension-cls``, ``VLLM_SERVER_DEV_MODE=1``).
 """
 
 from __future__ import annotations
 
-import anyio
+from pathlib import Path
+from typing import Any
 
-from policies.board import Board
+import anyio
+import structlog
+import torch
+
+from policies.board import Board, anchor_payload
+from policies.errors import EngineError
 from policies.serve.backends.base import EngineUnavailable, HttpBackend
+from policies.serve.backends.shadow import Shadow
+from policies.serve.backends.vllm_worker import RPC_METHOD
 from policies.serve.decode import QuiesceMode
 from policies.wire.lane import FinishReason, GenerateRequest
 
-RPC_METHOD = "sprawl_load_version"
+log = structlog.get_logger(__name__)
+STATUS_EVERY_S = 1.0
 
 
-def token_ids_of(choice: dict[str, object]) -> list[int]:
+def token_ids_of(choice: dict[str, Any]) -> list[int]:
     """Token ids of a completions choice: ``token_ids``, else ``"token_id:N"`` strings."""
     ids = choice.get("token_ids")
     if isinstance(ids, list):
@@ -45,34 +66,73 @@ def token_ids_of(choice: dict[str, object]) -> list[int]:
     return out
 
 
+def write_view(view: dict[str, torch.Tensor], path: Path) -> None:
+    """The served view as one safetensors file, written to a sibling and renamed into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(anchor_payload(view)[0])
+    tmp.replace(path)
+
+
 class VLLMBackend(HttpBackend):
     kind = "vllm"
 
-    def __init__(self, url: str, *, board_url: str, **kw: object) -> None:
-        super().__init__(url, **kw)  # type: ignore[arg-type]
-        self._board_url = board_url
-        self._run: str | None = None
+    def __init__(self, url: str, *, work_dir: Path, **kw: Any) -> None:
+        super().__init__(url, **kw)
+        self.work_dir = work_dir
+        self.shadow = Shadow()
+        self.broken: str | None = None
+        self.lost = False  # the engine went away: it may come back on its startup weights
+        self._asked = -STATUS_EVERY_S
+
+    async def connect(self) -> None:
+        """Read the served model's context length from the engine (``max_model_len``)."""
+        out = await self.call("/v1/models")
+        models = out.get("data") if isinstance(out, dict) else None
+        if not isinstance(models, list) or not models:
+            raise EngineUnavailable(f"vllm /v1/models lists no model: {out!r}"[:300])
+        named = [m for m in models if m.get("id") == self.name]
+        if not named:
+            ids = [m.get("id") for m in models]
+            raise EngineUnavailable(
+                f"vllm serves {ids}, not {self.name!r}: pass --model, or start vLLM with "
+                f"--served-model-name {self.name}"
+            )
+        self.max_context = int(named[0]["max_model_len"])
 
     async def generate_one(
         self, req: GenerateRequest, seed: int | None
     ) -> tuple[list[int], list[float], FinishReason]:
+        if self.broken is not None:
+            raise EngineUnavailable(self.broken)
+        if self.lost:
+            raise EngineUnavailable("vllm went away; the live version is put back when it returns")
         body: dict[str, object] = {
             "model": self.name,
             "prompt": req.prompt_token_ids,
             "max_tokens": req.max_tokens,
+            "n": 1,
             "temperature": req.temperature,
             "top_p": req.top_p,
+            "top_k": req.top_k if req.top_k > 0 else -1,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "min_tokens": 0,
+            "ignore_eos": False,
             "stop_token_ids": req.stop_token_ids,
+            "seed": seed,
             "logprobs": 0,
             "return_tokens_as_token_ids": True,
             "return_token_ids": True,
             "skip_special_tokens": False,
         }
-        if req.top_k > 0:
-            body["top_k"] = req.top_k
-        if seed is not None:
-            body["seed"] = seed
-        out = await self.call("/v1/completions", body)
+        try:
+            out = await self.call("/v1/completions", body)
+        except EngineUnavailable:
+            self.lost = True  # checked (and the version put back) at the next reconcile
+            raise
         try:
             choice = out["choices"][0]
             tokens = token_ids_of(choice)
@@ -85,19 +145,85 @@ class VLLMBackend(HttpBackend):
         finish: FinishReason = reason if reason in ("stop", "length") else "abort"
         return tokens, logprobs, finish
 
+    async def recover(self) -> None:
+        """Ask the workers what they serve; an engine that restarted (on its startup checkpoint)
+        gets the live version back before it serves again. Requests are 503 meanwhile. Asked at
+        most once a second while nothing failed (a restart takes tens of seconds)."""
+        now = anyio.current_time()
+        if not self.lost and now - self._asked < STATUS_EVERY_S:
+            return
+        self._asked = now
+        try:
+            out = await self.call("/collective_rpc", {"method": "sprawl_status", "args": []})
+        except EngineUnavailable:
+            self.lost = True
+            raise
+        live = self.shadow.live
+        want = None if live is None else str(self._file(live.version))
+        results = out.get("results") if isinstance(out, dict) else None
+        if isinstance(results, list) and all(
+            isinstance(r, dict) and r.get("current") == want for r in results
+        ):
+            self.lost = False
+            return
+        if live is None:  # nothing activated yet: its startup checkpoint is what it should serve
+            self.lost = False
+            return
+        log.warning("engine_restarted", engine=self.url, putting_back=live.version)
+        out = await self.call(
+            "/collective_rpc", {"method": RPC_METHOD, "args": [want, live.digest]}
+        )
+        self._check(live.version, live.digest, out)
+        await self.call("/reset_prefix_cache", {})
+        self.lost = False
+
+    def _file(self, version: int) -> Path:
+        return self.work_dir / f"v{version:08d}.safetensors"
+
     async def stage(self, board: Board, version: int) -> None:
-        await anyio.to_thread.run_sync(board.manifest, version)
-        self._run = board.run
+        await anyio.to_thread.run_sync(self.shadow.stage, board, version)
+        _, view = self.shadow.take(version)
+        await anyio.to_thread.run_sync(write_view, view, self._file(version))
 
     async def apply(self, version: int, mode: QuiesceMode) -> None:
-        out = await self.call(
-            "/collective_rpc",
-            {"method": RPC_METHOD, "args": [self._board_url, self._run or "", str(version)]},
-        )
+        staged, _ = self.shadow.take(version)
+        path = self._file(version)
+        if mode == "pause":
+            await self.call("/pause?mode=keep", {})
+        try:
+            out = await self.call(
+                "/collective_rpc",
+                {"method": RPC_METHOD, "args": [str(path), staged.manifest.digest]},
+            )
+            self._check(version, staged.manifest.digest, out)
+            reset = "?reset_running_requests=true" if mode == "pause" else ""
+            await self.call(f"/reset_prefix_cache{reset}", {})
+        except EngineError:
+            path.unlink(missing_ok=True)
+            raise
+        finally:
+            if mode == "pause":
+                await self.call("/resume", {})
+        self.shadow.activated(staged)
+        for old in self.work_dir.glob("v*.safetensors"):
+            if old != path:  # the live file stays: a failed reload puts it back
+                old.unlink(missing_ok=True)
+
+    def _check(self, version: int, digest: str, out: Any) -> None:
         results = out.get("results") if isinstance(out, dict) else None
         if not isinstance(results, list) or not results:
             raise EngineUnavailable(f"vllm collective_rpc gave no results: {out!r}"[:300])
-        digests = {str(r) for r in results}
-        if len(digests) != 1:
-            raise EngineUnavailable(f"vllm workers disagree after loading {version}: {digests}")
-        await self.call("/reset_prefix_cache", {})
+        failed = [r for r in results if not (isinstance(r, dict) and r.get("ok") is True)]
+        lost = [
+            r
+            for r in failed
+            if isinstance(r, dict) and r.get("changed") and not r.get("rolled_back")
+        ]
+        if lost:
+            self.broken = f"vllm could not be put back after a failed reload: {lost[0]}"[:500]
+            raise EngineUnavailable(self.broken)
+        if failed:
+            raise EngineError(f"vllm refused version {version}: {failed[0]}"[:500])
+        digests = {r.get("digest") for r in results}
+        if digests != {digest}:
+            raise EngineError(f"vllm workers loaded {digests} for version {version}, not {digest}")

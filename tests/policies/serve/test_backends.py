@@ -1,4 +1,6 @@
-"""The standalone sidecar in front of scripted SGLang / vLLM / OpenAI-compatible fakes.
+"""The standalone sidecar in front of scripted vLLM / OpenAI-compatible fakes.
+
+SGLang has its own file, ``test_sglang.py`` (its fake lives in ``tests/support/sglang.py``).
 
 Each fake is a real aiohttp server on loopback that answers in the engine's JSON shape and
 records every call (path, body, time), so the tests check what the sidecar asked of the engine.
@@ -23,7 +25,6 @@ from aiohttp import web
 from policies.board import Board
 from policies.serve.backends.standalone import serve_sidecar
 from policies.serve.backends.vllm_worker import SprawlWorkerExtension
-from policies.serve.decode import QuiesceMode
 from tests.support.boards import publish_scaled, tiny_board
 
 pytestmark = pytest.mark.anyio
@@ -127,91 +128,13 @@ async def _text(s: aiohttp.ClientSession, url: str) -> str:
         return await r.text()
 
 
-async def _ok(_: dict[str, Any]) -> dict[str, Any]:
-    return {"success": True, "message": "ok"}
+def vllm_fake(loaded: Callable[[str], list[dict[str, Any]]]) -> Fake:
+    """vLLM 0.32's shapes: ``/v1/models`` with ``max_model_len``, the dev routes, and
+    ``/collective_rpc`` answering one result per worker (``loaded(digest)``)."""
 
+    async def models(_: dict[str, Any]) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": "m", "object": "model", "max_model_len": 64}]}
 
-def sglang_fake(delay: float = 0.0) -> Fake:
-    async def generate(body: dict[str, Any]) -> dict[str, Any]:
-        await anyio.sleep(delay)
-        ids = [7, 8, 9][: body["sampling_params"]["max_new_tokens"]]
-        return {
-            "text": "xyz",
-            "output_ids": ids,
-            "meta_info": {
-                "finish_reason": {"type": "length"},
-                "output_token_logprobs": [[-0.25 * (i + 1), t, None] for i, t in enumerate(ids)],
-            },
-        }
-
-    return Fake(
-        {
-            "/generate": generate,
-            "/update_weights_from_disk": _ok,
-            "/pause_generation": _ok,
-            "/continue_generation": _ok,
-        }
-    )
-
-
-@pytest.mark.parametrize("mode", ["wait", "pause"])
-async def test_sglang_materializes_and_reloads_from_disk(
-    board: Board, tiny_model_dir: Path, tmp_path: Path, mode: QuiesceMode
-) -> None:
-    fake = sglang_fake(delay=0.6)
-    shared = tmp_path / "shared"
-    async with (
-        fake_server(fake) as engine,
-        sidecar(engine, "sglang", board, materialize_dir=shared, activation=mode) as url,
-    ):
-        (first,) = fake.bodies("/update_weights_from_disk")
-        v0 = Path(first["model_path"])
-        assert first["weight_version"] == "0"
-        assert await anyio.Path(v0 / "model.safetensors").exists()
-        assert await anyio.Path(v0 / "config.json").exists()
-        result: dict[str, Any] = {}
-
-        async def call() -> None:
-            result["out"] = await _generate(
-                url, {"prompt_token_ids": [1, 2], "max_tokens": 3, "seed": 4, "n": 2}
-            )
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(call)
-            await anyio.sleep(0.2)  # the first choice is in flight at the engine
-            publish_scaled(board, 1, tiny_model_dir, scale=0.5)
-            await _wait_version(url, 1)
-        status, body = result["out"]
-    assert status == 200
-    assert [c["token_ids"] for c in body["choices"]] == [[7, 8, 9], [7, 8, 9]]
-    assert body["choices"][0]["logprobs"] == [-0.25, -0.5, -0.75]
-    seeds = [b["sampling_params"]["sampling_seed"] for b in fake.bodies("/generate")]
-    assert seeds == [4, 5]  # choice i is its own request seeded seed + i
-    assert fake.bodies("/generate")[0]["input_ids"] == [1, 2]
-    update = next(
-        c
-        for c in fake.calls
-        if c[0] == "/update_weights_from_disk" and c[1]["weight_version"] == "1"
-    )
-    assert not await anyio.Path(v0).exists()  # the old materialized version is cleaned up
-    if mode == "wait":
-        # drained: the in-flight request finished before the weights changed
-        assert body["policy_version"] == {"start": 0, "end": 0}
-        assert "/pause_generation" not in fake.paths()
-        first_gen = fake.calls[fake.paths().index("/generate")]
-        assert first_gen[3] <= update[2]
-    else:
-        assert body["policy_version"] == {"start": 0, "end": 1}
-        order = [p for p in fake.paths() if p != "/generate"]
-        assert order[-3:] == [
-            "/pause_generation",
-            "/update_weights_from_disk",
-            "/continue_generation",
-        ]
-        assert fake.bodies("/pause_generation")[-1] == {"mode": "retract"}
-
-
-def vllm_fake(digest: Callable[[], list[str]]) -> Fake:
     async def completions(body: dict[str, Any]) -> dict[str, Any]:
         ids = [11, 12]
         return {
@@ -222,58 +145,123 @@ def vllm_fake(digest: Callable[[], list[str]]) -> Fake:
                     "index": 0,
                     "text": "ab",
                     "finish_reason": "stop",
+                    "stop_reason": 12,
+                    "token_ids": ids,
+                    "prompt_token_ids": body["prompt"],
                     "logprobs": {
                         "tokens": [f"token_id:{i}" for i in ids],
                         "token_logprobs": [-0.1, -0.2],
-                        "top_logprobs": None,
+                        "top_logprobs": [{f"token_id:{i}": -0.1} for i in ids],
                         "text_offset": [0, 1],
                     },
                 }
             ],
         }
 
-    async def rpc(_: dict[str, Any]) -> dict[str, Any]:
-        return {"results": digest()}
+    current: list[str | None] = [None]  # what the (two) workers serve: None = startup weights
 
-    async def reset(_: dict[str, Any]) -> web.Response:
-        return web.Response(status=200)
+    async def rpc(body: dict[str, Any]) -> dict[str, Any]:
+        if body["method"] == "sprawl_status":
+            return {"results": [{"current": current[0]}, {"current": current[0]}]}
+        path, digest = body["args"]
+        assert _staged(Path(path).parent)  # the staged version, island-local
+        results = loaded(digest)
+        if all(r.get("ok") and r.get("digest") == digest for r in results):
+            current[0] = path
+        return {"results": results}
+
+    async def ok(_: dict[str, Any]) -> dict[str, Any]:
+        return {"status": "ok"}
 
     return Fake(
-        {"/v1/completions": completions, "/collective_rpc": rpc, "/reset_prefix_cache": reset}
+        {
+            "/v1/models": models,
+            "/v1/completions": completions,
+            "/collective_rpc": rpc,
+            "/reset_prefix_cache": ok,
+            "/pause": ok,
+            "/resume": ok,
+        }
     )
 
 
-async def test_vllm_loads_versions_by_rpc_and_resets_the_prefix_cache(board: Board) -> None:
-    fake = vllm_fake(lambda: ["d", "d"])
-    async with fake_server(fake) as engine, sidecar(engine, "vllm", board, model="m") as url:
+def _staged(work: Path) -> list[str]:
+    """The staged version files the vLLM backend keeps in its island-local directory."""
+    return sorted(f.name for f in work.glob("*.safetensors"))
+
+
+def _ok(digest: str) -> list[dict[str, Any]]:
+    return [{"ok": True, "digest": digest}, {"ok": True, "digest": digest}]
+
+
+async def test_vllm_activates_staged_files_by_rpc_and_sends_every_sampling_field(
+    board: Board, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    fake = vllm_fake(_ok)
+    async with (
+        fake_server(fake) as engine,
+        sidecar(
+            engine, "vllm", board, model="m", activation="pause", materialize_dir=tmp_path
+        ) as url,
+    ):
+        await _wait_version(url, 0)
+        publish_scaled(board, 1, tiny_model_dir, scale=0.5)
+        await _wait_version(url, 1)
         status, body = await _generate(
             url, {"prompt_token_ids": [3, 4], "max_tokens": 2, "seed": 9, "top_k": 5}
         )
-    assert fake.paths()[:2] == ["/collective_rpc", "/reset_prefix_cache"]
-    (rpc,) = fake.bodies("/collective_rpc")
-    assert rpc == {"method": "sprawl_load_version", "args": [board.url, "run", "0"]}
+        status_long, long = await _generate(url, {"prompt_token_ids": [3] * 64})
+    activation = [
+        path
+        for path, body, _, _ in fake.calls
+        if path not in ("/v1/completions", "/v1/models")
+        and (body or {}).get("method") != "sprawl_status"  # asked at every reconcile
+    ]
+    assert activation[-4:] == ["/pause", "/collective_rpc", "/reset_prefix_cache", "/resume"]
+    rpc = fake.bodies("/collective_rpc")[-1]
+    assert rpc["method"] == "sprawl_activate"
+    assert rpc["args"][1] == board.manifest(1).digest
+    assert _staged(tmp_path) == ["v00000001.safetensors"]
     assert status == 200
+    assert body["policy_version"] == {"start": 1, "end": 1}
     assert body["choices"][0]["token_ids"] == [11, 12]
     assert body["choices"][0]["logprobs"] == [-0.1, -0.2]
     sent = fake.bodies("/v1/completions")[0]
     assert sent["prompt"] == [3, 4]
-    assert sent["seed"] == 9
-    assert sent["top_k"] == 5
+    assert (sent["seed"], sent["top_k"], sent["min_p"], sent["repetition_penalty"]) == (9, 5, 0, 1)
+    assert (sent["presence_penalty"], sent["frequency_penalty"], sent["n"]) == (0, 0, 1)
     assert sent["return_tokens_as_token_ids"] is True
     assert sent["logprobs"] == 0
+    assert status_long == 400  # the engine's max_model_len (64), not the board's config
+    assert long["error"]["param"] == "prompt_token_ids"
 
 
-async def test_vllm_workers_that_disagree_keep_the_old_version(
-    board: Board, tiny_model_dir: Path
+async def test_vllm_workers_that_fail_or_disagree_keep_the_old_version(
+    board: Board, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    answers = itertools.chain([["a", "a"]], itertools.repeat(["a", "b"]))
-    fake = vllm_fake(lambda: next(answers))
-    async with fake_server(fake) as engine, sidecar(engine, "vllm", board) as url:
+    answers = itertools.chain(
+        [_ok],
+        itertools.cycle(
+            [
+                lambda d: [{"ok": True, "digest": d}, {"ok": True, "digest": "other"}],
+                lambda d: [{"ok": False, "changed": True, "rolled_back": True, "error": "x"}],
+            ]
+        ),
+    )
+    fake = vllm_fake(lambda digest: next(answers)(digest))
+    async with (
+        fake_server(fake) as engine,
+        sidecar(engine, "vllm", board, model="m", materialize_dir=tmp_path) as url,
+    ):
+        await _wait_version(url, 0)
         publish_scaled(board, 1, tiny_model_dir, scale=0.5)
-        await _wait_failures(url, 1)
+        await _wait_failures(url, 2)
         async with aiohttp.ClientSession() as s, s.get(f"{url}/v1/policy") as r:
             assert (await r.json())["applied_version"] == 0
+        status, body = await _generate(url, {"prompt_token_ids": [3], "max_tokens": 2})
+        assert (status, body["policy_version"]) == (200, {"start": 0, "end": 0})
     assert fake.paths().count("/reset_prefix_cache") == 1
+    assert _staged(tmp_path) == ["v00000000.safetensors"]
 
 
 def llama_fake() -> Fake:
@@ -345,7 +333,7 @@ async def test_engine_errors_are_503_and_the_sidecar_keeps_serving(board: Board)
 
 
 class _Model(torch.nn.Module):
-    """Stands in for a vLLM model: its ``load_weights`` copies HF-named tensors in place."""
+    """Stands in for a vLLM model whose parameters hold HF-named tensors."""
 
     def __init__(self, template: dict[str, torch.Tensor]) -> None:
         super().__init__()
@@ -356,20 +344,43 @@ class _Model(torch.nn.Module):
             }
         )
 
-    def load_weights(self, weights: Any) -> set[str]:
-        loaded = set()
-        for name, t in weights:
-            self.weights[name.replace(".", "__")].data.copy_(t)
-            loaded.add(name)
-        return loaded
+
+class _Worker(SprawlWorkerExtension):
+    """A scripted vLLM worker: ``reload_weights`` copies the weights it is given in place."""
+
+    def __init__(self, model_dir: Path, model: _Model) -> None:
+        self.model = model
+        self.model_runner = type("Runner", (), {"get_model": lambda _: model})()
+        hf = type("HF", (), {"tie_word_embeddings": True})()
+        config = type("C", (), {"model": str(model_dir), "dtype": torch.bfloat16, "hf_config": hf})
+        self.vllm_config = type("V", (), {"model_config": config})()
+        self.reloads = 0
+
+    def reload_weights(self, weights_iterator: Any, is_checkpoint_format: bool) -> None:
+        assert is_checkpoint_format
+        for name, t in weights_iterator:
+            self.model.weights[name.replace(".", "__")].data.copy_(t)
+        self.reloads += 1
 
 
-async def test_vllm_worker_extension_loads_the_verified_view(board: Board) -> None:
-    _, view = board.load(0)
-    ext = SprawlWorkerExtension()
-    model = _Model(view)
-    ext.model_runner = type("Runner", (), {"model": model})()
-    digest = ext.sprawl_load_version(board.url, board.run, "0")
-    assert digest == board.manifest(0).digest
+async def test_vllm_worker_extension_checks_before_it_loads(board: Board, tmp_path: Path) -> None:
+    from policies.serve.backends.vllm import write_view
+
+    manifest, view = board.load(0)
+    write_view(view, tmp_path / "start" / "model.safetensors")
+    worker = _Worker(tmp_path / "start", _Model(view))
+    write_view(view, tmp_path / "v0.safetensors")
+    out = worker.sprawl_activate(str(tmp_path / "v0.safetensors"), manifest.digest)
+    assert out["ok"] is True
+    assert out["digest"] == manifest.digest
     for name, t in view.items():
-        assert torch.equal(model.weights[name.replace(".", "__")], t)
+        assert torch.equal(worker.model.weights[name.replace(".", "__")], t)
+
+    wrong = worker.sprawl_activate(str(tmp_path / "v0.safetensors"), "not-the-digest")
+    assert (wrong["ok"], wrong["changed"]) == (False, False)
+    bad = {**view, "model.norm.weight": view["model.norm.weight"][:-1].clone()}
+    write_view(bad, tmp_path / "bad.safetensors")
+    shape = worker.sprawl_activate(str(tmp_path / "bad.safetensors"), manifest.digest)
+    assert (shape["ok"], shape["changed"]) == (False, False)
+    assert "model.norm.weight" in shape["error"]
+    assert worker.reloads == 1  # refused files never reached vLLM's loader

@@ -1,0 +1,241 @@
+"""``orchestrate bench sync --engine reference|vllm|llamacpp``: a real engine behind its sidecar,
+following versions over a slow link.
+
+One run: sprawl's ``small`` model (bf16 view; built if missing), published as version 0 and
+served by the engine (the reference engine in process, a live vLLM CPU server, or the sidecar's
+own llama-server); the engine's sidecar reads the board through a serial link of
+``--link-mbit`` Mbit/s (:class:`~orchestrator.bench.sync.ThrottledBoard`). Then ``--versions``
+versions are published, each moving ``--density`` of the bf16 values by ±1 ulp (an Adam step),
+and for each: ``publish_to_serving_s`` (from the start of ``Board.publish`` to the sidecar
+serving it), ``board_bytes_read`` (what crossed the link to stage it) and ``patch_bytes``. Also:
+``full_checkpoint_bytes`` (the anchor the engine started from), ``pause_ms`` p50 / p99 (the time
+generation was held per activation, pause mode), and ``exact``: greedy token ids and log probs
+of the live engine after the last version equal those of a fresh engine started on that version.
+
+Targets (issue #14): board bytes per version ≤ 2 × the patch; vLLM pause p50 ≤ 100 ms; exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+from prometheus_client import CollectorRegistry
+from safetensors.torch import load_file
+from transformers import AutoConfig
+
+from orchestrator.bench.sync import Link, ThrottledBoard, adam_step
+from policies.board import Board, Manifest
+from policies.board.read import WEIGHTS
+from policies.serve.backends.base import HttpBackend
+from policies.serve.backends.reference import ReferenceBackend
+from policies.serve.decode import QuiesceMode
+from policies.serve.engine import Engine
+from policies.serve.sidecar import Backend, Sidecar
+from policies.wire.lane import GenerateRequest
+from policies.wire.logs import configure
+
+ENGINES = ("reference", "vllm", "llamacpp")
+PROMPTS = [[1, 17, 300, 42, 99, 7], [1, 5, 6, 7, 8, 9, 10, 11, 12], [1, 400, 401, 2, 1, 33]]
+
+
+class _Timed:
+    """A backend whose activation pauses are recorded."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.name, self.max_context = inner.name, inner.max_context
+        self.pauses: list[float] = []
+
+    async def stage(self, board: Board, version: int) -> None:
+        await self.inner.stage(board, version)
+
+    async def activate(self, version: int, mode: QuiesceMode) -> float:
+        held = await self.inner.activate(version, mode)
+        self.pauses.append(held)
+        return held
+
+    async def generate(self, req: GenerateRequest) -> Any:
+        return await self.inner.generate(req)
+
+    async def recover(self) -> None:
+        await self.inner.recover()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def _greedy(out: Any) -> list[tuple[list[int], list[float]]]:
+    return [(c.token_ids, c.logprobs) for c in out.choices]
+
+
+async def _answers(backend: Backend) -> list[Any]:
+    reqs = [GenerateRequest(prompt_token_ids=p, max_tokens=16, temperature=0.0) for p in PROMPTS]
+    return [_greedy(await backend.generate(r)) for r in reqs]
+
+
+@contextlib.asynccontextmanager
+async def _engine(kind: str, model: Path, work: Path, name: str) -> AsyncIterator[Backend]:
+    """An engine serving ``model`` (a materialized version), as a sidecar backend."""
+    if kind == "reference":
+        engine = Engine(model, dtype=torch.bfloat16)  # weights arrive by activation only
+        engine.activate(load_file(model / WEIGHTS), version=0)
+        backend: Backend = ReferenceBackend(engine)
+        try:
+            yield backend
+        finally:
+            await backend.aclose()
+        return
+    with contextlib.ExitStack() as stack:
+        http: HttpBackend
+        if kind == "vllm":
+            from policies.serve.backends.vllm import VLLMBackend
+            from policies.serve.backends.vllm_launch import engine_python, vllm_server
+
+            python = await anyio.to_thread.run_sync(engine_python)
+            url = stack.enter_context(vllm_server(python, model, work / f"{name}.log"))
+            http = VLLMBackend(url, work_dir=work / name, model="m", max_context=2048)
+        else:
+            http = _llamacpp(model, work / name)
+        try:
+            await http.connect()
+            yield http
+        finally:
+            await http.aclose()
+
+
+def _llamacpp(model: Path, work: Path) -> HttpBackend:
+    from policies.board.gguf import base_files
+    from policies.serve.backends.llamacpp import LlamaCppBackend
+    from policies.serve.backends.llamacpp_wire import LlamaOptions, find_llama_server
+
+    options = LlamaOptions(server=find_llama_server(None))
+    return LlamaCppBackend(
+        options, base=base_files(model), workdir=work, model="m", max_context=2048
+    )
+
+
+def _publish(board: Board, version: int, view: dict[str, torch.Tensor]) -> Manifest:
+    return board.publish(version, view, view_name="bfloat16")
+
+
+async def run(
+    kind: str, root: Path, model: Path, versions: int, density: float, mbit: float, poll_s: float
+) -> dict[str, Any]:
+    pub = Board(str(root / "board"), "bench")
+    pub.create(model)
+    weights = load_file(model / "model.safetensors")
+    tied = bool(AutoConfig.from_pretrained(model).tie_word_embeddings)
+    view = {
+        k: w.to(torch.bfloat16)
+        for k, w in weights.items()
+        if not (tied and k == "lm_head.weight")  # shipped once, as the embedding
+    }
+    pub.publish(0, view, view_name="bfloat16")
+    start_dir = pub.materialize(0, root / "v0")
+    full_bytes = (start_dir / WEIGHTS).stat().st_size
+    link = Link(mbit)
+    gen = torch.Generator().manual_seed(1)
+    rows: list[dict[str, Any]] = []
+    async with _engine(kind, start_dir, root, "live") as inner:
+        backend = _Timed(inner)
+        car = Sidecar(
+            backend,
+            ThrottledBoard(pub.url, "bench", link),
+            poll_interval_s=poll_s,
+            registry=CollectorRegistry(),
+            activation="pause",
+        )
+        async with anyio.create_task_group() as tg:
+            await tg.start(car.run)
+            for v in range(1, versions + 1):
+                view = adam_step(view, density, gen)
+                before = link.bytes
+                t0 = time.perf_counter()
+                manifest = await anyio.to_thread.run_sync(_publish, pub, v, view)
+                car.notify()
+                with anyio.fail_after(300):
+                    while True:
+                        if car.applied_version == v:
+                            break
+                        await anyio.sleep(poll_s / 4)
+                rows.append(
+                    {
+                        "version": v,
+                        "publish_to_serving_s": round(time.perf_counter() - t0, 4),
+                        "board_bytes_read": link.bytes - before,
+                        "patch_bytes": manifest.patches[0].bytes,
+                    }
+                )
+            live = await _answers(car.backend)
+            tg.cancel_scope.cancel()
+    fresh_dir = pub.materialize(versions, root / "fresh-model")
+    async with _engine(kind, fresh_dir, root, "fresh") as fresh:
+        exact = live == await _answers(fresh)
+    pauses = sorted(p * 1e3 for p in backend.pauses[1:])  # version 0's is the cold start
+    ratio = max(r["board_bytes_read"] / r["patch_bytes"] for r in rows)
+    return {
+        "engine": kind,
+        "model": str(model),
+        "link_mbit_s": mbit,
+        "density": density,
+        "full_checkpoint_bytes": full_bytes,
+        "full_checkpoint_link_s": round(full_bytes * 8 / (mbit * 1e6), 3),
+        "versions": rows,
+        "publish_to_serving_s_p50": statistics.median(r["publish_to_serving_s"] for r in rows),
+        "board_bytes_per_patch_byte_max": round(ratio, 3),
+        "pause_ms": {
+            "p50": round(statistics.median(pauses), 2),
+            "p99": round(pauses[min(len(pauses) - 1, int(0.99 * len(pauses)))], 2),
+        },
+        "exact": exact,
+    }
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="orchestrate bench sync --engine", description=__doc__)
+    parser.add_argument("--engine", choices=ENGINES, required=True)
+    parser.add_argument("--model", type=Path, default=Path("runs/models/small"))
+    parser.add_argument("--versions", type=int, default=10)
+    parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--link-mbit", type=float, default=100.0)
+    parser.add_argument("--poll-ms", type=float, default=20.0)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    configure(level="warning")
+    if not (args.model / "config.json").exists():
+        from policies.model.build import init_model
+
+        init_model(args.model, "small", seed=0)
+    with tempfile.TemporaryDirectory(prefix="sprawl-bench-engine-") as tmp:
+        result = anyio.run(
+            run,
+            args.engine,
+            Path(tmp),
+            args.model,
+            args.versions,
+            args.density,
+            args.link_mbit,
+            args.poll_ms / 1e3,
+        )
+    if args.json:
+        sys.stdout.write(json.dumps(result) + "\n")
+    else:
+        sys.stdout.write(
+            f"{result['engine']}: publish→serving p50 {result['publish_to_serving_s_p50']} s, "
+            f"board bytes ≤ {result['board_bytes_per_patch_byte_max']}× the patch, "
+            f"pause p50 {result['pause_ms']['p50']} ms p99 {result['pause_ms']['p99']} ms, "
+            f"exact={result['exact']} (full checkpoint: {result['full_checkpoint_bytes']} B, "
+            f"{result['full_checkpoint_link_s']} s on the link)\n"
+        )
+    return 0

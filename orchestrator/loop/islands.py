@@ -1,0 +1,188 @@
+"""Local islands of other engine kinds (``[[fleet.islands]]``): vLLM and llama.cpp, each behind
+an ``orchestrate sidecar`` subprocess, as endpoints of the pool.
+
+- **vLLM** (``vllm-<i>``): the board's newest version (version 0 on a fresh run) is
+  materialized into ``<island dir>/model``; the vLLM API server is started on it under
+  :mod:`orchestrator.loop.guard` (its engine core and workers die with the orchestrator) with the
+  flags of :func:`~policies.serve.backends.vllm_launch.vllm_command`; once its ``/health``
+  answers, ``orchestrate sidecar --engine-kind vllm`` is started in front of it, writing staged
+  versions under ``<island dir>/versions``.
+- **llama.cpp** (``llamacpp-<i>``): ``orchestrate sidecar --engine-kind llamacpp``, which runs
+  and reaps its own ``llama-server``; GGUFs and the server's log are under ``<island dir>``.
+
+Sidecars run with ``--parent-stdin``; every process is a
+:class:`~orchestrator.loop.children.Children` child (sidecar logs ``<log dir>/<id>.log``, vLLM's
+``<log dir>/<id>-engine.log``). The engine environments are built on first use when not configured
+(``scripts/build-vllm-env.sh``, ``scripts/build-llama-server.sh``; cached outside the clone).
+
+Not covered: GPUs (every island serves on CPU), restarting an island that dies mid-run (the
+pool's breaker takes it out of rotation).
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import aiohttp
+import anyio
+import structlog
+
+from orchestrator.config import IslandConfig, LlamaCppIslandConfig, VLLMIslandConfig
+from orchestrator.errors import FleetError
+from orchestrator.loop.children import Child, Children, read_ready
+from orchestrator.types import EndpointRef
+from policies.errors import EngineError
+
+log = structlog.get_logger(__name__)
+ROOT = Path(__file__).resolve().parents[2]
+HEALTH_EVERY_S = 0.5
+"""vLLM gives no readiness signal but ``/health``: how often it is asked while starting."""
+
+
+def island_ids(islands: Sequence[IslandConfig]) -> list[str]:
+    """``<kind>-<i>``, numbered per kind in config order."""
+    seen: dict[str, int] = {}
+    ids = []
+    for spec in islands:
+        ids.append(f"{spec.kind}-{seen.get(spec.kind, 0)}")
+        seen[spec.kind] = seen.get(spec.kind, 0) + 1
+    return ids
+
+
+async def start_island(
+    index: int,
+    spec: IslandConfig,
+    children: Children,
+    *,
+    island_id: str,
+    board_url: str,
+    run: str,
+    island_dir: Path,
+    poll_interval_s: float,
+) -> EndpointRef:
+    """Start island ``fleet.islands[index]`` and return it as an endpoint once it serves."""
+    key = f"fleet.islands[{index}]"
+    await anyio.Path(island_dir).mkdir(parents=True, exist_ok=True)
+    sidecar = [
+        sys.executable, "-m", "orchestrator.cli", "sidecar", "--engine-kind", spec.kind,
+        "--board", board_url, "--run", run, "--port", "0",
+        "--poll-interval", str(poll_interval_s), "--parent-stdin", "--log-format", "json",
+    ]  # fmt: skip
+    try:
+        binary = await anyio.to_thread.run_sync(_engine_binary, spec)  # before the clock starts
+        with anyio.move_on_after(spec.startup_timeout_s):
+            if isinstance(spec, VLLMIslandConfig):
+                sidecar += await _vllm_engine(
+                    spec, binary, children, island_id, island_dir, run, board_url
+                )
+            else:
+                sidecar += _llamacpp_args(spec, binary, island_dir)
+            child = await children.spawn(island_id, sidecar)
+            url = await read_ready(child, math.inf, key)
+            log.info(
+                "island_started", island=island_id, kind=spec.kind, url=url, pid=child.proc.pid
+            )
+            return EndpointRef(id=island_id, url=url, weight=spec.weight)
+    except (EngineError, FleetError) as exc:
+        raise FleetError(f"{key} ({spec.kind}): {exc}") from None
+    raise FleetError(
+        f"{key} ({island_id}) not ready after {spec.startup_timeout_s}s "
+        f"({key}.startup_timeout_s); see {children.log_dir}/{island_id}*.log"
+    )
+
+
+def _engine_binary(spec: IslandConfig) -> Path:
+    """The configured engine binary, or the cached build (built first when it is missing)."""
+    if isinstance(spec, VLLMIslandConfig):
+        from policies.serve.backends.vllm_launch import engine_python
+
+        return spec.python or engine_python()
+    return spec.llama_server or _llama_server()
+
+
+async def _vllm_engine(
+    spec: VLLMIslandConfig,
+    python: Path,
+    children: Children,
+    island_id: str,
+    island_dir: Path,
+    run: str,
+    board_url: str,
+) -> list[str]:
+    """Start vLLM on the board's newest version; the sidecar arguments that point at it."""
+    from policies.board import Board
+    from policies.serve.backends.base import free_port
+    from policies.serve.backends.vllm_launch import vllm_command, vllm_env
+
+    board = Board(board_url, run)
+    model_dir = island_dir / "model"
+    version = await anyio.to_thread.run_sync(board.latest)
+    if version is None:
+        raise FleetError("the board has no version to start vLLM from")
+    await anyio.to_thread.run_sync(board.materialize, version, model_dir)
+    port = free_port()
+    argv = vllm_command(python, model_dir, name=run, port=port, max_model_len=spec.max_model_len)
+    engine = await children.spawn(
+        f"{island_id}-engine",
+        [sys.executable, "-m", "orchestrator.loop.guard", *argv],
+        env=vllm_env(),
+        ready_line=False,
+        grace_s=30.0,  # longer than the guard's own grace for vLLM
+    )
+    url = f"http://127.0.0.1:{port}"
+    await _until_healthy(url, engine)
+    log.info("vllm_started", island=island_id, url=url, version=version, pid=engine.proc.pid)
+    return [
+        "--engine-url", url, "--model", run, "--activation", spec.activation,
+        "--materialize-dir", str(island_dir / "versions"),
+    ]  # fmt: skip
+
+
+async def _until_healthy(url: str, engine: Child) -> None:
+    """Return once ``url``/health answers 200; raise if the engine exits first."""
+    async with aiohttp.ClientSession() as session, anyio.create_task_group() as tg:
+
+        async def exited() -> None:
+            code = await engine.proc.wait()
+            raise FleetError(f"vLLM exited with {code} while starting; see {engine.log_path}")
+
+        tg.start_soon(exited)
+        while True:
+            try:
+                async with session.get(
+                    f"{url}/health", timeout=aiohttp.ClientTimeout(total=2)
+                ) as r:
+                    if r.status == 200:
+                        break
+            except (aiohttp.ClientError, TimeoutError):
+                pass  # not listening yet
+            await anyio.sleep(HEALTH_EVERY_S)
+        tg.cancel_scope.cancel()
+
+
+def _llamacpp_args(spec: LlamaCppIslandConfig, server: Path, island_dir: Path) -> list[str]:
+    args = ["--llama-server", str(server), "--materialize-dir", str(island_dir)]
+    if spec.ctx is not None:
+        args += ["--llama-ctx", str(spec.ctx)]
+    if spec.restart:
+        args.append("--llama-restart")
+    args += [f"--llama-arg={a}" for a in spec.args]
+    return args
+
+
+def _llama_server() -> Path:
+    """The cached ``llama-server``, built first if it is missing (about 10 minutes)."""
+    from policies.serve.backends.llamacpp_wire import default_server_path
+
+    cached = default_server_path()
+    if cached.is_file():
+        return cached
+    script = ROOT / "scripts" / "build-llama-server.sh"
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise EngineError(f"scripts/build-llama-server.sh failed:\n{out.stderr[-3000:]}")
+    return Path(out.stdout.strip().splitlines()[-1])

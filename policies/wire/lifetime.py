@@ -1,0 +1,41 @@
+"""A child process's lifetime tied to its parent: stdin at end of file, SIGINT / SIGTERM.
+
+The local fleet starts every child with a pipe on its stdin and never writes to it; the pipe
+closes when the orchestrator exits for any reason, SIGKILL included. A child that awaits
+:func:`stdin_closed` (``--parent-stdin``) beside its work therefore never outlives the
+orchestrator. :func:`cancel_on_signal` turns SIGINT / SIGTERM into a cancellation, so the
+child's own cleanup (``finally`` blocks, context managers) runs instead of Python's default
+exit.
+
+Not covered: a parent that keeps the pipe open while hung (the fleet's SIGTERM → SIGKILL covers
+that one).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import anyio
+
+
+async def stdin_closed() -> None:
+    """Return when standard input reaches end of file (the parent process went away)."""
+    fd = sys.stdin.fileno()
+    os.set_blocking(fd, False)
+    while True:
+        await anyio.wait_readable(fd)
+        try:
+            if not os.read(fd, 65536):
+                return
+        except BlockingIOError:
+            continue
+
+
+async def cancel_on_signal(scope: anyio.CancelScope) -> None:
+    """Cancel ``scope`` at the first SIGINT or SIGTERM."""
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            scope.cancel()
+            return

@@ -1,0 +1,125 @@
+"""configs/islands.toml end to end: one reference engine, one vLLM island and one llama.cpp
+island serve one run; every version an endpoint served was activated there, and no process is
+left behind.
+
+Marked slow: it uses the cached engine builds (``scripts/build-vllm-env.sh``,
+``scripts/build-llama-server.sh``; built first when missing) and ``runs/models/small`` (built
+once when missing, minutes on 2 cores); vLLM's start-up (≈ 40 s on 2 cores) dominates the run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from orchestrator.record.frames import read_log
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+ENDPOINTS = {"engine-0", "vllm-0", "llamacpp-0"}
+
+
+@pytest.fixture(scope="session")
+def small_model_dir() -> Path:
+    """``runs/models/small`` (what the config names), built once if it is missing."""
+    path = ROOT / "runs" / "models" / "small"
+    if not (path / "config.json").exists():
+        from policies.model.build import init_model
+
+        init_model(path, "small", seed=0)
+    return path
+
+
+def _activated(log: Path) -> set[int]:
+    versions = set()
+    for line in log.read_text().splitlines():
+        if '"version_activated"' in line:
+            versions.add(int(json.loads(line)["version"]))
+    return versions
+
+
+def _run(
+    tmp_path: Path, model: Path, *extra: str, kill_when: str | None = None
+) -> tuple[subprocess.Popen[bytes], dict[int, psutil.Process], str]:
+    """Run configs/islands.toml to the end (or SIGKILL it once ``kill_when`` has been logged as
+    often as there are islands); every descendant it ever had, engines' own children included,
+    and their command lines."""
+    cmd = [
+        sys.executable, "-m", "orchestrator.cli", "--config", "configs/islands.toml",
+        "--run.root", str(tmp_path), "--model.path", str(model), "--log-format", "json", *extra,
+    ]  # fmt: skip
+    seen: dict[int, psutil.Process] = {}
+    cmdlines: list[str] = []
+    with (tmp_path / "stdout").open("w") as o, (tmp_path / "stderr").open("w") as e:
+        proc = subprocess.Popen(cmd, stdout=o, stderr=e, cwd=ROOT)
+        me = psutil.Process(proc.pid)
+        while True:
+            try:
+                for child in me.children(recursive=True):
+                    if child.pid not in seen:
+                        seen[child.pid] = child
+                        cmdlines.append(" ".join(child.cmdline()))
+            except psutil.NoSuchProcess:
+                pass
+            if kill_when and (tmp_path / "stderr").read_text().count(kill_when) == 2:
+                proc.kill()
+            try:
+                proc.wait(timeout=1)
+                return proc, seen, "\n".join(cmdlines)
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def _left_behind(seen: dict[int, psutil.Process], within_s: float) -> list[str]:
+    _, alive = psutil.wait_procs(list(seen.values()), timeout=within_s)
+    left = []
+    for p in alive:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                left.append(" ".join(p.cmdline()))
+        except psutil.NoSuchProcess:
+            continue
+    return left
+
+
+def test_one_run_on_reference_vllm_and_llamacpp(tmp_path: Path, small_model_dir: Path) -> None:
+    proc, seen, cmdlines = _run(tmp_path, small_model_dir, "--trainer.max_steps", "3")
+    err, out = tmp_path / "stderr", tmp_path / "stdout"
+    assert proc.returncode == 0, err.read_text()[-3000:]
+    stdout = out.read_text()
+    assert "steps:     3" in stdout
+
+    for name in ("orchestrator.cli serve", "orchestrator.loop.guard", "vllm.entrypoints"):
+        assert name in cmdlines
+    assert "llama-server" in cmdlines
+    assert not _left_behind(seen, within_s=0)
+
+    run_dir = tmp_path / "islands"
+    records = read_log(run_dir / "trajectories")
+    segments = [s for r in records if r["type"] == "episode" for s in r["episode"]["segments"]]
+    served: dict[str, set[int]] = {}
+    for seg in segments:
+        stamp = seg["policy_version"]
+        served.setdefault(seg["endpoint"], set()).update({stamp["start"], stamp["end"]})
+    assert set(served) == ENDPOINTS
+    for endpoint, versions in served.items():
+        activated = _activated(run_dir / "logs" / f"{endpoint}.log")
+        assert versions <= activated, (endpoint, versions, activated)
+        assert max(activated) >= 1, (endpoint, activated)  # later versions came as patches
+        assert f"{endpoint}: v" in stdout  # the summary's calls per endpoint
+
+
+def test_killed_orchestrator_leaves_no_island_behind(tmp_path: Path, small_model_dir: Path) -> None:
+    """SIGKILL: nothing stops the children but their closed stdin (sidecars, vLLM's guard)."""
+    proc, seen, cmdlines = _run(
+        tmp_path, small_model_dir, "--trainer.max_steps", "1000", kill_when='"island_started"'
+    )
+    assert proc.returncode == -9, (tmp_path / "stderr").read_text()[-3000:]
+    assert "vllm.entrypoints" in cmdlines
+    assert "llama-server" in cmdlines
+    assert not _left_behind(seen, within_s=60)

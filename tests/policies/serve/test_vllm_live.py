@@ -1,0 +1,212 @@
+"""A live vLLM CPU engine behind the sidecar: real trainer versions arrive as patches, and the
+engine serves each one exactly as a fresh engine started on it would.
+
+Marked slow: it builds (once, cached outside the clone) the vLLM engine env and starts vLLM
+twice (≈ 40 s each on 2 cores).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import anyio
+import pytest
+
+from policies.board import Board
+from policies.serve.backends.base import free_port
+from policies.serve.backends.standalone import serve_sidecar
+from policies.serve.backends.vllm import VLLMBackend
+from policies.serve.backends.vllm_launch import engine_python, vllm_server
+from policies.train.config import TrainerConfig
+from policies.train.trainer import Trainer, TrainSample
+from policies.wire.lane import GenerateRequest
+from staleness.config import NoCorrection
+from tests.support.vllm import head_dim_32
+
+pytestmark = [pytest.mark.slow, pytest.mark.anyio]
+PROMPTS = [[1, 17, 300, 42, 99, 7], [1, 5, 6, 7, 8, 9, 10, 11, 12], [1, 400, 401, 2, 1, 33]]
+
+
+def _samples(seed: int) -> list[TrainSample]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(4):
+        ids = [rng.randrange(3, 2000) for _ in range(12)]
+        out.append(TrainSample(ids, [False] * 6 + [True] * 6, [0.0] * 6 + [-7.0] * 6, rng.random()))
+    return out
+
+
+@asynccontextmanager
+async def _sidecar(engine_url: str, board: Board, work: Path) -> AsyncIterator[str]:
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(
+            lambda task_status: serve_sidecar(
+                engine_url=engine_url,
+                engine_kind="vllm",
+                board_url=board.url,
+                run=board.run,
+                host="127.0.0.1",
+                port=0,
+                token=None,
+                poll_interval_s=0.1,
+                activation="pause",
+                materialize_dir=work,
+                model="m",
+                task_status=task_status,
+            )
+        )
+        yield f"http://127.0.0.1:{port}"
+        tg.cancel_scope.cancel()
+
+
+async def _policy(s: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    async with s.get(f"{url}/v1/policy") as r:
+        policy: dict[str, Any] = await r.json()
+        return policy
+
+
+async def _wait_version(s: aiohttp.ClientSession, url: str, version: int) -> None:
+    with anyio.fail_after(120):
+        while True:
+            if (await _policy(s, url))["applied_version"] == version:
+                return
+            await anyio.sleep(0.1)
+
+
+async def _generate(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, Any]:
+    async with s.post(f"{url}/v1/generate", json=body) as r:
+        return r.status, await r.json()
+
+
+async def _metric(s: aiohttp.ClientSession, url: str, name: str) -> float:
+    async with s.get(f"{url}/metrics") as r:
+        for line in (await r.text()).splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return 0.0
+
+
+class _Restartable:
+    """The live engine, which the test kills and starts again on the same port."""
+
+    def __init__(self, python: Path, model: Path, logs: Path, port: int) -> None:
+        self.python, self.model, self.logs, self.port = python, model, logs, port
+        self.stack = contextlib.ExitStack()
+        self.starts = 0
+
+    @contextlib.contextmanager
+    def start(self) -> Iterator[str]:
+        with self.stack:
+            yield self.restart()
+
+    def restart(self) -> str:
+        self.stack.close()
+        self.starts += 1
+        log = self.logs / f"live-{self.starts}.log"
+        return self.stack.enter_context(
+            vllm_server(self.python, self.model, log, port=self.port, max_model_len=512)
+        )
+
+
+async def _restart_engine(
+    s: aiohttp.ClientSession,
+    url: str,
+    engine: _Restartable,
+    before: list[dict[str, Any]],
+    bodies: list[dict[str, Any]],
+) -> None:
+    """The engine dies mid-request (503), comes back on its startup weights, and the sidecar
+    puts the live version back before it serves again: the same tokens as before."""
+    async with anyio.create_task_group() as tg:
+        results: list[int] = []
+
+        async def long() -> None:
+            """Long generations back to back (one may end early on EOS) until one fails."""
+            body = {"prompt_token_ids": PROMPTS[1], "max_tokens": 400, "temperature": 1.0}
+            while not results or results[-1] == 200:
+                results.append((await _generate(s, url, body))[0])
+
+        tg.start_soon(long)
+        await anyio.sleep(1.0)
+        engine.stack.close()  # SIGTERM to the whole process group, mid-generation
+    assert results[-1] == 503
+    status, _ = await _generate(s, url, bodies[0])
+    assert status == 503
+    await anyio.to_thread.run_sync(engine.restart)  # on v0's weights, as a restarted engine is
+    with anyio.fail_after(60):
+        while True:
+            if (await _generate(s, url, bodies[0]))[0] == 200:
+                break
+            await anyio.sleep(0.2)
+    again = [(await _generate(s, url, b))[1] for b in bodies]
+    assert [r["choices"][0] for r in again] == [r["choices"][0] for r in before]
+
+
+async def test_trainer_versions_through_the_sidecar_serve_like_a_fresh_engine(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    python = await anyio.to_thread.run_sync(engine_python)
+    model = head_dim_32(tiny_model_dir, tmp_path / "model")
+    board = Board(str(tmp_path / "board"), "run")
+    config = TrainerConfig(lr=3e-2, served_dtype="bfloat16")
+    trainer = Trainer(
+        model, board, config, correction=NoCorrection(), temperature=1.0, group_size=4, seed=0
+    )
+    trainer.publish()
+    v0 = board.materialize(0, tmp_path / "v0")
+    bodies = [{"prompt_token_ids": p, "max_tokens": 12, "temperature": 0.0} for p in PROMPTS]
+    sampled = {"prompt_token_ids": PROMPTS[0], "max_tokens": 12, "temperature": 1.0, "seed": 7}
+
+    port = free_port()
+    engine_cm = _Restartable(python, v0, tmp_path, port)
+    with engine_cm.start() as engine:
+        async with (
+            _sidecar(engine, board, tmp_path / "island") as url,
+            aiohttp.ClientSession() as s,
+        ):
+            await _wait_version(s, url, 0)
+            greedy_v0 = [(await _generate(s, url, b))[1] for b in bodies]
+            for step in range(3):
+                before = await _metric(s, url, "sprawl_board_bytes_read_total")
+                await anyio.to_thread.run_sync(trainer.step, _samples(step))
+                await _wait_version(s, url, step + 1)
+                read = await _metric(s, url, "sprawl_board_bytes_read_total") - before
+                patch = board.manifest(step + 1).patches[0].bytes
+                assert 0 < read <= 2 * patch + 4096, (read, patch)  # the patch, not the checkpoint
+            live = [(await _generate(s, url, b))[1] for b in [*bodies, sampled]]
+            assert all(r["policy_version"] == {"start": 3, "end": 3} for r in live)
+            assert [r["choices"][0]["token_ids"] for r in live[:3]] != [
+                r["choices"][0]["token_ids"] for r in greedy_v0
+            ]  # the versions really changed what is served
+
+            status, conflict = await _generate(s, url, {**bodies[0], "policy_version": {"max": 2}})
+            assert status == 409
+            assert conflict["error"]["type"] == "policy_version_unavailable"
+            status, long = await _generate(
+                s, url, {"prompt_token_ids": [5] * 600, "max_tokens": 4}
+            )  # the engine runs with --max-model-len 512, whatever the board's config says
+            assert status == 400, long
+            pause_count = await _metric(s, url, "sprawl_activation_pause_seconds_count")
+            pause_sum = await _metric(s, url, "sprawl_activation_pause_seconds_sum")
+            assert pause_count == 4
+            await _restart_engine(s, url, engine_cm, live, [*bodies, sampled])
+
+    v3 = board.materialize(3, tmp_path / "v3")
+    with vllm_server(python, v3, tmp_path / "fresh.log", max_model_len=512) as fresh:
+        backend = VLLMBackend(fresh, work_dir=tmp_path / "unused", model="m", max_context=512)
+        try:
+            for body, got in zip([*bodies, sampled], live, strict=True):
+                req = GenerateRequest.model_validate(body)
+                tokens, logprobs, _ = await backend.generate_one(req, req.seed)
+                assert got["choices"][0]["token_ids"] == tokens
+                assert got["choices"][0]["logprobs"] == logprobs  # bit for bit, as JSON floats
+        finally:
+            await backend.aclose()
+    (tmp_path / "pause.json").write_text(json.dumps({"n": pause_count, "sum_s": pause_sum}))
