@@ -54,30 +54,12 @@ from policies.board.read import (
     WEIGHTS,
     BoardReader,
     anchor_payload,
-    state_digest,
+    manifest_digest,
 )
-from policies.board.store import redact
-from policies.board.types import BoardOptions, CatchUp, Manifest, PatchRef, Step, TensorEntry
+from policies.board.types import BoardOptions, Manifest, PatchRef, TensorEntry
 from policies.codec import CODEC, encode_patch, read_patch_header
-from policies.codec.digests import checksums, storage_key, tensor_checksum
+from policies.codec.digests import checksums, storage_key
 from policies.errors import BoardError, VersionCorrupt
-
-__all__ = [
-    "BASE_FILES",
-    "WEIGHTS",
-    "Board",
-    "BoardOptions",
-    "BoardReader",
-    "CatchUp",
-    "Manifest",
-    "PatchRef",
-    "Step",
-    "TensorEntry",
-    "anchor_payload",
-    "redact",
-    "state_digest",
-    "tensor_checksum",
-]
 
 log = structlog.get_logger(__name__)
 
@@ -132,7 +114,7 @@ class Board(BoardReader):
             )
             for k, t in tensors.items()
         }
-        digest = state_digest(entries)
+        digest = manifest_digest(entries)
         full_bytes = sum(t.nbytes for t in {storage_key(t): t for t in tensors.values()}.values())
         head = self._head if self._head is not None and self._head.version == latest else None
         held = self._held if head is not None else {}

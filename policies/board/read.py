@@ -37,8 +37,9 @@ WEIGHTS = "model.safetensors"
 MANIFEST = "manifest.json"
 
 
-def state_digest(entries: Mapping[str, TensorEntry]) -> str:
-    """Digest of a whole version: names, dtypes, shapes and checksums (= the codec's digest)."""
+def manifest_digest(entries: Mapping[str, TensorEntry]) -> str:
+    """Digest of a version from its manifest entries: names, dtypes, shapes and checksums — the
+    same string as :func:`policies.codec.digests.state_digest` of the tensors."""
     return digest_of((k, e.dtype, e.shape, e.checksum) for k, e in entries.items())
 
 
@@ -135,7 +136,7 @@ class BoardReader:
             m = Manifest.model_validate_json(raw)
         except ValueError as exc:
             raise VersionCorrupt(f"version {version}: manifest unreadable: {exc}") from None
-        if m.version != version or state_digest(m.tensors) != m.digest:
+        if m.version != version or manifest_digest(m.tensors) != m.digest:
             raise VersionCorrupt(f"version {version}: manifest does not match its own digest")
         if self._seen_latest is not None and version <= self._seen_latest:
             self._manifests[version] = m

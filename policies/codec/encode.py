@@ -49,9 +49,9 @@ unit of every dense chunk (chunk order), each transformed by CODING — 0 ``xor`
 sign-magnitude floats to ordered integers) — and split into ``width`` byte planes, low byte
 first. The encoder picks the coding with the lowest order-0 entropy on the first 16k values.
 
-Modules: this one encodes (and re-exports the rest); :mod:`policies.codec.format` holds the frame
-and header, :mod:`policies.codec.apply` applies patches, :mod:`policies.codec.ops` reads and
-writes sections (numba-compiled loops in :mod:`policies.codec.kernels` and
+Modules: this one encodes (the package names the public surface); :mod:`policies.codec.format` holds
+the frame and header, :mod:`policies.codec.apply` applies patches, :mod:`policies.codec.ops` reads
+and writes sections (numba-compiled loops in :mod:`policies.codec.kernels` and
 :mod:`policies.codec.kernels_apply`; vectorized numpy reference of the format alongside).
 """
 
@@ -78,60 +78,21 @@ from policies.codec.digests import (
     raw_bytes,
     state_digest,
     storage_key,
-    tensor_checksum,
 )
 from policies.codec.format import (
     CHUNK,
-    CODEC,
     FORMAT,
     MAGIC,
     U32,
-    PatchHeader,
-    TensorRecord,
-    read_patch_header,
 )
 from policies.codec.kernels import UInt
 from policies.codec.ops import (
-    BITMASK,
-    DENSE,
-    SPARSE,
     Changes,
-    Coding,
-    decode_positions,
-    encode_positions,
     encode_section,
     start_changes,
     unit_view,
-    varint_planes,
-    varint_values,
 )
-from policies.errors import PatchBaseMismatch, PatchChecksumMismatch, PatchCorrupt, PatchError
-
-__all__ = [
-    "BITMASK",
-    "CODEC",
-    "DENSE",
-    "SPARSE",
-    "Coding",
-    "PatchBaseMismatch",
-    "PatchChecksumMismatch",
-    "PatchCorrupt",
-    "PatchError",
-    "PatchHeader",
-    "TensorRecord",
-    "apply_patch",
-    "checksums",
-    "decode_positions",
-    "digest_of",
-    "encode_patch",
-    "encode_positions",
-    "read_patch_header",
-    "squash",
-    "state_digest",
-    "tensor_checksum",
-    "varint_planes",
-    "varint_values",
-]
+from policies.errors import PatchError
 
 log = structlog.get_logger(__name__)
 

@@ -23,6 +23,8 @@ import torch
 from aiohttp import web
 from safetensors.torch import load_file
 
+from tests.support.lane import loopback
+
 SAMPLING_FIELDS = {
     # SamplingParams' API fields (sampling/sampling_params.py); anything else is a TypeError there
     "max_new_tokens",
@@ -172,11 +174,5 @@ async def sglang_server(fake: FakeSGLang) -> AsyncIterator[str]:
     """Serve ``fake`` on loopback; its base URL."""
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", fake.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with loopback(app) as url:
+        yield url

@@ -23,9 +23,9 @@ import torch
 from aiohttp import web
 
 from policies.board import Board
-from policies.serve.backends.standalone import serve_sidecar
 from policies.serve.backends.vllm_worker import SprawlWorkerExtension
 from tests.support.boards import publish_scaled, tiny_board
+from tests.support.lane import generate, loopback, standalone, wait_version
 
 pytestmark = pytest.mark.anyio
 Reply = Callable[[dict[str, Any]], Awaitable[Any]]
@@ -53,61 +53,19 @@ class Fake:
             return reply
         return web.json_response(reply)
 
-
-@asynccontextmanager
-async def fake_server(fake: Fake) -> AsyncIterator[str]:
-    app = web.Application()
-    for path in fake.replies:
-        app.router.add_route("*", path, fake.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
-
-
-@asynccontextmanager
-async def sidecar(engine_url: str, kind: str, board: Board, **kw: Any) -> AsyncIterator[str]:
-    async with anyio.create_task_group() as tg:
-        port = await tg.start(
-            lambda task_status: serve_sidecar(
-                engine_url=engine_url,
-                engine_kind=kind,
-                board_url=board.url,
-                run=board.run,
-                host="127.0.0.1",
-                port=0,
-                token=None,
-                poll_interval_s=0.05,
-                task_status=task_status,
-                **kw,
-            )
-        )
-        yield f"http://127.0.0.1:{port}"
-        tg.cancel_scope.cancel()
+    @asynccontextmanager
+    async def serve(self) -> AsyncIterator[str]:
+        """This engine on loopback; its base URL."""
+        app = web.Application()
+        for path in self.replies:
+            app.router.add_route("*", path, self.handle)
+        async with loopback(app) as url:
+            yield url
 
 
 @pytest.fixture
 def board(tmp_path: Path, tiny_model_dir: Path) -> Board:
     return tiny_board(tmp_path, tiny_model_dir)
-
-
-async def _generate(url: str, body: dict[str, Any]) -> tuple[int, Any]:
-    async with aiohttp.ClientSession() as s, s.post(f"{url}/v1/generate", json=body) as r:
-        return r.status, await r.json()
-
-
-async def _wait_version(url: str, version: int) -> None:
-    async with aiohttp.ClientSession() as s:
-        with anyio.fail_after(20):
-            while True:
-                async with s.get(f"{url}/v1/policy") as r:
-                    if (await r.json())["applied_version"] == version:
-                        return
-                await anyio.sleep(0.02)
 
 
 async def _wait_failures(url: str, n: int) -> None:
@@ -199,18 +157,18 @@ async def test_vllm_activates_staged_files_by_rpc_and_sends_every_sampling_field
 ) -> None:
     fake = vllm_fake(_ok)
     async with (
-        fake_server(fake) as engine,
-        sidecar(
-            engine, "vllm", board, model="m", activation="pause", materialize_dir=tmp_path
+        fake.serve() as engine,
+        standalone(
+            board, "vllm", engine, model="m", activation="pause", materialize_dir=tmp_path
         ) as url,
     ):
-        await _wait_version(url, 0)
+        await wait_version(url, 0)
         publish_scaled(board, 1, tiny_model_dir, scale=0.5)
-        await _wait_version(url, 1)
-        status, body = await _generate(
+        await wait_version(url, 1)
+        status, body = await generate(
             url, {"prompt_token_ids": [3, 4], "max_tokens": 2, "seed": 9, "top_k": 5}
         )
-        status_long, long = await _generate(url, {"prompt_token_ids": [3] * 64})
+        status_long, long = await generate(url, {"prompt_token_ids": [3] * 64})
     activation = [
         path
         for path, body, _, _ in fake.calls
@@ -250,15 +208,15 @@ async def test_vllm_workers_that_fail_or_disagree_keep_the_old_version(
     )
     fake = vllm_fake(lambda digest: next(answers)(digest))
     async with (
-        fake_server(fake) as engine,
-        sidecar(engine, "vllm", board, model="m", materialize_dir=tmp_path) as url,
+        fake.serve() as engine,
+        standalone(board, "vllm", engine, model="m", materialize_dir=tmp_path) as url,
     ):
-        await _wait_version(url, 0)
+        await wait_version(url, 0)
         publish_scaled(board, 1, tiny_model_dir, scale=0.5)
         await _wait_failures(url, 2)
         async with aiohttp.ClientSession() as s, s.get(f"{url}/v1/policy") as r:
             assert (await r.json())["applied_version"] == 0
-        status, body = await _generate(url, {"prompt_token_ids": [3], "max_tokens": 2})
+        status, body = await generate(url, {"prompt_token_ids": [3], "max_tokens": 2})
         assert (status, body["policy_version"]) == (200, {"start": 0, "end": 0})
     assert fake.paths().count("/reset_prefix_cache") == 1
     assert _staged(tmp_path) == ["v00000000.safetensors"]
@@ -299,14 +257,14 @@ def llama_fake() -> Fake:
 
 async def test_openai_endpoint_serves_its_fixed_version(board: Board) -> None:
     fake = llama_fake()
-    async with fake_server(fake) as engine, sidecar(engine, "openai", board, version=5) as url:
-        status, body = await _generate(url, {"prompt_token_ids": [1], "max_tokens": 2})
+    async with fake.serve() as engine, standalone(board, "openai", engine, version=5) as url:
+        status, body = await generate(url, {"prompt_token_ids": [1], "max_tokens": 2})
         assert status == 200
         assert body["policy_version"] == {"start": 5, "end": 5}
         assert body["choices"][0]["token_ids"] == [21, 22]
         assert body["choices"][0]["logprobs"] == [-1.5, -0.5]
         assert body["choices"][0]["finish_reason"] == "length"
-        status, err = await _generate(
+        status, err = await generate(
             url, {"prompt_token_ids": [1], "policy_version": {"min": 6, "max": None}}
         )
         assert status == 409
@@ -323,12 +281,12 @@ async def test_engine_errors_are_503_and_the_sidecar_keeps_serving(board: Board)
         return await llama_fake().replies["/v1/completions"](body)
 
     fake = Fake({"/v1/completions": completions})
-    async with fake_server(fake) as engine, sidecar(engine, "openai", board, version=1) as url:
-        status, body = await _generate(url, {"prompt_token_ids": [1]})
+    async with fake.serve() as engine, standalone(board, "openai", engine, version=1) as url:
+        status, body = await generate(url, {"prompt_token_ids": [1]})
         assert status == 503
         assert body["error"]["type"] == "engine_unavailable"
         state["fail"] = False
-        status, _ = await _generate(url, {"prompt_token_ids": [1]})
+        status, _ = await generate(url, {"prompt_token_ids": [1]})
         assert status == 200
 
 

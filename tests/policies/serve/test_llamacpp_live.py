@@ -3,6 +3,7 @@ cached) serving real board versions of sprawl's tiny model, compared with fresh 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -29,10 +30,10 @@ from policies.serve.backends.llamacpp_wire import (
     completion_body,
     sampled_logprob,
 )
-from policies.serve.backends.standalone import serve_sidecar
 from policies.serve.decode import sample_token
 from policies.wire.lane import GenerateRequest
 from tests.support.boards import adam_like_step
+from tests.support.lane import standalone
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
 
@@ -72,30 +73,16 @@ def published(tmp_path: Path, tiny_model_dir: Path) -> tuple[Board, State]:
     return board, state
 
 
-@asynccontextmanager
-async def sidecar(
+def sidecar(
     board: Board, server: Path, island: Path, *, prewarm: bool = True
-) -> AsyncIterator[str]:
-    async with anyio.create_task_group() as tg:
-        port = await tg.start(
-            lambda task_status: serve_sidecar(
-                engine_url="",
-                engine_kind="llamacpp",
-                board_url=board.url,
-                run=board.run,
-                host="127.0.0.1",
-                port=0,
-                token=None,
-                poll_interval_s=3600,  # versions arrive by notify only
-                materialize_dir=island,
-                llama=LlamaOptions(
-                    server=server, ctx_size=CTX, extra_args=("-t", "2"), prewarm=prewarm
-                ),
-                task_status=task_status,
-            )
-        )
-        yield f"http://127.0.0.1:{port}"
-        tg.cancel_scope.cancel()
+) -> contextlib.AbstractAsyncContextManager[str]:
+    return standalone(
+        board,
+        "llamacpp",
+        poll_interval_s=3600,  # versions arrive by notify only
+        materialize_dir=island,
+        llama=LlamaOptions(server=server, ctx_size=CTX, extra_args=("-t", "2"), prewarm=prewarm),
+    )
 
 
 @asynccontextmanager

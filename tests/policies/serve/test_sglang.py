@@ -6,8 +6,6 @@ directory as SGLang's loader would, so each activation is checked bit for bit ag
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +17,9 @@ from structlog.testing import capture_logs
 
 from policies.board import Board
 from policies.serve.backends.sglang import INDEX
-from policies.serve.backends.standalone import serve_sidecar
 from policies.serve.decode import QuiesceMode
 from tests.support.boards import publish_scaled, tiny_board
+from tests.support.lane import generate, standalone, wait_metric, wait_version
 from tests.support.sglang import FakeSGLang, load_model_dir, sglang_server
 
 pytestmark = pytest.mark.anyio
@@ -30,28 +28,6 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture
 def board(tmp_path: Path, tiny_model_dir: Path) -> Board:
     return tiny_board(tmp_path, tiny_model_dir)
-
-
-@asynccontextmanager
-async def sidecar(engine_url: str, board: Board, shared: Path, **kw: Any) -> AsyncIterator[str]:
-    async with anyio.create_task_group() as tg:
-        port = await tg.start(
-            lambda task_status: serve_sidecar(
-                engine_url=engine_url,
-                engine_kind="sglang",
-                board_url=board.url,
-                run=board.run,
-                host="127.0.0.1",
-                port=0,
-                token=None,
-                poll_interval_s=0.05,
-                materialize_dir=shared,
-                task_status=task_status,
-                **kw,
-            )
-        )
-        yield f"http://127.0.0.1:{port}"
-        tg.cancel_scope.cancel()
 
 
 def bump(board: Board, version: int, names: list[str]) -> None:
@@ -76,35 +52,6 @@ async def _get(url: str) -> Any:
         return await r.json()
 
 
-async def _generate(url: str, body: dict[str, Any]) -> tuple[int, Any]:
-    async with aiohttp.ClientSession() as s, s.post(f"{url}/v1/generate", json=body) as r:
-        return r.status, await r.json()
-
-
-async def _wait(url: str, version: int) -> None:
-    with anyio.fail_after(20):
-        while True:
-            if (await _get(f"{url}/v1/policy"))["applied_version"] == version:
-                return
-            await anyio.sleep(0.02)
-
-
-async def _metric(url: str, name: str) -> float:
-    async with aiohttp.ClientSession() as s, s.get(f"{url}/metrics") as r:
-        for line in (await r.text()).splitlines():
-            if line.startswith(f"{name} "):
-                return float(line.split()[1])
-    return 0.0
-
-
-async def _wait_metric(url: str, name: str, at_least: float) -> None:
-    with anyio.fail_after(20):
-        while True:
-            if await _metric(url, name) >= at_least:
-                return
-            await anyio.sleep(0.02)
-
-
 async def test_each_version_reaches_sglang_as_its_changed_tensors(
     board: Board, tmp_path: Path
 ) -> None:
@@ -113,13 +60,16 @@ async def test_each_version_reaches_sglang_as_its_changed_tensors(
     names = sorted(board.manifest(0).tensors)
     changes = {1: names[:2], 2: names[1:4], 3: names[5:6]}
     with capture_logs() as logs:
-        async with sglang_server(fake) as engine, sidecar(engine, board, shared) as url:
-            await _wait(url, 0)
+        async with (
+            sglang_server(fake) as engine,
+            standalone(board, "sglang", engine, materialize_dir=shared) as url,
+        ):
+            await wait_version(url, 0)
             inodes = {p.name: p.stat().st_ino for p in shared.glob("t-*.safetensors")}
             for version, changed in changes.items():
                 written = [e for e in logs if e["event"] == "sglang_staged"]
                 bump(board, version, changed)
-                await _wait(url, version)
+                await wait_version(url, version)
                 staged = [e for e in logs if e["event"] == "sglang_staged"][len(written)]
                 assert staged["tensors_written"] == len(changed)  # only what changed
                 assert staged["changed"] == len(changed)
@@ -151,11 +101,14 @@ async def test_a_failed_update_is_put_back_then_retried(board: Board, tmp_path: 
     fake = FakeSGLang()
     shared = tmp_path / "shared"
     names = sorted(board.manifest(0).tensors)
-    async with sglang_server(fake) as engine, sidecar(engine, board, shared) as url:
-        await _wait(url, 0)
+    async with (
+        sglang_server(fake) as engine,
+        standalone(board, "sglang", engine, materialize_dir=shared) as url,
+    ):
+        await wait_version(url, 0)
         fake.fail_updates = 1
         bump(board, 1, names[:3])
-        await _wait_metric(url, "sprawl_activation_failures_total", 1)
+        await wait_metric(url, "sprawl_activation_failures_total", 1)
         # put back: the engine reloaded version 0 from the directory before serving again
         assert [b["weight_version"] for b in fake.bodies("/update_weights_from_disk")][:3] == [
             "0",
@@ -165,7 +118,7 @@ async def test_a_failed_update_is_put_back_then_retried(board: Board, tmp_path: 
         _, v0 = board.load(0)
         assert fake.loaded[1][0] == "0"
         assert same_bits(fake.loaded[1][1], v0)
-        await _wait(url, 1)  # retried with backoff, and then it lands
+        await wait_version(url, 1)  # retried with backoff, and then it lands
     assert same_bits(fake.loaded[-1][1], board.load(1)[1])
     assert same_bits(load_model_dir(shared), board.load(1)[1])
 
@@ -177,18 +130,18 @@ async def test_an_engine_that_cannot_be_put_back_is_503_until_a_version_lands(
     fake = FakeSGLang()
     async with (
         sglang_server(fake) as engine,
-        sidecar(engine, board, tmp_path / "s", activation=mode) as url,
+        standalone(board, "sglang", engine, materialize_dir=tmp_path / "s", activation=mode) as url,
     ):
-        await _wait(url, 0)
+        await wait_version(url, 0)
         fake.fail_updates = 2  # the update and the put-back
         bump(board, 1, sorted(board.manifest(0).tensors)[:1])
-        await _wait_metric(url, "sprawl_activation_failures_total", 1)
-        status, body = await _generate(url, {"prompt_token_ids": [1], "max_tokens": 2})
+        await wait_metric(url, "sprawl_activation_failures_total", 1)
+        status, body = await generate(url, {"prompt_token_ids": [1], "max_tokens": 2})
         if status != 200:  # the retry may already have landed
             assert status == 503
             assert body["error"]["type"] == "engine_unavailable"
-        await _wait(url, 1)
-        status, body = await _generate(url, {"prompt_token_ids": [1], "max_tokens": 2})
+        await wait_version(url, 1)
+        status, body = await generate(url, {"prompt_token_ids": [1], "max_tokens": 2})
         assert status == 200
         assert body["policy_version"] == {"start": 1, "end": 1}
     if mode == "pause":  # retracted requests stayed paused while no version was loaded
@@ -207,34 +160,40 @@ async def test_a_first_version_the_engine_refuses_is_409_meanwhile(
     board: Board, tmp_path: Path
 ) -> None:
     fake = FakeSGLang(fail_updates=1)
-    async with sglang_server(fake) as engine, sidecar(engine, board, tmp_path / "s") as url:
+    async with (
+        sglang_server(fake) as engine,
+        standalone(board, "sglang", engine, materialize_dir=tmp_path / "s") as url,
+    ):
         state = await _get(f"{url}/v1/policy")
         if state["applied_version"] is None:
-            status, body = await _generate(url, {"prompt_token_ids": [1]})
+            status, body = await generate(url, {"prompt_token_ids": [1]})
             assert status == 409
             assert body["error"]["type"] == "policy_version_unavailable"
-        await _wait(url, 0)
+        await wait_version(url, 0)
 
 
 async def test_every_sampling_field_is_sent_and_log_probs_are_of_what_was_sampled(
     board: Board, tmp_path: Path
 ) -> None:
     fake = FakeSGLang(context_len=333)
-    async with sglang_server(fake) as engine, sidecar(engine, board, tmp_path / "s") as url:
-        await _wait(url, 0)
+    async with (
+        sglang_server(fake) as engine,
+        standalone(board, "sglang", engine, materialize_dir=tmp_path / "s") as url,
+    ):
+        await wait_version(url, 0)
         models = await _get(f"{url}/v1/models")
         assert models["data"][0]["max_model_len"] == 333  # the engine's, not the board config's
         plain = {"prompt_token_ids": [1, 2], "max_tokens": 3, "seed": 4, "stop_token_ids": [9]}
-        status, body = await _generate(url, plain)
+        status, body = await generate(url, plain)
         assert status == 200
         assert body["choices"][0]["token_ids"] == [7, 8, 9]
         assert body["choices"][0]["logprobs"] == [-0.25, -0.5, -0.75]
         truncated = {**plain, "temperature": 0.7, "top_k": 5, "top_p": 0.9}
-        status, body = await _generate(url, truncated)
+        status, body = await generate(url, truncated)
         assert status == 200
         assert body["choices"][0]["logprobs"] == [-0.125, -0.25, -0.375]  # renormalized
         fake.sampling_logprobs = False  # an SGLang without return_sampling_mask
-        status, body = await _generate(url, truncated)
+        status, body = await generate(url, truncated)
         assert status == 503
     first, second, _ = fake.bodies("/generate")
     assert first["input_ids"] == [1, 2]
@@ -270,13 +229,13 @@ async def test_activation_modes(
     fake = FakeSGLang(delay=0.6)
     async with (
         sglang_server(fake) as engine,
-        sidecar(engine, board, tmp_path / "s", activation=mode) as url,
+        standalone(board, "sglang", engine, materialize_dir=tmp_path / "s", activation=mode) as url,
     ):
-        await _wait(url, 0)
+        await wait_version(url, 0)
         result: dict[str, Any] = {}
 
         async def call() -> None:
-            result["out"] = await _generate(
+            result["out"] = await generate(
                 url, {"prompt_token_ids": [1, 2], "max_tokens": 3, "seed": 4, "n": 2}
             )
 
@@ -284,7 +243,7 @@ async def test_activation_modes(
             tg.start_soon(call)
             await anyio.sleep(0.2)  # the first choice is in flight at the engine
             publish_scaled(board, 1, tiny_model_dir, scale=0.5)
-            await _wait(url, 1)
+            await wait_version(url, 1)
         status, body = result["out"]
     assert status == 200
     seeds = [b["sampling_params"]["sampling_seed"] for b in fake.bodies("/generate")]

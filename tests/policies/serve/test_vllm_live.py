@@ -10,24 +10,22 @@ from __future__ import annotations
 import contextlib
 import json
 import random
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import anyio
 import pytest
 
 from policies.board import Board
 from policies.serve.backends.base import free_port
-from policies.serve.backends.standalone import serve_sidecar
 from policies.serve.backends.vllm import VLLMBackend
 from policies.serve.backends.vllm_launch import engine_python, vllm_server
 from policies.train.config import TrainerConfig
 from policies.train.trainer import Trainer, TrainSample
 from policies.wire.lane import GenerateRequest
 from staleness.config import NoCorrection
+from tests.support.lane import generate, metric, standalone, wait_version
 from tests.support.vllm import head_dim_32
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
@@ -41,56 +39,6 @@ def _samples(seed: int) -> list[TrainSample]:
         ids = [rng.randrange(3, 2000) for _ in range(12)]
         out.append(TrainSample(ids, [False] * 6 + [True] * 6, [0.0] * 6 + [-7.0] * 6, rng.random()))
     return out
-
-
-@asynccontextmanager
-async def _sidecar(engine_url: str, board: Board, work: Path) -> AsyncIterator[str]:
-    async with anyio.create_task_group() as tg:
-        port = await tg.start(
-            lambda task_status: serve_sidecar(
-                engine_url=engine_url,
-                engine_kind="vllm",
-                board_url=board.url,
-                run=board.run,
-                host="127.0.0.1",
-                port=0,
-                token=None,
-                poll_interval_s=0.1,
-                activation="pause",
-                materialize_dir=work,
-                model="m",
-                task_status=task_status,
-            )
-        )
-        yield f"http://127.0.0.1:{port}"
-        tg.cancel_scope.cancel()
-
-
-async def _policy(s: aiohttp.ClientSession, url: str) -> dict[str, Any]:
-    async with s.get(f"{url}/v1/policy") as r:
-        policy: dict[str, Any] = await r.json()
-        return policy
-
-
-async def _wait_version(s: aiohttp.ClientSession, url: str, version: int) -> None:
-    with anyio.fail_after(120):
-        while True:
-            if (await _policy(s, url))["applied_version"] == version:
-                return
-            await anyio.sleep(0.1)
-
-
-async def _generate(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, Any]:
-    async with s.post(f"{url}/v1/generate", json=body) as r:
-        return r.status, await r.json()
-
-
-async def _metric(s: aiohttp.ClientSession, url: str, name: str) -> float:
-    async with s.get(f"{url}/metrics") as r:
-        for line in (await r.text()).splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    return 0.0
 
 
 class _Restartable:
@@ -116,7 +64,6 @@ class _Restartable:
 
 
 async def _restart_engine(
-    s: aiohttp.ClientSession,
     url: str,
     engine: _Restartable,
     before: list[dict[str, Any]],
@@ -131,21 +78,21 @@ async def _restart_engine(
             """Long generations back to back (one may end early on EOS) until one fails."""
             body = {"prompt_token_ids": PROMPTS[1], "max_tokens": 400, "temperature": 1.0}
             while not results or results[-1] == 200:
-                results.append((await _generate(s, url, body))[0])
+                results.append((await generate(url, body))[0])
 
         tg.start_soon(long)
         await anyio.sleep(1.0)
         engine.stack.close()  # SIGTERM to the whole process group, mid-generation
     assert results[-1] == 503
-    status, _ = await _generate(s, url, bodies[0])
+    status, _ = await generate(url, bodies[0])
     assert status == 503
     await anyio.to_thread.run_sync(engine.restart)  # on v0's weights, as a restarted engine is
     with anyio.fail_after(60):
         while True:
-            if (await _generate(s, url, bodies[0]))[0] == 200:
+            if (await generate(url, bodies[0]))[0] == 200:
                 break
             await anyio.sleep(0.2)
-    again = [(await _generate(s, url, b))[1] for b in bodies]
+    again = [(await generate(url, b))[1] for b in bodies]
     assert [r["choices"][0] for r in again] == [r["choices"][0] for r in before]
 
 
@@ -167,36 +114,41 @@ async def test_trainer_versions_through_the_sidecar_serve_like_a_fresh_engine(
     port = free_port()
     engine_cm = _Restartable(python, v0, tmp_path, port)
     with engine_cm.start() as engine:
-        async with (
-            _sidecar(engine, board, tmp_path / "island") as url,
-            aiohttp.ClientSession() as s,
-        ):
-            await _wait_version(s, url, 0)
-            greedy_v0 = [(await _generate(s, url, b))[1] for b in bodies]
+        async with standalone(
+            board,
+            "vllm",
+            engine,
+            poll_interval_s=0.1,
+            activation="pause",
+            materialize_dir=tmp_path / "island",
+            model="m",
+        ) as url:
+            await wait_version(url, 0, timeout_s=120)
+            greedy_v0 = [(await generate(url, b))[1] for b in bodies]
             for step in range(3):
-                before = await _metric(s, url, "sprawl_board_bytes_read_total")
+                before = await metric(url, "sprawl_board_bytes_read_total")
                 await anyio.to_thread.run_sync(trainer.step, _samples(step))
-                await _wait_version(s, url, step + 1)
-                read = await _metric(s, url, "sprawl_board_bytes_read_total") - before
+                await wait_version(url, step + 1, timeout_s=120)
+                read = await metric(url, "sprawl_board_bytes_read_total") - before
                 patch = board.manifest(step + 1).patches[0].bytes
                 assert 0 < read <= 2 * patch + 4096, (read, patch)  # the patch, not the checkpoint
-            live = [(await _generate(s, url, b))[1] for b in [*bodies, sampled]]
+            live = [(await generate(url, b))[1] for b in [*bodies, sampled]]
             assert all(r["policy_version"] == {"start": 3, "end": 3} for r in live)
             assert [r["choices"][0]["token_ids"] for r in live[:3]] != [
                 r["choices"][0]["token_ids"] for r in greedy_v0
             ]  # the versions really changed what is served
 
-            status, conflict = await _generate(s, url, {**bodies[0], "policy_version": {"max": 2}})
+            status, conflict = await generate(url, {**bodies[0], "policy_version": {"max": 2}})
             assert status == 409
             assert conflict["error"]["type"] == "policy_version_unavailable"
-            status, long = await _generate(
-                s, url, {"prompt_token_ids": [5] * 600, "max_tokens": 4}
+            status, long = await generate(
+                url, {"prompt_token_ids": [5] * 600, "max_tokens": 4}
             )  # the engine runs with --max-model-len 512, whatever the board's config says
             assert status == 400, long
-            pause_count = await _metric(s, url, "sprawl_activation_pause_seconds_count")
-            pause_sum = await _metric(s, url, "sprawl_activation_pause_seconds_sum")
+            pause_count = await metric(url, "sprawl_activation_pause_seconds_count")
+            pause_sum = await metric(url, "sprawl_activation_pause_seconds_sum")
             assert pause_count == 4
-            await _restart_engine(s, url, engine_cm, live, [*bodies, sampled])
+            await _restart_engine(url, engine_cm, live, [*bodies, sampled])
 
     v3 = board.materialize(3, tmp_path / "v3")
     with vllm_server(python, v3, tmp_path / "fresh.log", max_model_len=512) as fresh:
