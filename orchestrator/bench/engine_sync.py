@@ -181,6 +181,9 @@ async def run(
             tg.cancel_scope.cancel()
     fresh_dir = pub.materialize(versions, root / "fresh-model")
     async with _engine(kind, fresh_dir, root, "fresh") as fresh:
+        if kind == "llamacpp":  # a new llama-server on the version's GGUF, built from the board
+            await fresh.stage(pub, versions)
+            await fresh.activate(versions, "wait")
         exact = live == await _answers(fresh)
     pauses = sorted(p * 1e3 for p in backend.pauses[1:])  # version 0's is the cold start
     ratio = max(r["board_bytes_read"] / r["patch_bytes"] for r in rows)
