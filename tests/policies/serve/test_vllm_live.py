@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 import anyio
 import pytest
 
-from policies.board import Board
+from policies.board import Board, failpoints
 from policies.serve.backends.base import free_port
 from policies.serve.backends.vllm import VLLMBackend
 from policies.serve.backends.vllm_launch import engine_python, vllm_server
@@ -25,7 +26,7 @@ from policies.train.config import TrainerConfig
 from policies.train.trainer import Trainer, TrainSample
 from policies.wire.lane import GenerateRequest
 from staleness.config import NoCorrection
-from tests.support.lane import generate, metric, standalone, wait_version
+from tests.support.lane import generate, metric, policy, standalone, wait_metric, wait_version
 from tests.support.vllm import head_dim_32
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
@@ -39,6 +40,29 @@ def _samples(seed: int) -> list[TrainSample]:
         ids = [rng.randrange(3, 2000) for _ in range(12)]
         out.append(TrainSample(ids, [False] * 6 + [True] * 6, [0.0] * 6 + [-7.0] * 6, rng.random()))
     return out
+
+
+async def _damaged_version_is_never_activated(
+    url: str,
+    board: Board,
+    trainer: Trainer,
+    before: list[dict[str, Any]],
+    bodies: list[dict[str, Any]],
+) -> None:
+    """Every patch of version 4 is damaged on its way to the board: it is refused, and version 3
+    keeps serving, bit for bit."""
+    rule = {"site": "board.write", "match": "*/versions/00000004/*.patch", "action": "corrupt"}
+    os.environ[failpoints.ENV] = json.dumps([{**rule, "times": 9}])
+    failpoints.reset()
+    try:
+        await anyio.to_thread.run_sync(trainer.step, _samples(3))
+    finally:
+        del os.environ[failpoints.ENV]
+        failpoints.reset()
+    await wait_metric(url, "sprawl_version_failures_total", 1, timeout_s=60)
+    assert (await policy(url))["applied_version"] == 3
+    again = [(await generate(url, b))[1] for b in bodies]
+    assert [r["choices"][0] for r in again] == [r["choices"][0] for r in before]
 
 
 class _Restartable:
@@ -148,6 +172,7 @@ async def test_trainer_versions_through_the_sidecar_serve_like_a_fresh_engine(
             pause_count = await metric(url, "sprawl_activation_pause_seconds_count")
             pause_sum = await metric(url, "sprawl_activation_pause_seconds_sum")
             assert pause_count == 4
+            await _damaged_version_is_never_activated(url, board, trainer, live, [*bodies, sampled])
             await _restart_engine(url, engine_cm, live, [*bodies, sampled])
 
     v3 = board.materialize(3, tmp_path / "v3")
