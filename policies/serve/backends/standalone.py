@@ -146,7 +146,12 @@ async def serve_sidecar(
             llama=llama,
             base_dir=Path(tmp),
         )
-        await backend.connect()
+        try:
+            await backend.connect()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await backend.aclose()  # run_lane closes it from here on
+            raise
         registry = CollectorRegistry()
         sidecar = Sidecar(
             backend,
