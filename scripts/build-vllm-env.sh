@@ -33,7 +33,8 @@ install_sprawl() {
     "$ENV_DIR/bin/python" -m pip install --quiet --disable-pip-version-check \
         -c "$ENV_DIR/freeze.txt" "xxhash>=3.5" "zstandard>=0.23" "structlog>=24.1" "lazy_loader>=0.4"
     "$ENV_DIR/bin/python" -m pip install --quiet --disable-pip-version-check \
-        --no-deps --no-build-isolation -e "$REPO" >/dev/null
+        --no-deps --no-build-isolation -e "$REPO" >"$ENV_DIR/sprawl-install.log" 2>&1 \
+        || { cat "$ENV_DIR/sprawl-install.log" >&2; exit 1; }
     "$ENV_DIR/bin/python" -c "import policies.serve.backends.vllm_worker" >&2
     echo "$ENV_DIR/bin/python"
 }
