@@ -1,4 +1,4 @@
-"""Shared fixtures: sprawl's own tiny model, built once per test session."""
+"""Shared fixtures: sprawl's own tiny model (cached per machine, copied per test session)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from policies.model.build import init_model
+from tests.support.models import model_copy
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", seed=0)
+    return model_copy("tiny", tmp_path_factory.mktemp("models") / "tiny")
 
 
 @pytest.fixture(scope="session")

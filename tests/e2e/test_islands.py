@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from orchestrator.record.frames import read_log
+from tests.support.models import model_copy
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,12 +27,10 @@ ENDPOINTS = {"engine-0", "vllm-0", "llamacpp-0"}
 
 @pytest.fixture(scope="session")
 def small_model_dir() -> Path:
-    """``runs/models/small`` (what the config names), built once if it is missing."""
+    """``runs/models/small`` (what the config names), copied from the cache if it is missing."""
     path = ROOT / "runs" / "models" / "small"
     if not (path / "config.json").exists():
-        from policies.model.build import init_model
-
-        init_model(path, "small", seed=0)
+        model_copy("small", path)
     return path
 
 
