@@ -51,8 +51,8 @@ def test_bench_sync_small_run(
         assert r["full"]["bytes"] >= r["view_bytes"]
         assert 0 < r["sync"]["patch_bytes"] < r["view_bytes"] / 10
         assert r["sync"]["publish_to_serving_s"] > 0
-        assert r["speedup"] == pytest.approx(
-            r["full"]["s"] / r["sync"]["publish_to_serving_s"], rel=0.1
+        assert r["speedup"] == pytest.approx(  # printed to one decimal
+            r["full"]["s"] / r["sync"]["publish_to_serving_s"], rel=0.1, abs=0.051
         )
     syn = out["synthetic"]
     assert syn["view_bytes"] == 16 * 2**20
