@@ -49,10 +49,14 @@ async def _damaged_version_is_never_activated(
     before: list[dict[str, Any]],
     bodies: list[dict[str, Any]],
 ) -> None:
-    """Every patch of version 4 is damaged on its way to the board: it is refused, and version 3
-    keeps serving, bit for bit."""
-    rule = {"site": "board.write", "match": "*/versions/00000004/*.patch", "action": "corrupt"}
-    os.environ[failpoints.ENV] = json.dumps([{**rule, "times": 9}])
+    """Every patch of version 4, and its anchor when the board writes one (these steps move most
+    values), is damaged on its way to the board: it is refused, and version 3 keeps serving,
+    bit for bit."""
+    rules = [
+        {"site": "board.write", "match": f"*/versions/00000004/{name}", "action": "corrupt"}
+        for name in ("*.patch", "model.safetensors")
+    ]
+    os.environ[failpoints.ENV] = json.dumps([{**rule, "times": 9} for rule in rules])
     failpoints.reset()
     try:
         await anyio.to_thread.run_sync(trainer.step, _samples(3))
