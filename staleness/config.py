@@ -4,10 +4,13 @@ One pydantic tree, loaded from the ``[staleness]`` table of a run config (or per
 
     [staleness]
     drop = { statistic = "max", max_lag = 4 }
+    loss_agg = "token_mean"        # or "seq_mean", "dr_grpo" (then dr_grpo_tokens = N)
+    normalizer = "kept"            # or "original"
 
     [staleness.correction]
     type = "tis"
     cap = 2.0
+    level = "token"                # or "sequence"
 
 Guarantees:
 
@@ -36,8 +39,10 @@ __all__ = [
     "DecoupledPPO",
     "DropRule",
     "LagStatistic",
+    "LossAgg",
     "MaskedIS",
     "NoCorrection",
+    "Normalizer",
     "StalenessConfig",
     "TokenMask",
     "TruncatedIS",
@@ -45,6 +50,13 @@ __all__ = [
 
 LagStatistic = Literal["max", "mean", "token_weighted"]
 """How an episode's per-segment lags are reduced to one number (see :mod:`staleness.lag`)."""
+
+LossAgg = Literal["token_mean", "seq_mean", "dr_grpo"]
+"""How per-token loss terms are reduced to one scalar (see :func:`staleness.loss.aggregate`)."""
+
+Normalizer = Literal["kept", "original"]
+"""What ``token_mean`` / ``seq_mean`` divide by when a correction masks tokens: the tokens it
+kept, or the tokens it was given (see :func:`staleness.loss.aggregate`)."""
 
 
 class _Model(BaseModel):
@@ -70,17 +82,24 @@ class NoCorrection(_Model):
 
 
 class TruncatedIS(_Model):
-    """Token-level truncated importance sampling: ``w_t = min(ρ_t, cap)``.
+    """Truncated importance sampling: ``w_t = min(ρ_t, cap)`` per token, or one weight per
+    sequence ``w_b = min(Π_t ρ_bt, cap)`` with ``level="sequence"``; no token is masked.
 
     Source: Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
-    training" (TIS).
+    training" (TIS); the sequence level is verl's ``rollout_is_level="sequence"`` with
+    ``rollout_is_mode="truncate"`` and TRL's ``vllm_importance_sampling_mode="sequence_truncate"``
+    (both take the product of the token ratios).
     """
 
     type: Literal["tis"] = "tis"
     """Selects this policy."""
 
     cap: float = Field(default=2.0, gt=0)
-    """Truncation level C of the per-token behaviour ratio π_prox/μ."""
+    """Truncation level C of the behaviour ratio π_prox/μ (per token, or per sequence)."""
+
+    level: Literal["token", "sequence"] = "token"
+    """``token``: one weight per token; ``sequence``: one weight per sequence, the product of its
+    valid tokens' ratios truncated at ``cap``, shared by all its tokens."""
 
 
 class MaskedIS(_Model):
@@ -130,9 +149,12 @@ class MaskedIS(_Model):
 
 
 class DecoupledPPO(_Model):
-    """Decoupled PPO: clip against the proximal policy, weight each token by ``ρ_t = π_prox/μ``.
+    """Decoupled PPO: clip against the proximal policy π_prox instead of the behaviour policy μ.
 
-    With ``cap`` set, tokens whose ``ρ_t > cap`` are masked (not truncated), as AReaL does.
+    With ``cap`` set, each token is weighted by ``ρ_t = π_prox/μ`` and tokens whose ``ρ_t > cap``
+    are masked (not truncated); without it no behaviour weight is applied (``w_t = 1``). Both as
+    AReaL 1.0.4 computes its decoupled loss (``rejection_sampling`` with ``action="mask"``,
+    ``metric="ratio"``, ``upper=cap``; and ``rejection_sampling=None``).
 
     Source: Fu et al. 2025, "AReaL: a large-scale asynchronous reinforcement learning system for
     language reasoning" (decoupled PPO objective; Hilton et al. 2021 "Batch size-invariance for
@@ -143,8 +165,9 @@ class DecoupledPPO(_Model):
     """Selects this policy."""
 
     cap: float | None = Field(default=None, gt=1)
-    """Mask tokens whose behaviour ratio π_prox/μ exceeds this; ``None`` keeps every token.
-    Must exceed 1: a cap at or below 1 would mask every token the trainer now prefers."""
+    """Weight tokens by π_prox/μ and mask those whose ratio exceeds this; ``None``: no behaviour
+    weight and no masking (only the trust region moves to π_prox). Must exceed 1: a cap at or
+    below 1 would mask every token the trainer now prefers."""
 
 
 class TokenMask(_Model):
@@ -172,10 +195,59 @@ Correction = Annotated[
 
 
 class StalenessConfig(_Model):
-    """How a trainer learns from lagged tokens: an optional drop rule, then a correction."""
+    """How a trainer learns from lagged tokens: a drop rule, a correction, and how the loss is
+    reduced over the tokens the correction keeps."""
 
     correction: Correction = NoCorrection()
     """The per-token correction applied to the episodes that survive ``drop``."""
 
     drop: DropRule | None = None
-    """Drop episodes whose lag exceeds a bound before training; ``None`` keeps every episode."""
+    """Which groups are trained on: keep iff the group's lag statistic ≤ ``max_lag``. ``None``:
+    the run's lag budget is the rule (``statistic="max"``, ``max_lag=scheduler.max_lag``); a rule
+    set here replaces it, looser or stricter (``scheduler.max_lag`` then only bounds admission)."""
+
+    loss_agg: LossAgg = "token_mean"
+    """``token_mean``: Σ ℓ over the batch's tokens / their count (DAPO); ``seq_mean``: mean over
+    sequences of each sequence's token mean (GRPO); ``dr_grpo``: Σ ℓ / (sequences ×
+    ``dr_grpo_tokens``), a constant (Dr. GRPO)."""
+
+    normalizer: Normalizer = "kept"
+    """What ``token_mean`` / ``seq_mean`` divide by: ``kept``: the tokens the correction kept (a
+    masked token does not dilute the others); ``original``: the valid tokens before the
+    correction masked any (AReaL), so masking only removes gradient. ``dr_grpo`` ignores it."""
+
+    dr_grpo_tokens: int | None = Field(default=None, ge=1)
+    """The constant of ``loss_agg="dr_grpo"``: tokens per sequence it divides by (TRL's
+    ``max_completion_length``), e.g. the most tokens an episode can sample. Required with
+    ``dr_grpo``, refused otherwise."""
+
+    scale_rewards: bool | None = None
+    """Divide each group's centred rewards by the group's std (GRPO). ``None``: true, except with
+    ``loss_agg="dr_grpo"``, whose paper drops the std (TRL keeps ``scale_rewards`` separate and on
+    by default)."""
+
+    @model_validator(mode="after")
+    def _dr_grpo_needs_its_constant(self) -> StalenessConfig:
+        if self.loss_agg == "dr_grpo" and self.dr_grpo_tokens is None:
+            msg = (
+                "dr_grpo_tokens: required when loss_agg='dr_grpo' (the constant the summed token "
+                "losses are divided by, per sequence: e.g. the most tokens an episode samples)"
+            )
+            raise ValueError(msg)
+        if self.loss_agg != "dr_grpo" and self.dr_grpo_tokens is not None:
+            msg = (
+                f"dr_grpo_tokens: only used with loss_agg='dr_grpo', got loss_agg={self.loss_agg!r}"
+            )
+            raise ValueError(msg)
+        return self
+
+    @property
+    def scales_rewards(self) -> bool:
+        """Whether advantages are divided by the group std (``scale_rewards`` resolved)."""
+        if self.scale_rewards is not None:
+            return self.scale_rewards
+        return self.loss_agg != "dr_grpo"
+
+    def effective_drop(self, scheduler_max_lag: int) -> DropRule:
+        """The drop rule the batcher applies: ``drop``, or the run's lag budget without one."""
+        return self.drop if self.drop is not None else DropRule(max_lag=scheduler_max_lag)

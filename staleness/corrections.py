@@ -10,8 +10,17 @@ Inputs, for a batch of B sequences padded to T positions:
 
 Every policy computes the per-token behaviour ratio ``ρ_t = exp(logp_prox_t − logp_behav_t)`` and
 returns a :class:`~staleness.types.Corrected`: ``weights`` multiply each token's policy-gradient
-term (the PPO ratio in :mod:`staleness.loss` is always taken against π_prox), and ``mask`` removes
-tokens from the loss and from its normaliser.
+term (the PPO ratio in :mod:`staleness.loss` is always taken against π_prox), ``mask`` removes
+tokens from the loss (and, with the default ``kept`` normaliser, from its normaliser), and
+``valid`` is the input mask (the ``original`` normaliser).
+
+Non-finite log ratios: a valid token whose ``logp_prox − logp_behav`` is NaN or ±inf (an engine
+that returned NaN or −inf for a sampled token, ``−inf − (−inf)``) is masked out by *every*
+policy before the policy runs, so it reaches neither the loss nor a sequence-level statistic;
+:func:`nonfinite_tokens` counts them (``is/nonfinite_tokens`` in
+:func:`staleness.metrics.correction_metrics`). AReaL 1.0.4 instead maps such a ratio to 1 and
+keeps the token; a log prob that is not a number says the token's record is broken, so sprawl
+does not train on it.
 
 Guarantees: outputs are detached, ``mask ⊆ input mask``, ``weights == 0`` off the mask, weights are
 finite and bounded by the policy's cap; values at padded positions (even NaN/inf) never reach the
@@ -23,6 +32,7 @@ overflow into ``inf · 0``. Not covered: choosing the cap; the drop rule (see
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -39,21 +49,16 @@ from staleness.errors import ShapeError
 from staleness.types import Corrected
 
 __all__ = [
-    "MAX_LOG_WEIGHT",
     "Corrected",
     "correct",
     "decoupled_ppo",
     "log_ratio",
     "masked_is",
     "no_correction",
+    "nonfinite_tokens",
     "token_mask",
     "truncated_is",
 ]
-
-
-MAX_LOG_WEIGHT = 30.0
-"""Numeric ceiling on an uncapped log weight (e³⁰ ≈ 1e13): keeps the weight, and the loss it
-multiplies, finite in float32. Any ratio this large already means the token is noise."""
 
 
 def _check(logp_prox: Tensor, logp_behav: Tensor, mask: Tensor) -> Tensor:
@@ -73,34 +78,69 @@ def _check(logp_prox: Tensor, logp_behav: Tensor, mask: Tensor) -> Tensor:
     return mask.detach().to(torch.bool)
 
 
-def log_ratio(logp_prox: Tensor, logp_behav: Tensor, mask: Tensor) -> Tensor:
-    """``log ρ_t = logp_prox − logp_behav`` on the mask, 0 elsewhere; float32, detached."""
+def _diff(logp_prox: Tensor, logp_behav: Tensor) -> Tensor:
+    return logp_prox.detach().float() - logp_behav.detach().float()
+
+
+def _usable(logp_prox: Tensor, logp_behav: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """The input mask as bool, and its tokens whose log ratio is finite."""
     m = _check(logp_prox, logp_behav, mask)
-    diff = logp_prox.detach().float() - logp_behav.detach().float()
-    return torch.where(m, diff, torch.zeros_like(diff))
+    return m, m & torch.isfinite(_diff(logp_prox, logp_behav))
 
 
-def _result(weights: Tensor, mask: Tensor) -> Corrected:
-    return Corrected(weights=torch.where(mask, weights, torch.zeros_like(weights)), mask=mask)
+def nonfinite_tokens(logp_prox: Tensor, logp_behav: Tensor, mask: Tensor) -> Tensor:
+    """Bool [B, T]: tokens on the mask whose log ratio is NaN or ±inf (every policy masks them)."""
+    m, usable = _usable(logp_prox, logp_behav, mask)
+    return m & ~usable
+
+
+def log_ratio(logp_prox: Tensor, logp_behav: Tensor, mask: Tensor) -> Tensor:
+    """``log ρ_t = logp_prox − logp_behav`` on the mask where it is finite, 0 elsewhere; float32,
+    detached."""
+    _, usable = _usable(logp_prox, logp_behav, mask)
+    diff = _diff(logp_prox, logp_behav)
+    return torch.where(usable, diff, torch.zeros_like(diff))
+
+
+def _result(weights: Tensor, kept: Tensor, valid: Tensor) -> Corrected:
+    return Corrected(
+        weights=torch.where(kept, weights, torch.zeros_like(weights)), mask=kept, valid=valid
+    )
 
 
 def no_correction(*, logp_prox: Tensor, logp_behav: Tensor, mask: Tensor) -> Corrected:
-    """``none``: ``w_t = 1`` on the mask; the mask is unchanged (identity)."""
-    m = _check(logp_prox, logp_behav, mask)
-    return _result(torch.ones(m.shape, dtype=torch.float32, device=m.device), m)
+    """``none``: ``w_t = 1`` on the mask; the mask is unchanged (identity) but for tokens whose log
+    ratio is not finite."""
+    m, usable = _usable(logp_prox, logp_behav, mask)
+    return _result(torch.ones(m.shape, dtype=torch.float32, device=m.device), usable, m)
 
 
-def truncated_is(cap: float, *, logp_prox: Tensor, logp_behav: Tensor, mask: Tensor) -> Corrected:
-    """``tis``: token-level truncated IS, ``w_t = min(ρ_t, C)``; no token is masked.
+def truncated_is(
+    cap: float,
+    *,
+    level: Literal["token", "sequence"] = "token",
+    logp_prox: Tensor,
+    logp_behav: Tensor,
+    mask: Tensor,
+) -> Corrected:
+    """``tis``: truncated IS; no token is masked (but those with a non-finite log ratio).
 
-    Truncation bounds the variance a stale token can add at the price of bias where ``ρ_t > C``.
-    Source: Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
-    training".
+    ``level="token"``: ``w_t = min(ρ_t, C)``. ``level="sequence"``: every token of row b gets
+    ``w_b = min(Π_t ρ_bt, C)``, the product over the row's valid tokens (formed as ``exp`` of the
+    summed log ratios, truncated in log space). Truncation bounds the variance a stale token (or
+    sequence) can add at the price of bias where the ratio exceeds C. The sequence product is the
+    likelihood ratio of the whole sample, so it is unbiased below the cap, but it shrinks or grows
+    geometrically with length. Sources: Yao et al. 2025, "Your efficient RL framework secretly
+    brings you off-policy RL training"; sequence level as verl (``rollout_is_level="sequence"``,
+    ``rollout_is_mode="truncate"``) and TRL (``vllm_importance_sampling_mode="sequence_truncate"``).
     """
-    m = _check(logp_prox, logp_behav, mask)
+    m, usable = _usable(logp_prox, logp_behav, mask)
     lr = log_ratio(logp_prox, logp_behav, m)
+    if level == "sequence":
+        seq = torch.clamp(lr.sum(dim=1), max=math.log(cap))
+        return _result(torch.exp(seq)[:, None].expand_as(lr), usable, m)
     weights = torch.exp(torch.clamp(lr, max=math.log(cap)))
-    return _result(weights, m)
+    return _result(weights, usable, m)
 
 
 def masked_is(cfg: MaskedIS, *, logp_prox: Tensor, logp_behav: Tensor, mask: Tensor) -> Corrected:
@@ -113,43 +153,48 @@ def masked_is(cfg: MaskedIS, *, logp_prox: Tensor, logp_behav: Tensor, mask: Ten
     A row with no valid token has ``s_b = 0`` and no tokens to keep.
 
     Source: Liu, Li et al. 2025, "When speed kills stability: demystifying RL collapse from the
-    training-inference mismatch".
+    training-inference mismatch". Tokens with a non-finite log ratio are left out of ``s_b`` (and
+    of the count) and masked; the rest of their row is judged without them.
     """
-    m = _check(logp_prox, logp_behav, mask)
+    m, usable = _usable(logp_prox, logp_behav, mask)
     lr = log_ratio(logp_prox, logp_behav, m)
     seq = lr.sum(dim=1)
     if cfg.aggregate == "geometric":
-        seq = seq / m.sum(dim=1).clamp(min=1).to(seq.dtype)
+        seq = seq / usable.sum(dim=1).clamp(min=1).to(seq.dtype)
     log_lo, log_hi = math.log(cfg.lower_bound), math.log(cfg.upper)
     accepted = (seq >= log_lo) & (seq <= log_hi)
-    kept = m & accepted[:, None]
+    kept = usable & accepted[:, None]
     if cfg.reweight:
         w_seq = torch.exp(torch.clamp(seq, min=log_lo, max=log_hi))
         weights = w_seq[:, None].expand_as(lr)
     else:
         weights = torch.ones_like(lr)
-    return _result(weights, kept)
+    return _result(weights, kept, m)
 
 
 def decoupled_ppo(
     cap: float | None, *, logp_prox: Tensor, logp_behav: Tensor, mask: Tensor
 ) -> Corrected:
-    """``decoupled_ppo``: ``w_t = ρ_t = π_prox/μ``; with a cap, tokens with ``ρ_t > cap`` masked.
+    """``decoupled_ppo``: with a cap, ``w_t = ρ_t = π_prox/μ`` and tokens with ``ρ_t > cap`` masked;
+    without one, ``w_t = 1`` and nothing masked.
 
-    Paired with the PPO clip against π_prox in :func:`staleness.loss.policy_loss`, this is the
-    decoupled objective ``E_μ[ ρ_t · min(r_t A, clip(r_t, 1±ε) A) ]`` with ``r_t = π_θ/π_prox``:
-    the trust region is measured from the recent proximal policy, not from the stale μ.
-    Source: Fu et al. 2025, "AReaL: a large-scale asynchronous reinforcement learning system for
-    language reasoning" (masking above the cap, rather than truncating, follows AReaL). Uncapped
-    weights are still limited to ``exp(MAX_LOG_WEIGHT)`` so they stay finite.
+    Paired with the PPO clip against π_prox in :func:`staleness.loss.policy_loss`, the capped
+    form is the decoupled objective ``E_μ[ ρ_t · min(r_t A, clip(r_t, 1±ε) A) ]`` with
+    ``r_t = π_θ/π_prox`` over the tokens with ``ρ_t ≤ cap``: the trust region is measured from the
+    recent proximal policy, not from the stale μ. Source: Fu et al. 2025, "AReaL: a large-scale
+    asynchronous reinforcement learning system for language reasoning". Both forms match AReaL
+    1.0.4's ``ppo_actor_loss_fn``: with ``rejection_sampling`` (token level, ``metric="ratio"``,
+    ``action="mask"``, ``upper=cap``) it multiplies the clipped objective by the raw ratio of the
+    tokens it keeps; with ``rejection_sampling=None`` it applies no behaviour weight at all (an
+    unbounded ρ_t would let one stale token dominate the batch; AReaL ≤ 1.0.3 and the paper's
+    formula did weight by it).
     """
-    m = _check(logp_prox, logp_behav, mask)
+    m, usable = _usable(logp_prox, logp_behav, mask)
     lr = log_ratio(logp_prox, logp_behav, m)
     if cap is None:
-        weights = torch.exp(torch.clamp(lr, max=MAX_LOG_WEIGHT))
-        return _result(weights, m)
-    kept = m & (lr <= math.log(cap))
-    return _result(torch.exp(torch.clamp(lr, max=math.log(cap))), kept)
+        return _result(torch.ones_like(lr), usable, m)
+    kept = usable & (lr <= math.log(cap))
+    return _result(torch.exp(torch.clamp(lr, max=math.log(cap))), kept, m)
 
 
 def token_mask(
@@ -162,12 +207,12 @@ def token_mask(
     With ``reweight`` this is IcePop (Ling team 2025, "Every step evolves: scaling RL for
     trillion-scale thinking model"); without it, plain two-sided token rejection.
     """
-    m = _check(logp_prox, logp_behav, mask)
+    m, usable = _usable(logp_prox, logp_behav, mask)
     lr = log_ratio(logp_prox, logp_behav, m)
     bound = math.log(c)
-    kept = m & (lr.abs() <= bound)
+    kept = usable & (lr.abs() <= bound)
     weights = torch.exp(torch.clamp(lr, min=-bound, max=bound)) if reweight else torch.ones_like(lr)
-    return _result(weights, kept)
+    return _result(weights, kept, m)
 
 
 def correct(cfg: Correction, *, logp_prox: Tensor, logp_behav: Tensor, mask: Tensor) -> Corrected:
@@ -175,8 +220,10 @@ def correct(cfg: Correction, *, logp_prox: Tensor, logp_behav: Tensor, mask: Ten
     match cfg:
         case NoCorrection():
             return no_correction(logp_prox=logp_prox, logp_behav=logp_behav, mask=mask)
-        case TruncatedIS(cap=cap):
-            return truncated_is(cap, logp_prox=logp_prox, logp_behav=logp_behav, mask=mask)
+        case TruncatedIS(cap=cap, level=level):
+            return truncated_is(
+                cap, level=level, logp_prox=logp_prox, logp_behav=logp_behav, mask=mask
+            )
         case MaskedIS():
             return masked_is(cfg, logp_prox=logp_prox, logp_behav=logp_behav, mask=mask)
         case DecoupledPPO(cap=cap):

@@ -11,10 +11,14 @@ The policy term, per valid token (``r_t = π_θ/π_prox``, ``w_t`` the correctio
     ℓ_t = w_t · max(−A r_t, −A clip(r_t, 1−ε_low, 1+ε_high))      (PPO-clip, Schulman et al. 2017)
     ℓ_t = min(ℓ_t, −c A)  where A < 0, when dual_clip_c is set      (dual-clip, Ye et al. 2020)
 
-aggregated by ``token_mean`` (Σ ℓ / number of kept tokens in the batch; DAPO-style, long sequences
-weigh more) or ``seq_mean`` (mean over sequences of each sequence's token mean, over sequences with
-at least one kept token; GRPO-style). Tokens outside ``corrected.mask`` are out of both the sum
-and the normaliser, so a rejected sequence does not dilute the others.
+aggregated (:func:`aggregate`) by ``token_mean`` (Σ ℓ / number of tokens in the batch;
+DAPO-style, long sequences weigh more), ``seq_mean`` (mean over sequences of each sequence's token
+mean; GRPO-style) or ``dr_grpo`` (Σ ℓ / (B · L) for a constant L; Dr. GRPO, Liu et al. 2025).
+Tokens outside ``corrected.mask`` are out of the sum. With ``normalizer="kept"`` (the default)
+they are out of the normaliser too, so a rejected sequence does not dilute the others; with
+``"original"`` the normaliser counts the tokens the correction was given (``corrected.valid``), as
+AReaL does, so masking removes a token's gradient without scaling up the others' by
+N_valid / N_kept. ``dr_grpo``'s normaliser is constant by design and ignores ``normalizer``.
 
 Guarantees: ``logp_prox`` and the weights are treated as constants (detached); values at masked
 positions (even NaN/inf) reach neither the loss nor its gradient; a batch with no kept token gives
@@ -30,18 +34,22 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from staleness.config import LossAgg, Normalizer
 from staleness.errors import ShapeError
 from staleness.types import Corrected
 
 __all__ = [
     "LossAgg",
+    "Normalizer",
     "aggregate",
     "group_advantages",
     "kl_penalty",
     "policy_loss",
 ]
 
-LossAgg = Literal["token_mean", "seq_mean"]
+
+_EQUAL_RTOL = 8.0
+"""Rewards of one group whose std is ≤ this many ulps of their largest magnitude count as equal."""
 
 
 def group_advantages(
@@ -51,9 +59,15 @@ def group_advantages(
 
     ``rewards`` is [G · group_size] in group-contiguous order (the group_size samples of one prompt
     are adjacent). The std is the population std (no Bessel correction), so a group of one is
-    defined, and a group whose rewards are all equal gets advantages of exactly 0 (it carries no
-    learning signal). ``normalize_std=False`` returns ``r − mean_group`` (Dr. GRPO, Liu et al.
-    2025). Returns float32 (or the rewards' float dtype), same shape.
+    defined. ``normalize_std=False`` returns ``r − mean_group`` (Dr. GRPO, Liu et al. 2025).
+    Returns float32 (or the rewards' float dtype), same shape.
+
+    A group whose rewards are all equal carries no learning signal and gets advantages of exactly
+    0, whatever the value (``2.2`` as well as ``0`` or ``1``): the mean and std are computed in
+    float64, and a group whose std is at most ``_EQUAL_RTOL`` units in the last place of its
+    largest |reward| (in the rewards' own dtype) is treated as equal. Without that, the rounding
+    error of the mean (≈ 1 ulp) would be divided by a std of the same size and come out as an
+    advantage of order ±0.1–1 for every sample.
     """
     if group_size < 1:
         msg = f"group_size must be >= 1, got {group_size}"
@@ -66,27 +80,59 @@ def group_advantages(
         raise ShapeError(msg)
     r = rewards.detach()
     r = r if r.is_floating_point() else r.to(torch.float32)
-    grouped = r.reshape(-1, group_size)
+    grouped = r.reshape(-1, group_size).to(torch.float64)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
+    std = grouped.std(dim=1, keepdim=True, correction=0)
+    scale = grouped.abs().amax(dim=1, keepdim=True)
+    flat = std <= _EQUAL_RTOL * torch.finfo(r.dtype).eps * scale
     if normalize_std:
-        std = grouped.std(dim=1, keepdim=True, correction=0)
         centred = centred / (std + eps)
-    return centred.reshape(-1)
+    centred = torch.where(flat, torch.zeros_like(centred), centred)
+    return centred.to(r.dtype).reshape(-1)
 
 
-def aggregate(values: Tensor, mask: Tensor, loss_agg: LossAgg = "token_mean") -> Tensor:
+def aggregate(
+    values: Tensor,
+    mask: Tensor,
+    loss_agg: LossAgg = "token_mean",
+    *,
+    normalizer: Normalizer = "kept",
+    valid: Tensor | None = None,
+    dr_grpo_tokens: int | None = None,
+) -> Tensor:
     """Reduce per-token ``values`` [B, T] over ``mask`` to a scalar (see the module docstring).
 
-    Returns 0 (connected to ``values``'s graph) when the mask is empty.
+    Only tokens on ``mask`` are summed. The normaliser:
+
+    - ``token_mean``: the number of tokens on ``mask`` (``normalizer="kept"``) or on ``valid``
+      (``"original"``; ``valid`` ⊇ ``mask``, the tokens before a correction masked any; ``None``
+      means ``mask``);
+    - ``seq_mean``: per row, that row's count of the same tokens; then the mean over the rows
+      that have at least one of them;
+    - ``dr_grpo``: the constant ``B · dr_grpo_tokens`` (B = rows of the batch, as TRL's
+      ``loss_type="dr_grpo"`` with ``max_completion_length``); ``normalizer`` plays no part.
+
+    Returns 0 (connected to ``values``'s graph) when nothing is counted.
     """
     if values.shape != mask.shape or values.ndim != 2:
         msg = f"values and mask must share one [B, T] shape, got {values.shape}, {mask.shape}"
         raise ShapeError(msg)
+    if valid is not None and valid.shape != mask.shape:
+        msg = f"valid must have the mask's shape {tuple(mask.shape)}, got {tuple(valid.shape)}"
+        raise ShapeError(msg)
     m = mask.detach().to(torch.bool)
     masked = torch.where(m, values, torch.zeros_like(values))
+    if loss_agg == "dr_grpo":
+        if dr_grpo_tokens is None or dr_grpo_tokens < 1:
+            msg = f"loss_agg='dr_grpo' needs dr_grpo_tokens >= 1, got {dr_grpo_tokens}"
+            raise ShapeError(msg)
+        return masked.sum() / float(max(values.shape[0], 1) * dr_grpo_tokens)
+    counted = m
+    if normalizer == "original" and valid is not None:
+        counted = valid.detach().to(torch.bool) | m
     if loss_agg == "token_mean":
-        return masked.sum() / m.sum().clamp(min=1).to(values.dtype)
-    counts = m.sum(dim=1)
+        return masked.sum() / counted.sum().clamp(min=1).to(values.dtype)
+    counts = counted.sum(dim=1)
     per_seq = masked.sum(dim=1) / counts.clamp(min=1).to(values.dtype)
     return per_seq.sum() / (counts > 0).sum().clamp(min=1).to(values.dtype)
 
@@ -138,11 +184,15 @@ def policy_loss(
     clip_eps_high: float | None = None,
     dual_clip_c: float | None = None,
     loss_agg: LossAgg = "token_mean",
+    normalizer: Normalizer = "kept",
+    dr_grpo_tokens: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO-clip against π_prox, multiplied by the correction's weights, over its mask.
 
     ``clip_eps_high`` defaults to ``clip_eps`` (set it higher for DAPO's clip-higher);
-    ``dual_clip_c`` (> 1) bounds the loss of negative-advantage tokens at ``−c·A``.
+    ``dual_clip_c`` (> 1) bounds the loss of negative-advantage tokens at ``−c·A``;
+    ``loss_agg``, ``normalizer`` and ``dr_grpo_tokens`` as in :func:`aggregate`, with
+    ``corrected.valid`` as the original mask.
     Returns the scalar loss and metrics: ``clip_frac`` (kept tokens whose clipped branch is
     active), ``dual_clip_frac``, ``ratio_mean``/``ratio_min``/``ratio_max`` of ``r_t``,
     ``approx_kl`` (k3 estimate of KL(π_prox ‖ π_θ) over kept tokens), ``kept_tokens``,
@@ -179,7 +229,14 @@ def policy_loss(
         dual_active = (adv < 0) & (per_token > bound)
         per_token = torch.where(dual_active, bound, per_token)
     per_token = per_token * weights
-    loss = aggregate(per_token, m, loss_agg)
+    loss = aggregate(
+        per_token,
+        m,
+        loss_agg,
+        normalizer=normalizer,
+        valid=corrected.valid,
+        dr_grpo_tokens=dr_grpo_tokens,
+    )
 
     with torch.no_grad():
         n = int(m.sum().item())

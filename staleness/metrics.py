@@ -168,7 +168,8 @@ def effective_sample_size(weights: Tensor, mask: Tensor) -> float:
 
 
 def logprob_mismatch(logp_prox: Tensor, logp_behav: Tensor, mask: Tensor) -> float:
-    """Mean ``|logp_prox − logp_behav|`` over the mask (0 for an empty mask).
+    """Mean ``|logp_prox − logp_behav|`` over the mask's tokens whose difference is finite (0 when
+    there are none; the others are counted by ``is/nonfinite_tokens``).
 
     ~0 on-policy with no update between rollout and training; grows with lag and with numeric
     differences between the engine and the trainer."""
@@ -177,6 +178,7 @@ def logprob_mismatch(logp_prox: Tensor, logp_behav: Tensor, mask: Tensor) -> flo
         raise ShapeError(msg)
     m = mask.to(torch.bool)
     diff = (logp_prox.detach().double() - logp_behav.detach().double())[m]
+    diff = diff[torch.isfinite(diff)]
     return float(diff.abs().mean().item()) if diff.numel() else 0.0
 
 
@@ -200,30 +202,43 @@ def correction_metrics(
     """What a correction did to a batch.
 
     ``is/weight_mean|max|p99`` over kept tokens; ``is/frac_masked`` (valid tokens the correction
-    masked); ``is/frac_truncated`` (valid tokens whose ratio exceeded the TIS cap; 0 for other
-    policies, which mask rather than truncate); ``is/ess`` and ``is/ess_frac`` (Kish ESS over kept
-    tokens, and over the number of valid tokens); ``mismatch/logp_abs_mean`` and
-    ``mismatch/kl_k3`` (k3 estimate of KL(μ ‖ π_prox) from μ's samples) over valid tokens.
+    masked, non-finite ones included); ``is/nonfinite_tokens`` (valid tokens whose log ratio is
+    NaN or ±inf: every policy masks them); ``is/frac_truncated`` (valid tokens whose ratio — their
+    sequence's, for ``level="sequence"`` — exceeded the TIS cap; 0 for other policies, which mask
+    rather than truncate); ``is/ess`` and ``is/ess_frac`` (Kish ESS over kept tokens, and over the
+    number of valid tokens); ``mismatch/logp_abs_mean`` and ``mismatch/kl_k3`` (k3 estimate of
+    KL(μ ‖ π_prox) from μ's samples) over the valid tokens with a finite log ratio.
     """
     valid = mask.to(torch.bool)
     kept = corrected.mask.to(torch.bool)
     n_valid = int(valid.sum().item())
     n_kept = int(kept.sum().item())
     w = corrected.weights.detach().to(torch.float64)[kept]
-    log_r = (logp_prox.detach().double() - logp_behav.detach().double())[valid]
+    diff = logp_prox.detach().double() - logp_behav.detach().double()
+    usable = valid & torch.isfinite(diff)
+    n_nonfinite = n_valid - int(usable.sum().item())
+    log_r = diff[usable]
     truncated = 0.0
     if isinstance(cfg, TruncatedIS) and n_valid:
-        truncated = float((log_r > math.log(cfg.cap)).sum().item()) / n_valid
+        if cfg.level == "sequence":
+            seq = torch.where(usable, diff, torch.zeros_like(diff)).sum(dim=1, keepdim=True)
+            over = usable & (seq > math.log(cfg.cap))
+        else:
+            over = usable & (diff > math.log(cfg.cap))
+        truncated = float(over.sum().item()) / n_valid
     ess = effective_sample_size(corrected.weights, kept)
     return {
         "is/weight_mean": float(w.mean().item()) if n_kept else 0.0,
         "is/weight_max": float(w.max().item()) if n_kept else 0.0,
         "is/weight_p99": _p99(w),
         "is/frac_masked": (n_valid - n_kept) / n_valid if n_valid else 0.0,
+        "is/nonfinite_tokens": float(n_nonfinite),
         "is/frac_truncated": truncated,
         "is/ess": ess,
         "is/ess_frac": ess / n_valid if n_valid else 0.0,
         "is/kept_tokens": float(n_kept),
         "mismatch/logp_abs_mean": logprob_mismatch(logp_prox, logp_behav, mask),
-        "mismatch/kl_k3": float((torch.expm1(log_r) - log_r).mean().item()) if n_valid else 0.0,
+        "mismatch/kl_k3": float((torch.expm1(log_r) - log_r).mean().item())
+        if log_r.numel()
+        else 0.0,
     }

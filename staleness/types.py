@@ -59,7 +59,10 @@ class Corrected:
 
     ``weights``: float per-token multiplier of the policy-gradient term, detached, 0 wherever
     ``mask`` is false. ``mask``: bool, the tokens that still count (a subset of the input mask).
+    ``valid``: bool, the input mask the correction was given (what the ``original`` normaliser of
+    :func:`staleness.loss.aggregate` counts); ``None`` means the same as ``mask``.
     """
 
     weights: Tensor
     mask: Tensor
+    valid: Tensor | None = None

@@ -1,10 +1,14 @@
 """Batching: finished groups → staleness decision → batches for the trainer.
 
 Guarantees: every group received is either part of exactly one :class:`Batch` or recorded as
-dropped with a reason; nothing is discarded silently. A group is dropped when its max token lag
-exceeds ``scheduler.max_lag`` (so no trained token is older than the lag budget, even when a
-late group is overtaken by later ones), when the staleness drop rule says so, or when none of
-its episodes made a model call. The lag of a group is measured against the
+dropped with a reason; nothing is discarded silently. The staleness policy's drop rule alone
+decides what is trained on: a group is dropped when ``staleness.drop`` says so, or when none of
+its episodes made a model call. ``scheduler.max_lag`` is admission control (it bounds what the
+scheduler requests, :mod:`orchestrator.loop.scheduler`); it is the drop rule only when
+``staleness.drop`` is unset (``statistic="max"``, ``max_lag=scheduler.max_lag``: then no trained
+token is older than the lag budget, even when a late group is overtaken by later ones). A rule
+that is looser than the budget (a larger ``drop.max_lag``, or a ``mean`` / ``token_weighted``
+statistic) keeps the overtaken groups it allows. The lag of a group is measured against the
 trainer version at the moment the batch is formed (consumption time).
 """
 
@@ -31,7 +35,9 @@ def segment_versions(group: Group) -> list[list[SegmentVersions]]:
 
 
 class Batcher:
-    """Accumulates kept groups until ``groups_per_batch`` are ready."""
+    """Decides each group by the staleness policy and accumulates kept groups until
+    ``groups_per_batch`` are ready. ``max_lag`` is ``scheduler.max_lag``: the drop rule when
+    ``staleness.drop`` is unset (:meth:`~staleness.config.StalenessConfig.effective_drop`)."""
 
     def __init__(
         self,
@@ -58,23 +64,19 @@ class Batcher:
                 reason="no episode produced a model call",
             )
         stats = group_lag(per_episode, version)
-        if stats.max > self.max_lag:
-            return GroupDecision(
-                group_id=group.id,
-                decision="dropped",
-                max_lag=stats.max,
-                reason=f"max lag {stats.max} exceeds scheduler.max_lag={self.max_lag}",
+        rule = self.staleness.effective_drop(self.max_lag)
+        if keep(rule, stats):
+            return GroupDecision(group_id=group.id, decision="kept", max_lag=stats.max, reason="")
+        if self.staleness.drop is None:
+            reason = (
+                f"max lag {stats.max} exceeds scheduler.max_lag={self.max_lag} "
+                "(no staleness.drop rule)"
             )
-        if not keep(self.staleness.drop, stats):
-            rule = self.staleness.drop
-            assert rule is not None
-            return GroupDecision(
-                group_id=group.id,
-                decision="dropped",
-                max_lag=stats.max,
-                reason=f"lag {rule.statistic} exceeds staleness.drop.max_lag={rule.max_lag}",
-            )
-        return GroupDecision(group_id=group.id, decision="kept", max_lag=stats.max, reason="")
+        else:
+            reason = f"lag {rule.statistic} exceeds staleness.drop.max_lag={rule.max_lag}"
+        return GroupDecision(
+            group_id=group.id, decision="dropped", max_lag=stats.max, reason=reason
+        )
 
     def add(self, group: Group) -> tuple[GroupDecision, Batch | None]:
         """Decide on ``group``; return a batch when one is complete."""

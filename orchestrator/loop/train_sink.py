@@ -91,7 +91,7 @@ def build_trainer(
     resume: bool = False,
 ) -> Trainer:
     """The reference trainer of a run config: its ``[trainer]`` section as it is, plus the
-    sampling temperature, the group size, the seed and the staleness correction; ``resume``:
+    sampling temperature, the group size, the seed and the ``[staleness]`` section; ``resume``:
     restore the checkpoint in ``checkpoint_dir`` if there is one."""
     from policies.train.trainer import Trainer
 
@@ -99,7 +99,7 @@ def build_trainer(
         model_dir,
         board,
         cfg.trainer,
-        correction=cfg.staleness.correction,
+        staleness=cfg.staleness,
         temperature=cfg.sampling.temperature,
         group_size=cfg.scheduler.group_size,
         seed=cfg.run.seed if seed is None else seed,

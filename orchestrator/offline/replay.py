@@ -22,6 +22,10 @@ call's sampling temperature) — pass the trainer version you want to compare ag
 ``orchestrate materialize``; without ``--model`` only the lag and drop statistics are printed.
 The schedule is held fixed: a different policy would have changed which groups were admitted and
 when the trainer stepped; this answers "what would this policy have done to *these* groups".
+Groups the run's stop dropped (:data:`~orchestrator.record.events.STOP_REASONS`: finished but not
+trained, or still in flight) were never decided by a staleness policy: they stay dropped, are
+counted apart (``groups/stopped``, ``episodes/stopped``), and every column — the logged one
+included — is computed over the decided groups only, so drop rates compare like with like.
 
 **Train.** Feeds the logged batches, in trainer-step order, to a fresh
 :class:`~policies.train.trainer.Trainer` built from the config (model, ``[trainer]``, staleness
@@ -49,6 +53,7 @@ from rich.table import Table
 from orchestrator.errors import ConfigError, TrajlogError
 from orchestrator.loop.batcher import Batcher
 from orchestrator.offline.inspect_log import resolve_log
+from orchestrator.record.events import STOP_REASONS
 from orchestrator.record.trajlog import EpisodeRecord, batch_records, episode_records, run_header
 from orchestrator.types import Batch, Episode, Group
 from policies.codec.digests import state_digest
@@ -104,8 +109,8 @@ def groups_of(records: Sequence[EpisodeRecord]) -> list[tuple[Group, int, str]]:
 def decide_all(
     groups: Sequence[tuple[Group, int, str]], policy: StalenessConfig, max_lag: int
 ) -> list[bool]:
-    """Kept (True) or dropped per group, by the run's own batcher at each logged version, under
-    the run's lag budget ``max_lag`` (``scheduler.max_lag``)."""
+    """Kept (True) or dropped per group, by the run's own batcher at each logged version
+    (``max_lag``: the run's ``scheduler.max_lag``, the rule of a policy without ``drop``)."""
     version = [0]
     batcher = Batcher(policy, 1, max_lag, lambda: version[0])
     kept = []
@@ -115,9 +120,20 @@ def decide_all(
     return kept
 
 
+def stopped_groups(records: Sequence[EpisodeRecord]) -> set[str]:
+    """Ids of the groups the run's stop dropped, not a staleness policy (their logged reason is
+    one of :data:`~orchestrator.record.events.STOP_REASONS`)."""
+    return {
+        r.decision.group_id
+        for r in records
+        if r.decision.decision == "dropped" and r.decision.reason in STOP_REASONS
+    }
+
+
 @dataclass(frozen=True)
 class Outcome:
-    """What one policy does to the logged groups."""
+    """What one policy does to the logged groups that a staleness policy decided; the groups the
+    run's stop dropped are only counted (``*_stopped``, the same in every column)."""
 
     name: str
     groups_kept: int
@@ -126,13 +142,17 @@ class Outcome:
     episodes_dropped: int
     by_duration: DropByDuration
     correction: dict[str, float] | None
+    groups_stopped: int = 0
+    episodes_stopped: int = 0
 
     def as_dict(self) -> dict[str, float]:
         out = {
             "groups/kept": float(self.groups_kept),
             "groups/dropped": float(self.groups_dropped),
+            "groups/stopped": float(self.groups_stopped),
             "episodes/kept": float(self.episodes_kept),
             "episodes/dropped": float(self.episodes_dropped),
+            "episodes/stopped": float(self.episodes_stopped),
         }
         out.update(self.by_duration.as_dict())
         out.update(self.correction or {})
@@ -150,9 +170,14 @@ def what_if(
     *,
     max_lag: int = 2**31,
 ) -> list[Outcome]:
-    """The logged decisions, then each policy's, over the same groups (``max_lag``: the run's
-    ``scheduler.max_lag``, which caps every policy's lag as the run's batcher does)."""
-    groups = groups_of(records)
+    """The logged decisions, then each policy's, over the same decided groups (``max_lag``: the
+    run's ``scheduler.max_lag``, the drop rule of a policy without ``drop``, as in the run's
+    batcher). Groups the run's stop dropped are left out of every column and counted apart."""
+    stopped = stopped_groups(records)
+    every = groups_of(records)
+    groups = [g for g in every if g[0].id not in stopped]
+    n_stopped = len(every) - len(groups)
+    eps_stopped = sum(len(g.episodes) for g, _, _ in every if g.id in stopped)
     durations = [e.duration_s for g, _, _ in groups for e in g.episodes]
     prox: dict[str, list[float]] = {}
     verdicts = {LOGGED: [d == "kept" for _, _, d in groups]}
@@ -176,6 +201,8 @@ def what_if(
                 episodes_dropped=len(per_episode) - sum(per_episode),
                 by_duration=drop_by_duration(durations, per_episode),
                 correction=correction,
+                groups_stopped=n_stopped,
+                episodes_stopped=eps_stopped,
             )
         )
     return outcomes
@@ -242,13 +269,14 @@ def render_what_if(outcomes: Sequence[Outcome], console: Console, with_is: bool)
 
     row("groups kept / dropped", [f"{o.groups_kept} / {o.groups_dropped}" for o in outcomes])
     row("episodes kept / dropped", [f"{o.episodes_kept} / {o.episodes_dropped}" for o in outcomes])
+    row("groups stopped (not decided)", [str(o.groups_stopped) for o in outcomes])
     row("drop rate", [f"{o.by_duration.as_dict()['drop/rate']:.1%}" for o in outcomes])
     for i, b in enumerate(outcomes[0].by_duration.buckets):
         cells = [f"{o.by_duration.buckets[i].drop_rate:.1%}" for o in outcomes]
         row(f"drop rate, {b.lo:.1f}–{b.hi:.1f}s", cells)
     row("length-biased", ["yes" if o.by_duration.biased else "no" for o in outcomes])
     keys = ["is/weight_mean", "is/weight_max", "is/weight_p99", "is/frac_masked"]
-    keys += ["is/frac_truncated", "is/ess", "is/ess_frac", "mismatch/kl_k3"]
+    keys += ["is/frac_truncated", "is/nonfinite_tokens", "is/ess", "is/ess_frac", "mismatch/kl_k3"]
     for key in keys if with_is else []:
         row(key, [f"{o.correction[key]:.4g}" if o.correction else "-" for o in outcomes])
     console.print(table)

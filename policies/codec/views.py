@@ -22,7 +22,8 @@ Which tensors are quantized: 2-D floating ``*.weight`` tensors whose name matche
 ``ViewSpec.keep`` (norms, embeddings, lm_head, biases by default) and whose ``in`` is a multiple
 of the group (int4: 128, nvfp4: 16); every other floating tensor is served bf16; non-floating
 buffers pass through unchanged. Names that alias one tensor in the state dict (tied embeddings)
-alias one tensor in the view.
+alias one tensor in the view; two names alias only when storage, offset, shape, stride and dtype
+all agree (a square ``W`` and its transpose ``W.T`` share the rest but not the stride).
 
 Scale churn: a fresh scale is a function of the tensor's (or block's) absolute maximum, so one
 weight crossing the block maximum rewrites the scale and, through it, most codes of that block;
@@ -41,6 +42,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
+from policies.codec.digests import StorageKey, storage_key
 
 ViewKind = Literal["bf16", "fp16", "fp8_e4m3", "fp8_block", "int4_group", "nvfp4"]
 ScalePolicy = Literal["fresh", "pow2", "fixed_between_anchors"]
@@ -185,14 +188,9 @@ def build_view(
 ) -> dict[str, torch.Tensor]:
     """The served view of ``state`` (``anchor``: the last anchor view, for fixed scales)."""
     out: dict[str, torch.Tensor] = {}
-    done: dict[tuple[int, int, tuple[int, ...], str], str] = {}
+    done: dict[StorageKey, str] = {}
     for name, t in state.items():
-        key = (
-            t.untyped_storage().data_ptr(),
-            int(t.storage_offset()),
-            tuple(t.shape),
-            str(t.dtype),
-        )
+        key = storage_key(t)  # storage, offset, shape, stride, dtype: W and W.T are not aliases
         if key in done and not _quantizable(name, t, spec):
             out[name] = out[done[key]]
             continue

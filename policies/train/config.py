@@ -8,9 +8,9 @@ torch here, so parsing a config stays cheap.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class TrainerConfig(BaseModel):
@@ -46,7 +46,16 @@ class TrainerConfig(BaseModel):
     """Per-token KL estimator (Schulman 2020): ``k3`` is unbiased and non-negative."""
     entropy_coef: float = Field(default=0.0, ge=0, le=1)
     """Weight of the entropy bonus (subtracted from the loss; 0: off, entropy is still logged)."""
-    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
-    """How per-token loss terms are averaged: over all kept tokens, or per sequence first."""
     checkpoint: bool = True
     """Checkpoint model + optimizer + RNG after every step into ``<run dir>/trainer/ckpt``."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _loss_agg_lives_in_staleness(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "loss_agg" in data:
+            msg = (
+                "loss_agg: moved to the [staleness] table (staleness.loss_agg), next to the "
+                "normalizer it works with"
+            )
+            raise ValueError(msg)
+        return data

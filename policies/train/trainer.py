@@ -5,14 +5,16 @@ One :meth:`Trainer.step` per batch:
 1. recompute the current log probs of every sampled token with the trainer's weights, at the
    sampling temperature (``logits / T``; top-k / top-p are not re-applied, so those truncations
    show up as π/μ mismatch);
-2. GRPO group-normalized advantages from the episode rewards (``staleness.loss.group_advantages``);
+2. GRPO group-normalized advantages from the episode rewards (``staleness.loss.group_advantages``;
+   divided by the group std unless ``staleness.scale_rewards`` resolves to false, as for
+   ``dr_grpo``);
 3. the configured staleness correction weights/masks each token (π_prox = the weights before this
    step, μ = the engine's log probs; ``staleness.corrections.correct``);
 4. loss = PPO-clip policy term (``staleness.loss.policy_loss``)
    ``+ kl_coef · KL(π_θ ‖ π_ref)`` (``kl_penalty`` with ``kl_estimator``, π_ref = version 0, kept
    frozen, scored at the same temperature) ``− entropy_coef · H(π_θ)`` (full-vocabulary entropy of
-   the tempered distribution); all three aggregated with ``loss_agg`` over the tokens the
-   correction kept;
+   the tempered distribution); all three summed over the tokens the correction kept and
+   aggregated alike, by ``staleness.loss_agg`` with ``staleness.normalizer``;
 5. one AdamW step (fp32 or bf16 master weights) after clipping the global gradient norm;
 6. ``version += 1``; the checkpoint is written; the served view of the new version is published.
 
@@ -47,7 +49,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from policies.board import Board, Manifest
 from policies.errors import CheckpointError
 from policies.train.config import TrainerConfig
-from staleness.config import Correction
+from staleness.config import StalenessConfig
 from staleness.corrections import correct
 from staleness.loss import aggregate, group_advantages, kl_penalty, policy_loss
 from staleness.metrics import correction_metrics
@@ -78,23 +80,25 @@ class Trainer:
         board: Board,
         config: TrainerConfig,
         *,
-        correction: Correction,
+        staleness: StalenessConfig,
         temperature: float,
         group_size: int,
         seed: int = 0,
         checkpoint_dir: Path | None = None,
         resume: bool = False,
     ) -> None:
-        """``temperature`` is the sampling temperature (log probs are rescored at it),
-        ``group_size`` the episodes per GRPO group; ``resume`` restores the checkpoint in
-        ``checkpoint_dir`` if there is one."""
+        """``staleness`` is the run's ``[staleness]`` section (correction and loss aggregation),
+        ``temperature`` the sampling temperature (log probs are rescored at it), ``group_size``
+        the episodes per GRPO group; ``resume`` restores the checkpoint in ``checkpoint_dir`` if
+        there is one."""
         torch.manual_seed(seed)
         self.config = config
         self.temperature = temperature
         self.group_size = group_size
         self.checkpoint_dir = checkpoint_dir
         self.board = board
-        self.correction = correction
+        self.staleness = staleness
+        self.correction = staleness.correction
         self.model = _load(model_dir, config)
         self.model.train()
         self.optimizer = torch.optim.AdamW(
@@ -238,25 +242,42 @@ class Trainer:
             mask[i, :n] = torch.tensor(sample.mask[1:], dtype=torch.bool)
             behav[i, :n] = torch.tensor(sample.behaviour_logprobs[1:])
         rewards = torch.tensor([sample.reward for sample in samples], device=s.device)
-        advantages = group_advantages(rewards, self.group_size)
+        st = self.staleness
+        advantages = group_advantages(rewards, self.group_size, normalize_std=st.scales_rewards)
 
         logp, entropy = self._score(self.model, ids, attn, entropy=True)
         assert entropy is not None
         logp_prox = logp.detach()
         corrected = correct(self.correction, logp_prox=logp_prox, logp_behav=behav, mask=mask)
         pg_loss, metrics = policy_loss(
-            logp, logp_prox, advantages, corrected, clip_eps=s.clip_eps, loss_agg=s.loss_agg
+            logp,
+            logp_prox,
+            advantages,
+            corrected,
+            clip_eps=s.clip_eps,
+            loss_agg=st.loss_agg,
+            normalizer=st.normalizer,
+            dr_grpo_tokens=st.dr_grpo_tokens,
         )
         kept = corrected.mask
-        ent_term = aggregate(entropy if s.entropy_coef > 0 else entropy.detach(), kept, s.loss_agg)
+
+        def agg(values: torch.Tensor) -> torch.Tensor:
+            return aggregate(
+                values,
+                kept,
+                st.loss_agg,
+                normalizer=st.normalizer,
+                valid=mask,
+                dr_grpo_tokens=st.dr_grpo_tokens,
+            )
+
+        ent_term = agg(entropy if s.entropy_coef > 0 else entropy.detach())
         loss = pg_loss - s.entropy_coef * ent_term if s.entropy_coef > 0 else pg_loss
         kl_value = 0.0
         if self.reference is not None:
             with torch.no_grad():
                 logp_ref, _ = self._score(self.reference, ids, attn, entropy=False)
-            kl = aggregate(
-                kl_penalty(logp, logp_ref, kept, estimator=s.kl_estimator), kept, s.loss_agg
-            )
+            kl = agg(kl_penalty(logp, logp_ref, kept, estimator=s.kl_estimator))
             loss = loss + s.kl_coef * kl
             kl_value = float(kl.detach())
 

@@ -56,6 +56,23 @@ def test_staleness_parameters_are_checked_at_load(tmp_path: Path) -> None:
         load_config(f)
 
 
+def test_staleness_loss_options_are_reachable_from_a_run_toml(tmp_path: Path) -> None:
+    f = tmp_path / "s.toml"
+    f.write_text(
+        '[staleness]\nloss_agg = "dr_grpo"\ndr_grpo_tokens = 64\nnormalizer = "original"\n'
+        '[staleness.correction]\ntype = "tis"\nlevel = "sequence"\ncap = 4.0\n'
+    )
+    st = load_config(f).staleness
+    assert (st.loss_agg, st.dr_grpo_tokens, st.normalizer) == ("dr_grpo", 64, "original")
+    assert (st.correction.type, getattr(st.correction, "level", None)) == ("tis", "sequence")
+    f.write_text('[staleness]\nloss_agg = "dr_grpo"\n')
+    with pytest.raises(ConfigError, match=r"staleness: .*dr_grpo_tokens: required"):
+        load_config(f)
+    f.write_text('[trainer]\nloss_agg = "seq_mean"\n')
+    with pytest.raises(ConfigError, match=r"trainer: .*staleness\.loss_agg"):
+        load_config(f)
+
+
 def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "nope.toml")

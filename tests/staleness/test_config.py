@@ -49,6 +49,7 @@ def test_toml_layout_from_the_docs_parses() -> None:
     [
         ('type = "none"', NoCorrection()),
         ('type = "tis"', TruncatedIS(cap=2.0)),
+        ('type = "tis"\nlevel = "sequence"\ncap = 5.0', TruncatedIS(cap=5.0, level="sequence")),
         ('type = "mis"\nupper = 4.0', MaskedIS(upper=4.0)),
         (
             'type = "mis"\naggregate = "geometric"\nreweight = false\nupper = 1.01',
@@ -61,6 +62,44 @@ def test_toml_layout_from_the_docs_parses() -> None:
 )
 def test_each_policy_parses(table: str, expected: object) -> None:
     assert _load(f"[staleness.correction]\n{table}\n").correction == expected
+
+
+def test_loss_options_parse_from_the_staleness_table() -> None:
+    cfg = StalenessConfig()
+    assert (cfg.loss_agg, cfg.normalizer, cfg.dr_grpo_tokens) == ("token_mean", "kept", None)
+    assert cfg.scales_rewards
+    cfg = _load(
+        """
+        [staleness]
+        loss_agg = "dr_grpo"
+        dr_grpo_tokens = 512
+        normalizer = "original"
+        """
+    )
+    assert (cfg.loss_agg, cfg.dr_grpo_tokens, cfg.normalizer) == ("dr_grpo", 512, "original")
+    assert not cfg.scales_rewards  # Dr. GRPO drops the std unless told otherwise
+    assert _load('[staleness]\nloss_agg = "dr_grpo"\ndr_grpo_tokens = 8\nscale_rewards = true\n')
+    assert _load('[staleness]\nloss_agg = "seq_mean"\n').loss_agg == "seq_mean"
+    assert not _load("[staleness]\nscale_rewards = false\n").scales_rewards
+
+
+def test_loss_option_errors_name_the_key() -> None:
+    assert _error_locs({"normalizer": "batch"}) == [("normalizer",)]
+    assert _error_locs({"loss_agg": "sum"}) == [("loss_agg",)]
+    assert _error_locs({"correction": {"type": "tis", "level": "seq"}}) == [
+        ("correction", "tis", "level")
+    ]
+    assert _error_locs({"loss_agg": "dr_grpo", "dr_grpo_tokens": 0}) == [("dr_grpo_tokens",)]
+    with pytest.raises(ValidationError, match="dr_grpo_tokens: required"):
+        StalenessConfig(loss_agg="dr_grpo")
+    with pytest.raises(ValidationError, match="dr_grpo_tokens: only used"):
+        StalenessConfig(dr_grpo_tokens=64)
+
+
+def test_effective_drop_is_the_lag_budget_without_a_rule() -> None:
+    assert StalenessConfig().effective_drop(3) == DropRule(statistic="max", max_lag=3)
+    rule = DropRule(statistic="token_weighted", max_lag=5)
+    assert StalenessConfig(drop=rule).effective_drop(1) == rule
 
 
 def test_mis_lower_defaults_to_reciprocal_of_upper() -> None:

@@ -25,6 +25,7 @@ from staleness.corrections import (
     decoupled_ppo,
     masked_is,
     no_correction,
+    nonfinite_tokens,
     token_mask,
     truncated_is,
 )
@@ -67,6 +68,17 @@ def test_tis_cap_below_one_caps_everything() -> None:
     _close(out.weights, [[0.5, 0.25]])
 
 
+def test_tis_sequence_level_truncates_the_product_per_row() -> None:
+    batch = _batch(
+        [[2.0, 0.75, 9.0], [2.0, 2.0, 1.0], [0.5, 0.5, 1.0], [1.0, 1.0, 1.0]],
+        [[True, True, False], [True, True, True], [True, True, True], [False, False, False]],
+    )
+    out = truncated_is(3.0, level="sequence", **batch)
+    # row 0: 2 · 0.75 = 1.5 (the masked 9.0 does not count); row 1: 4 → 3; row 2: 0.25
+    assert out.mask.tolist() == batch["mask"].tolist()
+    _close(out.weights, [[1.5, 1.5, 0.0], [3.0, 3.0, 3.0], [0.25, 0.25, 0.25], [0.0] * 3])
+
+
 def test_mis_product_rejects_whole_sequences() -> None:
     batch = _batch(
         [[2.0, 0.75, 9.0], [2.0, 2.0, 1.0], [0.5, 0.5, 1.0], [1.0, 1.0, 1.0]],
@@ -102,19 +114,62 @@ def test_decoupled_ppo_weights_by_ratio_and_masks_above_cap() -> None:
     capped = decoupled_ppo(3.0, **batch)
     assert capped.mask.tolist() == [[True, False, True]]
     _close(capped.weights, [[2.0, 0.0, 0.1]])
-    uncapped = decoupled_ppo(None, **batch)
+
+
+def test_decoupled_ppo_uncapped_applies_no_behaviour_weight() -> None:
+    """AReaL 1.0.4 ``rejection_sampling=None``: the clip moves to π_prox, no ρ_t weight."""
+    uncapped = decoupled_ppo(None, **_batch([[2.0, 4.0, 0.1]]))
     assert uncapped.mask.all()
-    _close(uncapped.weights, [[2.0, 4.0, 0.1]])
-
-
-def test_decoupled_ppo_uncapped_stays_finite_for_absurd_ratios() -> None:
-    out = decoupled_ppo(
+    _close(uncapped.weights, [[1.0, 1.0, 1.0]])
+    absurd = decoupled_ppo(
         None,
         logp_prox=torch.tensor([[0.0]]),
         logp_behav=torch.tensor([[-500.0]]),
         mask=torch.tensor([[True]]),
     )
+    assert absurd.weights.tolist() == [[1.0]]
+
+
+NONFINITE_POLICIES: list[Correction] = [
+    NoCorrection(),
+    TruncatedIS(cap=2.0),
+    TruncatedIS(cap=2.0, level="sequence"),
+    MaskedIS(upper=3.0),
+    MaskedIS(upper=1.5, aggregate="geometric", reweight=False),
+    DecoupledPPO(),
+    DecoupledPPO(cap=2.0),
+    TokenMask(c=2.0, reweight=True),
+]
+
+
+@pytest.mark.parametrize("cfg", NONFINITE_POLICIES)
+@pytest.mark.parametrize(
+    ("prox", "behav"),
+    [(-1.0, math.nan), (-1.0, -math.inf), (math.nan, -1.0), (-math.inf, -math.inf)],
+)
+def test_nonfinite_log_ratio_is_masked_by_every_policy(
+    cfg: Correction, prox: float, behav: float
+) -> None:
+    """One broken valid token: masked, counted, and the rest decided as if it were not there."""
+    clean = _batch([[1.2, 0.9, 1.1], [1.0, 1.3, 0.8]])
+    dirty: Batch = {
+        "logp_prox": clean["logp_prox"].clone(),
+        "logp_behav": clean["logp_behav"].clone(),
+        "mask": clean["mask"],
+    }
+    dirty["logp_prox"][0, 1] = prox
+    dirty["logp_behav"][0, 1] = behav
+    out = correct(cfg, **dirty)
     assert torch.isfinite(out.weights).all()
+    assert not bool(out.mask[0, 1])
+    assert out.valid is not None
+    assert out.valid.all()
+    assert nonfinite_tokens(**dirty).tolist() == [[False, True, False], [False, False, False]]
+    without = clean | {"mask": clean["mask"].clone()}
+    without["mask"][0, 1] = False
+    want = correct(cfg, **without)
+    assert torch.equal(out.mask, want.mask)
+    torch.testing.assert_close(out.weights, want.weights)
 
 
 def test_token_mask_two_sided() -> None:
@@ -132,6 +187,7 @@ def test_token_mask_two_sided() -> None:
     [
         NoCorrection(),
         TruncatedIS(cap=1.5),
+        TruncatedIS(cap=1.5, level="sequence"),
         MaskedIS(upper=3.0),
         MaskedIS(upper=1.2, aggregate="geometric", reweight=False),
         DecoupledPPO(cap=2.0),
@@ -146,7 +202,7 @@ def test_correct_dispatches_to_the_policy(cfg: Correction) -> None:
         case NoCorrection():
             want = no_correction(**batch)
         case TruncatedIS():
-            want = truncated_is(cfg.cap, **batch)
+            want = truncated_is(cfg.cap, level=cfg.level, **batch)
         case MaskedIS():
             want = masked_is(cfg, **batch)
         case DecoupledPPO():
@@ -175,6 +231,8 @@ ALL_POLICIES: list[Correction] = [
     NoCorrection(),
     TruncatedIS(cap=0.7),
     TruncatedIS(cap=2.0),
+    TruncatedIS(cap=0.7, level="sequence"),
+    TruncatedIS(cap=2.0, level="sequence"),
     MaskedIS(upper=2.0),
     MaskedIS(upper=5.0, lower=0.5, reweight=False),
     MaskedIS(upper=1.05, aggregate="geometric", reweight=False),
@@ -207,7 +265,7 @@ def _bound(cfg: Correction) -> tuple[float, float]:
         case MaskedIS():
             return (cfg.lower_bound, cfg.upper) if cfg.reweight else (1.0, 1.0)
         case DecoupledPPO(cap=cap):
-            return 0.0, cap if cap is not None else math.inf
+            return (0.0, cap) if cap is not None else (1.0, 1.0)
         case TokenMask(c=c, reweight=reweight):
             return (1 / c, c) if reweight else (1.0, 1.0)
 

@@ -19,7 +19,14 @@ from staleness.config import (
 )
 from staleness.corrections import correct
 from staleness.errors import ShapeError
-from staleness.loss import LossAgg, aggregate, group_advantages, kl_penalty, policy_loss
+from staleness.loss import (
+    LossAgg,
+    Normalizer,
+    aggregate,
+    group_advantages,
+    kl_penalty,
+    policy_loss,
+)
 from staleness.types import Corrected
 
 # ---- group advantages -------------------------------------------------------------------------
@@ -41,6 +48,31 @@ def test_equal_rewards_give_zeros_not_nan() -> None:
     adv = group_advantages(torch.tensor([0.7, 0.7, 0.7, 0.0, 0.0, 0.0]), 3)
     assert torch.equal(adv, torch.zeros(6))
     assert torch.equal(group_advantages(torch.tensor([2.0, 5.0]), 1), torch.zeros(2))
+
+
+def test_equal_non_binary_rewards_give_exact_zeros() -> None:
+    """A float32 mean of twelve 2.2s is an ulp off; the advantage must still be exactly 0."""
+    for normalize_std in (True, False):
+        adv = group_advantages(torch.full((12,), 2.2), 12, normalize_std=normalize_std)
+        assert torch.equal(adv, torch.zeros(12)), adv
+    mixed = torch.tensor([2.2] * 12 + [0.3] * 5 + [1e6] * 3 + [-7.1] * 4)
+    for size in (4, 12):
+        if mixed.shape[0] % size == 0:
+            adv = group_advantages(mixed[: (mixed.shape[0] // size) * size], size)
+            flat = mixed.reshape(-1, size)
+            equal = (flat == flat[:, :1]).all(dim=1)
+            assert torch.equal(adv.reshape(-1, size)[equal], torch.zeros_like(flat[equal]))
+
+
+def test_near_equal_rewards_count_as_equal() -> None:
+    r = torch.full((8,), 2.2)
+    r[3] = torch.nextafter(r[3], torch.tensor(3.0))  # one ulp above: rounding noise, no signal
+    assert torch.equal(group_advantages(r, 8), torch.zeros(8))
+    r64 = torch.tensor([0.1 + 0.2, 0.3, 0.3, 0.1 + 0.2], dtype=torch.float64)  # one ulp apart
+    assert torch.equal(group_advantages(r64, 4), torch.zeros(4, dtype=torch.float64))
+    # a real difference, however small against the rewards, is still signal
+    adv = group_advantages(torch.tensor([2.2, 2.2, 2.2, 2.3]), 4, eps=0.0)
+    torch.testing.assert_close(adv, torch.tensor([-1 / 3**0.5] * 3 + [3**0.5]))
 
 
 def test_unnormalized_is_centred_rewards() -> None:
@@ -193,9 +225,19 @@ def _reference_loss(
     eps_high: float,
     dual: float | None,
     agg: str,
+    normalizer: str = "kept",
+    dr_grpo_tokens: int = 0,
 ) -> torch.Tensor:
     """Token-by-token PPO-clip, written as plainly as possible."""
     rows: list[list[torch.Tensor]] = []
+    valid = corrected.valid if corrected.valid is not None else corrected.mask
+    counts = [
+        sum(
+            bool(valid[b, t] if normalizer == "original" else corrected.mask[b, t])
+            for t in range(logp.shape[1])
+        )
+        for b in range(logp.shape[0])
+    ]
     for b in range(logp.shape[0]):
         row = []
         a = float(adv[b])
@@ -212,31 +254,46 @@ def _reference_loss(
     terms = [x for row in rows for x in row]
     if not terms:
         return logp.sum() * 0
+    if agg == "dr_grpo":
+        return torch.stack(terms).sum() / (logp.shape[0] * dr_grpo_tokens)
     if agg == "token_mean":
-        return torch.stack(terms).sum() / len(terms)
-    per_seq = [torch.stack(row).sum() / len(row) for row in rows if row]
-    return torch.stack(per_seq).sum() / len(per_seq)
+        return torch.stack(terms).sum() / sum(counts)
+    per_seq = [
+        torch.stack(row).sum() / n if row else logp.sum() * 0
+        for row, n in zip(rows, counts, strict=True)
+    ]
+    return torch.stack([x for x, n in zip(per_seq, counts, strict=True) if n]).sum() / sum(
+        1 for n in counts if n
+    )
 
 
 POLICIES: list[Correction] = [
     NoCorrection(),
     TruncatedIS(cap=1.5),
+    TruncatedIS(cap=1.5, level="sequence"),
     MaskedIS(upper=3.0),
     DecoupledPPO(cap=2.0),
+    DecoupledPPO(),
     TokenMask(c=1.5, reweight=True),
 ]
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),
     policy=st.sampled_from(POLICIES),
-    agg=st.sampled_from(["token_mean", "seq_mean"]),
+    agg=st.sampled_from(["token_mean", "seq_mean", "dr_grpo"]),
+    normalizer=st.sampled_from(["kept", "original"]),
     eps_high=st.sampled_from([None, 0.28]),
     dual=st.sampled_from([None, 3.0]),
 )
 def test_loss_matches_loop_reference(
-    seed: int, policy: Correction, agg: LossAgg, eps_high: float | None, dual: float | None
+    seed: int,
+    policy: Correction,
+    agg: LossAgg,
+    normalizer: Normalizer,
+    eps_high: float | None,
+    dual: float | None,
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
     b, t = 4, 6
@@ -258,10 +315,11 @@ def test_loss_matches_loop_reference(
         clip_eps_high=eps_high,
         dual_clip_c=dual,
         loss_agg=agg,
+        normalizer=normalizer,
+        dr_grpo_tokens=7 if agg == "dr_grpo" else None,
     )
-    ref = _reference_loss(
-        logp, logp_prox, adv, corrected, 0.2, eps_high if eps_high is not None else 0.2, dual, agg
-    )
+    high = eps_high if eps_high is not None else 0.2
+    ref = _reference_loss(logp, logp_prox, adv, corrected, 0.2, high, dual, agg, normalizer, 7)
     torch.testing.assert_close(loss, ref.to(loss.dtype), rtol=1e-5, atol=1e-6)
     (grad,) = torch.autograd.grad(loss, logp)
     (ref_grad,) = torch.autograd.grad(ref, logp)
@@ -283,6 +341,77 @@ def test_aggregate_modes() -> None:
     assert aggregate(values, mask, "token_mean").item() == pytest.approx(8 / 3)
     # seq means: 2 and 4; the empty third row does not count
     assert aggregate(values, mask, "seq_mean").item() == pytest.approx(3.0)
+    # Dr. GRPO: the sum over the kept tokens / (rows · the constant), whatever the mask
+    assert aggregate(values, mask, "dr_grpo", dr_grpo_tokens=4).item() == pytest.approx(8 / 12)
+    with pytest.raises(ShapeError, match="dr_grpo_tokens"):
+        aggregate(values, mask, "dr_grpo")
+
+
+def test_original_normalizer_counts_the_tokens_before_masking() -> None:
+    """AReaL divides by the valid tokens; sprawl's default divides by the kept ones."""
+    values = torch.tensor([[1.0, 3.0, 100.0], [4.0, 50.0, 0.0], [9.0, 9.0, 9.0]])
+    valid = torch.tensor([[True, True, True], [True, True, False], [True, False, False]])
+    kept = torch.tensor([[True, True, False], [True, False, False], [False, False, False]])
+    assert aggregate(values, kept, "token_mean", valid=valid).item() == pytest.approx(8 / 3)
+    got = aggregate(values, kept, "token_mean", normalizer="original", valid=valid)
+    assert got.item() == pytest.approx(8 / 6)
+    # per sequence: 4/3, 4/2, 0/1 over the three rows that had valid tokens
+    got = aggregate(values, kept, "seq_mean", normalizer="original", valid=valid)
+    assert got.item() == pytest.approx((4 / 3 + 4 / 2 + 0) / 3)
+    assert aggregate(values, kept, "token_mean", normalizer="original").item() == pytest.approx(
+        8 / 3
+    )  # no valid mask given: nothing was masked
+
+
+def test_original_normalizer_keeps_per_token_gradients_of_kept_tokens() -> None:
+    """Masking half the tokens must not double the gradient of the others ("original")."""
+    logp_behav = torch.log(torch.tensor([[0.1, 0.1, 0.1, 0.1]]))
+    logp_prox = logp_behav + torch.log(torch.tensor([[1.0, 1.0, 10.0, 10.0]]))
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    corrected = correct(
+        DecoupledPPO(cap=2.0), logp_prox=logp_prox, logp_behav=logp_behav, mask=mask
+    )
+    assert corrected.mask.tolist() == [[True, True, False, False]]
+    grads = {}
+    for normalizer in ("kept", "original"):
+        logp = logp_prox.clone().requires_grad_()
+        loss, _ = policy_loss(
+            logp, logp_prox, torch.tensor([1.0]), corrected, normalizer=normalizer
+        )
+        (grads[normalizer],) = torch.autograd.grad(loss, logp)
+    torch.testing.assert_close(grads["kept"][0, :2], torch.tensor([-0.5, -0.5]))
+    torch.testing.assert_close(grads["original"][0, :2], torch.tensor([-0.25, -0.25]))
+    assert (grads["original"][0, 2:] == 0).all()
+
+
+@pytest.mark.parametrize("policy", [*POLICIES, TruncatedIS(cap=2.0), DecoupledPPO(cap=None)])
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf"), float("inf")])
+def test_one_nonfinite_engine_logprob_is_masked_not_nan(policy: Correction, bad: float) -> None:
+    """A NaN (or ±inf) engine log prob on a valid token leaves the loss and gradient finite and
+    equal to the loss without that token, under every correction."""
+    gen = torch.Generator().manual_seed(3)
+    logp_behav = -torch.rand(2, 5, generator=gen) * 2
+    logp_prox = logp_behav + 0.1 * torch.randn(2, 5, generator=gen)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    adv = torch.tensor([1.0, -0.5])
+    dirty = logp_behav.clone()
+    dirty[0, 2] = bad
+    without = mask.clone()
+    without[0, 2] = False
+    results = []
+    for behav, m in ((dirty, mask), (logp_behav, without)):
+        logp = logp_prox.clone().requires_grad_()
+        corrected = correct(policy, logp_prox=logp_prox, logp_behav=behav, mask=m)
+        loss, metrics = policy_loss(logp, logp_prox, adv, corrected)
+        (grad,) = torch.autograd.grad(loss, logp)
+        assert torch.isfinite(loss), (policy, bad)
+        assert torch.isfinite(grad).all()
+        assert all(math.isfinite(v) for v in metrics.values())
+        results.append((loss.detach(), grad, corrected))
+    (loss_d, grad_d, corr_d), (loss_c, grad_c, _) = results
+    assert not bool(corr_d.mask[0, 2])
+    torch.testing.assert_close(loss_d, loss_c)
+    torch.testing.assert_close(grad_d, grad_c)
 
 
 def test_kl_estimators_hand_case() -> None:

@@ -193,3 +193,34 @@ def test_correction_metrics_on_policy_and_empty() -> None:
     empty = {**batch, "mask": torch.zeros(1, 2, dtype=torch.bool)}
     m = correction_metrics(NoCorrection(), correct(NoCorrection(), **empty), **empty)
     assert all(v == 0.0 for v in m.values())
+
+
+def test_correction_metrics_count_nonfinite_tokens_and_stay_finite() -> None:
+    batch = _ratio_batch([0.5, 1.0, 2.0, 4.0])
+    batch["logp_behav"] = batch["logp_behav"].clone()
+    batch["logp_behav"][0, 1] = float("nan")
+    batch["logp_prox"] = batch["logp_prox"].clone()
+    batch["logp_prox"][0, 3] = float("-inf")
+    for cfg in (TruncatedIS(cap=1.5), DecoupledPPO(), NoCorrection()):
+        m = correction_metrics(cfg, correct(cfg, **batch), **batch)
+        assert all(math.isfinite(v) for v in m.values()), (cfg, m)
+        assert m["is/nonfinite_tokens"] == 2.0
+        assert m["is/kept_tokens"] == 2.0
+        assert m["is/frac_masked"] == 0.5
+        assert m["mismatch/logp_abs_mean"] == pytest.approx(math.log(2), rel=1e-5)
+    clean = _ratio_batch([1.0, 1.0])
+    m = correction_metrics(NoCorrection(), correct(NoCorrection(), **clean), **clean)
+    assert m["is/nonfinite_tokens"] == 0.0
+
+
+def test_correction_metrics_sequence_tis_truncation_counts_tokens_of_truncated_rows() -> None:
+    behav = torch.full((2, 2), math.log(0.05))
+    batch = {
+        "logp_prox": behav + torch.tensor([[2.0, 2.0], [1.0, 1.1]]).log(),
+        "logp_behav": behav,
+        "mask": torch.ones(2, 2, dtype=torch.bool),
+    }
+    cfg = TruncatedIS(cap=3.0, level="sequence")
+    m = correction_metrics(cfg, correct(cfg, **batch), **batch)
+    assert m["is/frac_truncated"] == 0.5  # row 0: 4 > 3; row 1: 1.1 ≤ 3
+    assert m["is/weight_max"] == pytest.approx(3.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -20,10 +21,11 @@ from orchestrator.offline.replay import (
     train,
     what_if,
 )
-from orchestrator.record.trajlog import episode_records
-from orchestrator.types import Episode, SamplingParams
+from orchestrator.record.events import STOPPED_UNFINISHED, STOPPED_UNTRAINED
+from orchestrator.record.trajlog import TrajectoryLog, episode_records
+from orchestrator.types import Episode, GroupDecision, SamplingParams
 from staleness.config import DropRule, StalenessConfig, TruncatedIS
-from tests.support.trajectories import write_synthetic_log
+from tests.support.trajectories import make_group, write_synthetic_log
 
 POLICIES = """
 [policies.same]
@@ -81,6 +83,37 @@ def test_what_if_reproduces_logged_decisions_and_counts_drops(tmp_path: Path) ->
     # the run's lag budget caps every policy, as the run's batcher does
     capped = {o.name: o for o in what_if(records, policies, max_lag=0)}
     assert capped["keep_all"].groups_kept == out["strict"].groups_kept
+
+
+def test_what_if_keeps_shutdown_drops_and_compares_decided_groups_only(tmp_path: Path) -> None:
+    """Groups the run's stop dropped are not re-decided (as kept) by any policy: a policy equal to
+    the run's gives the logged drop rate, and the stopped groups are counted apart."""
+    write_synthetic_log(tmp_path, steps=3, seed=21)
+    decided = episode_records(tmp_path)
+    rng = random.Random(5)
+    tlog = TrajectoryLog(tmp_path, run="synthetic", append=True)
+    for i, reason in enumerate([STOPPED_UNTRAINED] * 3 + [STOPPED_UNFINISHED] * 2):
+        group, _ = make_group(rng, 900 + i, 3)
+        stop = GroupDecision(group_id=group.id, decision="dropped", reason=reason, max_lag=0)
+        tlog.write_group(group, stop, trainer_version=3)
+    tlog.close()
+    records = episode_records(tmp_path)
+    assert len(records) == len(decided) + 5 * 4
+
+    same = StalenessConfig(drop=DropRule(max_lag=1))
+    out = {o.name: o for o in what_if(records, {"same": same, "keep_all": StalenessConfig()})}
+    logged, again = out[LOGGED], out["same"]
+    assert logged.groups_stopped == again.groups_stopped == out["keep_all"].groups_stopped == 5
+    assert logged.episodes_stopped == again.episodes_stopped == 20
+    assert (again.groups_kept, again.groups_dropped) == (logged.groups_kept, logged.groups_dropped)
+    assert again.as_dict()["drop/rate"] == logged.as_dict()["drop/rate"]
+    assert logged.as_dict()["groups/stopped"] == 5.0
+    # only the decided groups are compared, and no stopped group is counted as kept
+    n_decided = len({r.decision.group_id for r in decided})
+    for o in out.values():
+        assert o.groups_kept + o.groups_dropped == n_decided
+        assert sum(b.episodes for b in o.by_duration.buckets) == len(decided)
+    assert out["keep_all"].episodes_kept == len(decided)
 
 
 def test_on_policy_prox_gives_unit_weights_and_full_ess(tmp_path: Path) -> None:

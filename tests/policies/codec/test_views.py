@@ -77,6 +77,17 @@ def test_layout_keeps_norms_embeddings_biases_and_ties(kind: ViewKind) -> None:
         assert view[packed].shape == (300, 128)
 
 
+@pytest.mark.parametrize("kind", ["bf16", "fp8_e4m3"])
+def test_a_transpose_is_not_an_alias(kind: ViewKind) -> None:
+    """A square ``W`` and ``W.T`` share storage, offset, shape and dtype, not stride."""
+    w = torch.randn(256, 256, generator=torch.Generator().manual_seed(4))
+    state = {"a.norm.weight": w, "b.norm.weight": w.T, "c.norm.weight": w}
+    view = build_view(state, ViewSpec(kind=kind))
+    assert torch.equal(view["b.norm.weight"].float(), w.T.to(torch.bfloat16).float())
+    assert not torch.equal(view["a.norm.weight"], view["b.norm.weight"])
+    assert view["c.norm.weight"] is view["a.norm.weight"]  # a true alias stays one tensor
+
+
 def test_view_does_not_alias_the_trainer_state() -> None:
     state = _state(1, master=torch.bfloat16)
     view = build_view(state, ViewSpec(kind="bf16"))

@@ -25,7 +25,7 @@ from policies.serve.backends.vllm_launch import engine_python, vllm_server
 from policies.train.config import TrainerConfig
 from policies.train.trainer import Trainer, TrainSample
 from policies.wire.lane import GenerateRequest
-from staleness.config import NoCorrection
+from staleness.config import StalenessConfig
 from tests.support.lane import generate, metric, policy, standalone, wait_metric, wait_version
 from tests.support.vllm import head_dim_32
 
@@ -132,7 +132,13 @@ async def test_trainer_versions_through_the_sidecar_serve_like_a_fresh_engine(
     board = Board(str(tmp_path / "board"), "run")
     config = TrainerConfig(lr=3e-2, served_dtype="bfloat16")
     trainer = Trainer(
-        model, board, config, correction=NoCorrection(), temperature=1.0, group_size=4, seed=0
+        model,
+        board,
+        config,
+        staleness=StalenessConfig(),
+        temperature=1.0,
+        group_size=4,
+        seed=0,
     )
     trainer.publish()
     v0 = board.materialize(0, tmp_path / "v0")

@@ -16,20 +16,27 @@ from policies.serve.engine import Engine
 from policies.train.config import TrainerConfig
 from policies.train.trainer import Trainer, TrainSample
 from policies.wire.lane import GenerateRequest
-from staleness.config import Correction, NoCorrection, TruncatedIS
+from staleness.config import Correction, NoCorrection, StalenessConfig, TruncatedIS
 
 GROUP = 4
 
 
-def _trainer(model_dir: Path, board: Board, correction: Correction, **kw: Any) -> Trainer:
-    """A trainer with the test defaults; ``kw`` sets ``[trainer]`` fields or Trainer arguments."""
+def _trainer(
+    model_dir: Path, board: Board, correction: Correction | StalenessConfig, **kw: Any
+) -> Trainer:
+    """A trainer with the test defaults (``correction``: the correction, or the whole
+    ``[staleness]`` section); ``kw`` sets ``[trainer]`` fields or Trainer arguments."""
     run = {k: kw.pop(k) for k in list(kw) if k in {"checkpoint_dir", "resume", "temperature"}}
     config = TrainerConfig(**{"lr": 1e-3, "weight_decay": 0.01, **kw})
     return Trainer(
         model_dir,
         board,
         config,
-        correction=correction,
+        staleness=(
+            correction
+            if isinstance(correction, StalenessConfig)
+            else StalenessConfig(correction=correction)
+        ),
         temperature=run.pop("temperature", 1.0),
         group_size=GROUP,
         **run,
@@ -242,3 +249,34 @@ def test_bfloat16_masters_train_and_publish(tmp_path: Path, tiny_model_dir: Path
     assert board.latest() == 1
     _, view = board.load(1)
     assert all(v.dtype == torch.bfloat16 for v in view.values() if v.is_floating_point())
+
+
+def test_staleness_loss_options_reach_the_step(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """``[staleness]`` loss_agg / normalizer / sequence TIS drive the step, and one NaN engine log
+    prob is masked and counted instead of turning the loss into NaN."""
+    samples = _samples(0)
+    broken = samples[1]
+    first = broken.mask.index(True)
+    behav = list(broken.behaviour_logprobs)
+    behav[first] = float("nan")
+    samples[1] = TrainSample(
+        token_ids=broken.token_ids, mask=broken.mask, behaviour_logprobs=behav, reward=broken.reward
+    )
+    staleness = StalenessConfig(
+        correction=TruncatedIS(cap=2.0, level="sequence"),
+        loss_agg="dr_grpo",
+        dr_grpo_tokens=16,
+        normalizer="original",
+    )
+    t = _trainer(tiny_model_dir, Board(str(tmp_path / "b"), "r"), staleness)
+    assert not t.staleness.scales_rewards
+    metrics = t.step(samples)
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
+    assert metrics["is/nonfinite_tokens"] == 1.0
+    n_valid = sum(sum(s.mask[1:]) for s in samples)
+    assert metrics["kept_tokens"] == n_valid - 1
+
+
+def test_trainer_loss_agg_moved_to_staleness() -> None:
+    with pytest.raises(ValueError, match=r"staleness\.loss_agg"):
+        TrainerConfig(loss_agg="seq_mean")  # type: ignore[call-arg]
