@@ -57,6 +57,8 @@ __all__ = [
 ]
 
 log = structlog.get_logger(__name__)
+MALFORMED_CALL = "malformed_call"
+"""The ``name`` of the tool message that answers a malformed call (it has no call id)."""
 F = TypeVar("F", bound=Callable[..., Any])
 RewardFn = Callable[[EpisodeState], float | Awaitable[float]]
 
@@ -141,7 +143,8 @@ class Environment:
         out: list[Message] = []
         for err in reply.errors:
             state.bad_calls += 1
-            out.append({"role": "tool", "content": f"error: {err.message}"})
+            # named, as templates that look up a tool message's function require (gpt-oss-like)
+            out.append({"role": "tool", "name": MALFORMED_CALL, "content": f"error: {err.message}"})
         cap = self.config.max_tool_calls_per_turn
         for i, call in enumerate(reply.tool_calls):
             if i >= cap:

@@ -2,6 +2,7 @@
 
     orchestrate --config X.toml [--print-config] [--log-format auto|pretty|json] [--section.key V …]
     orchestrate init-model --out DIR [--size tiny|small] [--seed N] [--sft-steps N]
+                           [--chat-template FILE [--tool-parser NAME]]
     orchestrate serve (--model DIR | --board URL [--run NAME]) [--port P] [--host H]
                       [--device cpu|cuda] [--token T]
     orchestrate versions --board URL [--run NAME] [--json]
@@ -69,6 +70,8 @@ def _run(argv: list[str]) -> int:
 
 
 def _init_model(argv: list[str]) -> int:
+    from policies.wire.tool_parsers import TOOL_PARSERS
+
     parser = argparse.ArgumentParser(
         prog="orchestrate init-model", description="Build sprawl's own tiny model and tokenizer."
     )
@@ -78,11 +81,29 @@ def _init_model(argv: list[str]) -> int:
     parser.add_argument(
         "--sft-steps", type=int, default=0, help="SFT warm start on the calculator format (0: none)"
     )
+    parser.add_argument(
+        "--chat-template",
+        type=Path,
+        metavar="FILE",
+        help="Jinja chat template to build the tokenizer for (default: sprawl's Hermes-style one); "
+        "examples/chat_templates/ has one per model family",
+    )
+    parser.add_argument(
+        "--tool-parser",
+        choices=list(TOOL_PARSERS),
+        help="the parser engines should read this model's tool calls with (written to sprawl.json)",
+    )
     args = parser.parse_args(argv)
     configure()
     from policies.model.build import init_model
 
-    out = init_model(args.out, args.size, seed=args.seed)
+    out = init_model(
+        args.out,
+        args.size,
+        seed=args.seed,
+        chat_template=args.chat_template,
+        tool_parser=args.tool_parser,
+    )
     if args.sft_steps > 0:
         from policies.train.sft import warm_start
 

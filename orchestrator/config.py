@@ -15,12 +15,21 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from orchestrator.errors import ConfigError
 from orchestrator.types import EndpointRef
-from policies.board.types import BoardOptions
+from policies.board.types import BoardOptions, check_run_name
+from policies.errors import BoardError
 from policies.train.config import TrainerConfig
+from policies.wire.tool_parsers import TOOL_PARSERS
 from staleness.config import StalenessConfig
 
 
@@ -29,8 +38,9 @@ class _Section(BaseModel):
 
 
 class RunConfig(_Section):
-    name: str = Field(default="demo", min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
-    """Run name; the run directory is ``<root>/<name>``."""
+    name: str = "demo"
+    """Run name; the run directory is ``<root>/<name>`` and the board's is ``<board>/<name>``
+    (1-128 letters, digits, ``.``, ``_`` or ``-``, starting with a letter or digit, no ``..``)."""
     root: Path = Path("runs")
     """Directory under which run directories are created."""
     seed: int = Field(default=0, ge=0)
@@ -45,11 +55,32 @@ class RunConfig(_Section):
     may grow)."""
 
 
+    @field_validator("name")
+    @classmethod
+    def _one_board_segment(cls, name: str) -> str:
+        try:
+            return check_run_name(name)
+        except BoardError as exc:
+            raise ValueError(str(exc)) from None
+
 class ModelConfig(_Section):
     path: Path = Path("runs/models/tiny")
     """HF causal-LM directory (safetensors) the trainer starts from."""
     init: Literal["tiny", "small"] | None = "tiny"
     """Build sprawl's own model of this size at ``path`` if it is missing (None: require it)."""
+    tool_parser: str | None = None
+    """How the model writes tool calls (``hermes``, ``llama3_json``, ``mistral``,
+    ``qwen3_coder``); None: from ``<path>/sprawl.json``, else detected from the chat template."""
+    max_context: int | None = Field(default=None, ge=64)
+    """Tokens an episode's sequence may reach; None: the model's ``max_position_embeddings``
+    (engines that serve less bound it further)."""
+
+    @field_validator("tool_parser")
+    @classmethod
+    def _known_parser(cls, name: str | None) -> str | None:
+        if name is not None and name not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool parser {name!r}; one of {', '.join(TOOL_PARSERS)}")
+        return name
 
 
 class BoardConfig(BoardOptions):

@@ -27,6 +27,7 @@ from orchestrator.config import Config
 from orchestrator.errors import ConfigError
 from orchestrator.loop.admin import serve_admin
 from orchestrator.loop.batcher import Batcher
+from orchestrator.loop.chat import ModelChat, model_chat
 from orchestrator.loop.client import HttpTransport
 from orchestrator.loop.episode import EpisodeRunner
 from orchestrator.loop.fleet import local_fleet
@@ -50,8 +51,6 @@ from orchestrator.record.trajlog import TrajectoryLog
 from orchestrator.types import Batch, EventSink, Group, GroupDecision, SamplingParams
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
     from environments.base import Environment
     from policies.board import Board
 
@@ -150,11 +149,18 @@ async def run(cfg: Config) -> RunSummary:
     logged = resume.read_run(run_dir) if cfg.run.resume else None
     summary = RunSummary(run_dir=run_dir)
     model_dir = await anyio.to_thread.run_sync(ensure_model, cfg)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    chat = model_chat(
+        model_dir,
+        tokenizer,
+        env.tool_schemas(),
+        tool_parser_name=cfg.model.tool_parser,
+        max_context=cfg.model.max_context,
+    )  # before any engine starts: a template sprawl cannot bridge stops the run here
     board = Board(cfg.board_url, cfg.run.name, options=cfg.board)
     sink = await _trainer_sink(cfg, run_dir, model_dir, board, logged)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    metrics = RunMetrics()  # Prometheus, served on the admin API's /metrics
-    view = LiveView(cfg.trainer.max_steps) if live_wanted() else None
+    metrics = RunMetrics(cfg.staleness.length_bias)  # Prometheus, served on GET /metrics
+    view = LiveView(cfg.trainer.max_steps, cfg.staleness.length_bias) if live_wanted() else None
     # the event log, the metrics and (on a terminal) the live view all read the same events
     event_log = EventLog.for_run(
         run_dir / "events", cfg, first_seq=logged.next_seq if logged else 0
@@ -208,7 +214,7 @@ async def run(cfg: Config) -> RunSummary:
                 )
                 for ref in local + cfg.fleet.endpoint_refs():
                     pool.add(ref)
-                loop = _Loop(cfg, pool, env, tokenizer, sink, trajlog, summary, events, rec)
+                loop = _Loop(cfg, pool, env, chat, sink, trajlog, summary, events, rec)
                 try:
                     await loop.run(metrics, view)
                 finally:
@@ -231,7 +237,7 @@ class _Loop:
         cfg: Config,
         pool: Pool,
         env: Environment,
-        tokenizer: PreTrainedTokenizerBase,
+        chat: ModelChat,
         sink: TrainerSink,
         trajlog: TrajectoryLog,
         summary: RunSummary,
@@ -241,7 +247,8 @@ class _Loop:
         self.cfg, self.pool, self.sink = cfg, pool, sink
         self.runner = EpisodeRunner(
             env,
-            tokenizer,
+            chat.chat,
+            chat.parser,
             pool,
             sampling=SamplingParams(
                 temperature=cfg.sampling.temperature,
@@ -251,7 +258,7 @@ class _Loop:
             ),
             max_turns=cfg.environment.max_turns,
             episode_timeout_s=cfg.timeouts.episode_s,
-            max_context=min(int(getattr(tokenizer, "model_max_length", 2048)), 2048),
+            max_context=chat.max_context,
         )
         self.scheduler = Scheduler(
             self.runner,
@@ -264,6 +271,8 @@ class _Loop:
             seed=cfg.run.seed,
             first_index=rec.next_index if rec else 0,
             dropped=rec.dropped if rec else 0,
+            requeue_depth=rec.requeue_depth if rec else None,
+            max_requeues=cfg.staleness.length_bias.max_requeues,
             events=events,
         )
         self.batcher = Batcher(

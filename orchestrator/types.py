@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from policies.wire.lane import (
     FinishReason,
@@ -31,7 +31,7 @@ from policies.wire.lane import (
 StopReason = Literal[
     "done",  # the environment ended the episode
     "max_turns",  # environment.max_turns model calls were made
-    "context_length",  # the next prompt would not fit the model's context
+    "context",  # the sequence reached the context limit (model.max_context, the engines')
     "episode_timeout",  # timeouts.episode_s elapsed; the partial trajectory is kept
     "env_error",  # user environment code raised; the error is recorded
     "model_error",  # every endpoint failed the call (after retry)
@@ -102,9 +102,19 @@ class Episode(_Record):
     reward: float = 0.0
     stop_reason: StopReason
     error: ErrorRecord | None = None
+    history_rewritten: bool = Field(
+        default=False,
+        description="the chat template re-renders earlier turns differently from the tokens "
+        "the model saw (their reasoning is left out); the tokens are what is trained on",
+    )
     admitted_at_version: int = Field(description="trainer version when the group was admitted")
     started_at: float
     finished_at: float
+
+    @field_validator("stop_reason", mode="before")
+    @classmethod
+    def _schema_1_stop_reason(cls, value: object) -> object:
+        return "context" if value == "context_length" else value  # its name in schema 1
 
     @property
     def n_sampled(self) -> int:
@@ -174,6 +184,7 @@ class Endpoint:
     ref: EndpointRef
     max_inflight: int = 4
     applied_version: int | None = None
+    max_context: int | None = None  # as the endpoint reports it (GET /v1/policy)
     healthy: bool = False
     outstanding: int = 0
     limit: float = 1.0

@@ -22,6 +22,10 @@ class VersionCorrupt(BoardError):
     """A version's bytes do not match its manifest (torn, truncated or corrupted)."""
 
 
+class PointerMalformed(BoardError):
+    """A run's ``POINTER`` does not name a version (not JSON, or no integer version in range)."""
+
+
 class EngineError(PolicyError):
     """The engine cannot serve a request."""
 
@@ -36,6 +40,11 @@ class BadRequest(EngineError):
 
 class ExportError(BoardError):
     """A version cannot be written in the requested format (e.g. GGUF for another architecture)."""
+
+
+class ModelBuildError(PolicyError):
+    """``init_model`` cannot build what was asked: the chat template is unreadable, cannot be
+    rendered or closes no assistant turn with a control token, or the tool parser is unknown."""
 
 
 class CheckpointError(PolicyError):

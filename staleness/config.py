@@ -39,6 +39,7 @@ __all__ = [
     "DecoupledPPO",
     "DropRule",
     "LagStatistic",
+    "LengthBiasConfig",
     "LossAgg",
     "MaskedIS",
     "NoCorrection",
@@ -194,6 +195,26 @@ Correction = Annotated[
 """One lag correction, chosen by its ``type`` key."""
 
 
+class LengthBiasConfig(_Model):
+    """The length-bias guard (:mod:`staleness.length_bias`): when it warns, and what it does about
+    it."""
+
+    z_threshold: float = Field(default=3.0, gt=0)
+    """One-sided z of "long groups are dropped more than short ones" at which the guard warns
+    (3 ≈ 0.13 % false alarms per look; the live guard looks after every decision)."""
+
+    min_groups: int = Field(default=20, ge=1)
+    """Decisions each half (short, long) must hold before the test can fire."""
+
+    requeue: bool = False
+    """Re-run the task of a group the staleness policy dropped (not one the run's stop dropped):
+    a new group of the same task is admitted at the current trainer version, recorded with
+    ``requeued_from``. Costs rollout time; keeps long tasks in the training data."""
+
+    max_requeues: int = Field(default=1, ge=1, le=16)
+    """How many times one task may be re-run after staleness drops, along one requeue chain."""
+
+
 class StalenessConfig(_Model):
     """How a trainer learns from lagged tokens: a drop rule, a correction, and how the loss is
     reduced over the tokens the correction keeps."""
@@ -220,6 +241,9 @@ class StalenessConfig(_Model):
     """The constant of ``loss_agg="dr_grpo"``: tokens per sequence it divides by (TRL's
     ``max_completion_length``), e.g. the most tokens an episode can sample. Required with
     ``dr_grpo``, refused otherwise."""
+
+    length_bias: LengthBiasConfig = LengthBiasConfig()
+    """The length-bias guard: thresholds of its warning and the optional ``requeue``."""
 
     scale_rewards: bool | None = None
     """Divide each group's centred rewards by the group's std (GRPO). ``None``: true, except with

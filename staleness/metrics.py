@@ -2,26 +2,20 @@
 
 Every function returns plain ``dict[str, float]`` (for structlog lines and Prometheus gauges) or a
 small frozen dataclass with an ``as_dict()``. Keys are stable and slash-separated
-(``lag_hist/3``, ``is/ess_frac``, ``mismatch/logp_abs_mean``, ``drop/rate_bucket_0``).
+(``lag_hist/3``, ``is/ess_frac``, ``mismatch/logp_abs_mean``).
 
-The length-bias guard: a drop rule on lag silently prefers short episodes, because a long episode
-spans more trainer versions and so accumulates more lag. :func:`drop_by_duration` splits episodes
-into equal-count duration buckets and logs a ``staleness.length_bias`` warning when the longest
-bucket is dropped at least ``bias_ratio`` (default 2) times as often as the shortest one — the
-signal to raise ``max_lag``, switch the drop statistic, or correct instead of dropping.
+The length-bias guard lives in :mod:`staleness.length_bias`.
 
-Guarantees: pure apart from that one warning; empty inputs give zeros, never NaN.
+Guarantees: pure; empty inputs give zeros, never NaN.
 Not covered: exporting to Prometheus (the caller owns the registry).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable
 
 import numpy as np
-import structlog
 import torch
 from torch import Tensor
 
@@ -30,16 +24,11 @@ from staleness.errors import ShapeError
 from staleness.types import Corrected
 
 __all__ = [
-    "DropByDuration",
-    "DurationBucket",
     "correction_metrics",
-    "drop_by_duration",
     "effective_sample_size",
     "lag_histogram",
     "logprob_mismatch",
 ]
-
-log = structlog.get_logger(__name__)
 
 
 def lag_histogram(lags: Iterable[int], *, max_lag: int = 16) -> dict[str, float]:
@@ -56,105 +45,6 @@ def lag_histogram(lags: Iterable[int], *, max_lag: int = 16) -> dict[str, float]
     out = {f"lag_hist/{k}": float(counts[k]) for k in range(max_lag)}
     out[f"lag_hist/{max_lag}+"] = float(counts[max_lag])
     return out
-
-
-@dataclass(frozen=True)
-class DurationBucket:
-    """Episodes whose duration lies in ``[lo, hi]`` and how many of them were dropped."""
-
-    lo: float
-    hi: float
-    episodes: int
-    dropped: int
-
-    @property
-    def drop_rate(self) -> float:
-        """Fraction dropped (0 for an empty bucket)."""
-        return self.dropped / self.episodes if self.episodes else 0.0
-
-
-@dataclass(frozen=True)
-class DropByDuration:
-    """Drop rates by duration bucket, shortest first, and the length-bias verdict.
-
-    ``ratio`` is the longest bucket's drop rate over the shortest's (``inf`` when only the longest
-    drops anything, 1 when neither does). ``biased`` is true when both buckets hold at least
-    ``min_per_bucket`` episodes and ``ratio ≥ bias_ratio``.
-    """
-
-    buckets: tuple[DurationBucket, ...]
-    ratio: float
-    biased: bool
-
-    def as_dict(self) -> dict[str, float]:
-        """Flat metrics: overall and per-bucket drop rates, the long/short ratio, the verdict."""
-        total = sum(b.episodes for b in self.buckets)
-        dropped = sum(b.dropped for b in self.buckets)
-        out = {
-            "drop/rate": dropped / total if total else 0.0,
-            "drop/long_short_ratio": self.ratio,
-            "drop/length_biased": float(self.biased),
-        }
-        for i, b in enumerate(self.buckets):
-            out[f"drop/rate_bucket_{i}"] = b.drop_rate
-            out[f"drop/duration_max_bucket_{i}"] = b.hi
-        return out
-
-
-def drop_by_duration(
-    durations: Sequence[float],
-    kept: Sequence[bool],
-    *,
-    n_buckets: int = 4,
-    bias_ratio: float = 2.0,
-    min_per_bucket: int = 8,
-) -> DropByDuration:
-    """Drop rate per equal-count duration bucket, warning on length bias.
-
-    Episodes are sorted by duration (any unit: seconds, model calls, trainer versions) and split
-    into ``min(n_buckets, len)`` buckets of near-equal size; ties may straddle a boundary. When the
-    verdict is biased, logs ``staleness.length_bias`` at warning level with both rates.
-    """
-    if len(durations) != len(kept):
-        msg = f"durations ({len(durations)}) and kept ({len(kept)}) differ in length"
-        raise ShapeError(msg)
-    if n_buckets < 2 or bias_ratio <= 1:
-        msg = f"need n_buckets >= 2 and bias_ratio > 1, got {n_buckets}, {bias_ratio}"
-        raise ShapeError(msg)
-    d = np.asarray(durations, dtype=np.float64)
-    k = np.asarray(kept, dtype=np.bool_)
-    order = np.argsort(d, kind="stable")
-    chunks = [c for c in np.array_split(order, min(n_buckets, d.size)) if c.size] if d.size else []
-    buckets = tuple(
-        DurationBucket(
-            lo=float(d[c].min()),
-            hi=float(d[c].max()),
-            episodes=int(c.size),
-            dropped=int((~k[c]).sum()),
-        )
-        for c in chunks
-    )
-    if len(buckets) < 2:
-        return DropByDuration(buckets=buckets, ratio=1.0, biased=False)
-    short, long = buckets[0], buckets[-1]
-    if short.drop_rate > 0:
-        ratio = long.drop_rate / short.drop_rate
-    else:
-        ratio = math.inf if long.drop_rate > 0 else 1.0
-    enough = min(short.episodes, long.episodes) >= min_per_bucket
-    biased = enough and ratio >= bias_ratio
-    if biased:
-        log.warning(
-            "staleness.length_bias",
-            long_drop_rate=long.drop_rate,
-            short_drop_rate=short.drop_rate,
-            ratio=ratio,
-            long_min_duration=long.lo,
-            short_max_duration=short.hi,
-            hint="long episodes are dropped more often: raise drop.max_lag, use "
-            "drop.statistic='token_weighted', or correct instead of dropping",
-        )
-    return DropByDuration(buckets=buckets, ratio=ratio, biased=biased)
 
 
 def effective_sample_size(weights: Tensor, mask: Tensor) -> float:

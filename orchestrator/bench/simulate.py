@@ -29,6 +29,7 @@ from orchestrator.loop.pool import Pool
 from orchestrator.loop.rl import rl_loop
 from orchestrator.loop.scheduler import Scheduler, VersionClock
 from orchestrator.types import Batch, EndpointRef, Group, GroupDecision, SamplingParams
+from policies.wire.chat_tokens import ChatTokens
 from policies.wire.lane import (
     GenerateChoice,
     GenerateRequest,
@@ -37,6 +38,7 @@ from policies.wire.lane import (
     Usage,
     VersionStamp,
 )
+from policies.wire.tool_parsers import tool_parser
 from staleness.config import StalenessConfig
 
 
@@ -134,9 +136,11 @@ async def calculator_runner(
     for name, url in endpoints.items():
         pool.add(EndpointRef(id=name, url=url))
     await pool.refresh_all()
+    env = Calculator(CalculatorConfig(num_tasks=num_tasks, seed=seed))
     return EpisodeRunner(
-        Calculator(CalculatorConfig(num_tasks=num_tasks, seed=seed)),
-        tokenizer,
+        env,
+        ChatTokens(tokenizer, env.tool_schemas()),
+        tool_parser("hermes"),
         pool,
         sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=max_tokens),
         max_turns=max_turns,

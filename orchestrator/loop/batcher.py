@@ -21,6 +21,9 @@ from staleness.config import StalenessConfig
 from staleness.lag import group_lag, keep
 from staleness.types import SegmentVersions
 
+NO_MODEL_CALL = "no episode produced a model call"
+"""The reason of a drop that is not about lag (nothing to train on): never requeued."""
+
 
 def segment_versions(group: Group) -> list[list[SegmentVersions]]:
     return [
@@ -61,7 +64,7 @@ class Batcher:
                 group_id=group.id,
                 decision="dropped",
                 max_lag=0,
-                reason="no episode produced a model call",
+                reason=NO_MODEL_CALL,
             )
         stats = group_lag(per_episode, version)
         rule = self.staleness.effective_drop(self.max_lag)

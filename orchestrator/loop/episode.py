@@ -23,7 +23,6 @@ from typing import Any
 
 import anyio
 import structlog
-from transformers import PreTrainedTokenizerBase
 
 from environments.base import Environment, EpisodeState
 from orchestrator.errors import EndpointError
@@ -38,7 +37,8 @@ from orchestrator.types import (
 )
 from policies.wire.chat_tokens import ChatTokens
 from policies.wire.lane import GenerateRequest, VersionBounds
-from policies.wire.toolcalls import parse_assistant, to_openai_message
+from policies.wire.tool_parsers import ToolParser
+from policies.wire.toolcalls import to_openai_message
 
 log = structlog.get_logger(__name__)
 
@@ -51,7 +51,8 @@ class EpisodeRunner:
     def __init__(
         self,
         env: Environment,
-        tokenizer: PreTrainedTokenizerBase,
+        chat: ChatTokens,
+        parser: ToolParser,
         pool: Pool,
         *,
         sampling: SamplingParams,
@@ -60,13 +61,13 @@ class EpisodeRunner:
         max_context: int,
     ) -> None:
         self.env = env
-        self.tokenizer = tokenizer
+        self.chat = chat  # built with env.tool_schemas()
+        self.parser = parser
         self.pool = pool
         self.sampling = sampling
         self.max_turns = max_turns
         self.episode_timeout_s = episode_timeout_s
         self.max_context = max_context
-        self.chat = ChatTokens(tokenizer, env.tool_schemas())
         self.interrupted: list[Episode] = []  # in flight when the run was cancelled
 
     async def run(
@@ -145,6 +146,7 @@ class EpisodeRunner:
                 ],
                 stop_reason=stop,
                 error=error,
+                history_rewritten=self.chat.history_rewritten(state.messages),
                 finished_at=time.time(),
             )
             log.debug("episode_done", stop=stop, reward=episode.reward, turns=len(episode.segments))
@@ -165,9 +167,11 @@ class EpisodeRunner:
         affinity: str | None = None
         for turn in range(self.max_turns):
             state.turn = turn
-            room = self.max_context - len(ids)
+            engines = self.pool.max_context()
+            limit = self.max_context if engines is None else min(self.max_context, engines)
+            room = limit - len(ids)
             if room <= 1:
-                return "context_length"
+                return "context"
             req = GenerateRequest(
                 prompt_token_ids=list(ids),
                 max_tokens=min(self.sampling.max_tokens, room),
@@ -199,9 +203,10 @@ class EpisodeRunner:
                 )
             )
             ids.extend(choice.token_ids)
-            text = str(self.tokenizer.decode(choice.token_ids, skip_special_tokens=True))
-            parsed = parse_assistant(
-                text, first_id=sum(len(m.get("tool_calls") or []) for m in state.messages)
+            parsed = self.parser.parse(
+                self.chat.assistant_text(choice.token_ids, self.parser.markers),
+                first_id=sum(len(m.get("tool_calls") or []) for m in state.messages),
+                tools=self.chat.tools,
             )
             state.messages.append(to_openai_message(parsed))
             reply = await self.env.respond(state, parsed)

@@ -105,6 +105,12 @@ class Pool:
     def live(self) -> list[Endpoint]:
         return [e for e in self.endpoints.values() if not e.removed]
 
+    def max_context(self) -> int | None:
+        """The smallest context a live endpoint reports (None: none reports one), so that a
+        prompt fits wherever the call is routed."""
+        reported = [e.max_context for e in self.live() if e.max_context is not None]
+        return min(reported, default=None)
+
     # -- routing --------------------------------------------------------------------------------
     def pick(
         self, bounds: VersionBounds, affinity: str | None, exclude: frozenset[str]
@@ -254,6 +260,7 @@ class Pool:
         else:
             ep.healthy = state.applied_version is not None
             ep.applied_version = state.applied_version
+            ep.max_context = state.max_context
         self.events.endpoint(ep)
         self._dispatch()
 

@@ -15,13 +15,21 @@ group is sent downstream through a bounded stream, so a slow trainer back-pressu
 The scheduler never drops a group itself: every admitted group is sent downstream exactly once,
 whatever its episodes' stop reasons — or, when the run is cancelled first, is listed by
 :meth:`Scheduler.abandoned` with its finished and interrupted episodes.
+
+Requeue (``staleness.length_bias.requeue``): :meth:`Scheduler.requeue` puts the task of a group the
+staleness policy dropped back in front of the task stream; it is admitted next, under the same
+budget (the dropped group's slot is given back), as a new group (the next index, a fresh seed) at
+the trainer version of its admission, its ``admit`` event naming ``requeued_from``. A task is
+re-run at most ``max_requeues`` times along one chain of drops. Not covered: a requeue still
+waiting for admission when the run stops or is killed is not run (the drop is recorded).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,12 +102,16 @@ class Scheduler:
         seed: int,
         first_index: int = 0,
         dropped: int = 0,
+        requeue_depth: Mapping[str, int] | None = None,
+        max_requeues: int = 0,
         events: EventSink = NULL_EVENTS,
     ) -> None:
-        """``first_index`` and ``dropped`` continue a resumed run
+        """``first_index``, ``dropped`` and ``requeue_depth`` continue a resumed run
         (:mod:`orchestrator.record.resume`): groups ``0 … first_index − 1`` were admitted before the
-        restart (group ids are never reused, and their tasks are skipped in the seeded task stream),
-        and ``dropped`` of them will never be trained, so their admission slots are free."""
+        restart (group ids are never reused, and the tasks of those that were not re-runs — not in
+        ``requeue_depth``, re-run group → re-runs along its chain — are skipped in the seeded task
+        stream), and ``dropped`` of them will never be trained, so their admission slots are free.
+        ``max_requeues``: how often :meth:`requeue` may re-run one task (0: never)."""
         self.runner = runner
         self.events = events
         self.tasks = tasks
@@ -113,6 +125,11 @@ class Scheduler:
         self.admitted = first_index  # every index below first_index was admitted
         self.dropped = dropped
         self._in_flight: dict[str, _Flight] = {}
+        self._depth = dict(requeue_depth or {})  # re-run group -> re-runs along its chain
+        self.requeued = len(self._depth)  # admissions that took no task of the stream
+        self.max_requeues = max_requeues
+        self._requeue: deque[tuple[str, str, int]] = deque()  # (task id, from group, depth)
+        self._task_rows: dict[str, int] | None = None
 
     def abandoned(self) -> list[Group]:
         """Admitted groups that never finished (the run was cancelled first), whole: finished
@@ -154,14 +171,37 @@ class Scheduler:
         self.events.emit("release", n=n)
         await self.clock.poke()
 
+    def requeue(self, group: Group) -> bool:
+        """Re-run the task of ``group``, which the staleness policy dropped, unless its chain has
+        been re-run ``max_requeues`` times already; True when queued (emits ``requeue``). The
+        caller still releases the dropped group's slot (:meth:`release_dropped`)."""
+        depth = self._depth.get(group.id, 0) + 1
+        if depth > self.max_requeues:
+            return False
+        self._requeue.append((group.task_id, group.id, depth))
+        self.events.emit("requeue", group_id=group.id, task_id=group.task_id, depth=depth)
+        log.info("group_requeued", group=group.id, task=group.task_id, depth=depth)
+        return True
+
+    def _task(self, task_id: str) -> dict[str, Any]:
+        if self._task_rows is None:  # built on the first requeue only
+            self._task_rows = {str(t): i for i, t in enumerate(self.tasks["id"])}
+        row: dict[str, Any] = self.tasks[self._task_rows[task_id]]
+        return row
+
     def bounds(self, admitted_at: int) -> VersionBounds:
         """Bounds of a call made now by a group admitted at ``admitted_at``."""
         return VersionBounds(min=max(admitted_at, self.clock.version - self.max_lag))
 
     def _task_stream(self) -> Iterator[dict[str, Any]]:
-        """Tasks from index ``first_index`` on, in the same order a fresh run would see them."""
+        """Tasks from stream position ``first_index − requeued`` (as of this call: re-runs admitted
+        later take no task) on, in the same order a fresh run would see them."""
         n = len(self.tasks)
-        first_epoch, skip = divmod(self.first_index, n) if n else (0, 0)
+        first_epoch, skip = divmod(self.first_index - self.requeued, n) if n else (0, 0)
+        return self._tasks_from(first_epoch, skip)
+
+    def _tasks_from(self, first_epoch: int, skip: int) -> Iterator[dict[str, Any]]:
+        n = len(self.tasks)
         for epoch in itertools.count(first_epoch):
             order = self.tasks.shuffle(seed=self.seed + epoch)
             yield from order.select(range(skip, n)) if skip else order
@@ -169,10 +209,19 @@ class Scheduler:
 
     async def run(self, out: MemoryObjectSendStream[Group]) -> None:
         """Admit and run groups until cancelled, sending each finished group to ``out``."""
+        stream = self._task_stream()
         async with out, anyio.create_task_group() as tg:
-            for n, task in enumerate(self._task_stream(), start=self.first_index):
+            for n in itertools.count(self.first_index):
                 while self.admitted >= self.budget():
                     await self.clock.changed()
+                source: str | None = None
+                if self._requeue:  # a dropped group's task goes before new ones
+                    task_id, source, depth = self._requeue.popleft()
+                    task = self._task(task_id)
+                    self._depth[f"g{n:06d}"] = depth
+                    self.requeued += 1
+                else:
+                    task = next(stream)
                 self.admitted += 1
                 group_id = f"g{n:06d}"
                 # durable before the group's first model call (the event log flushes on
@@ -185,6 +234,7 @@ class Scheduler:
                     task_id=str(task["id"]),
                     admitted=self.admitted,
                     budget=self.budget(),
+                    **({"requeued_from": source} if source is not None else {}),
                 )
                 # Registered before the task starts, so a group cancelled before it ran is
                 # still accounted for by abandoned().

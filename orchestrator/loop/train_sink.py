@@ -22,7 +22,7 @@ import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from orchestrator.errors import TrainerError
-from orchestrator.loop.batcher import Batcher
+from orchestrator.loop.batcher import NO_MODEL_CALL, Batcher
 from orchestrator.loop.scheduler import Scheduler, VersionClock
 from orchestrator.types import Batch, Episode, Group, GroupDecision
 from policies.wire.batches import BatchFile, BatchSample, read_metrics, write_batch
@@ -206,6 +206,10 @@ async def consume(
 ) -> None:
     r"""Train until the sink reaches version ``max_steps`` (or the stream closes).
 
+    A group the staleness policy drops has its task re-run by the scheduler when
+    ``staleness.length_bias.requeue`` is set
+    (:meth:`~orchestrator.loop.scheduler.Scheduler.requeue`).
+
     The caller cancels the producers and then :func:`drain`\ s ``groups``, so that no finished
     group meets a closed stream or is left unrecorded.
     """
@@ -220,6 +224,7 @@ async def consume(
             await on_version()
         return sink.version >= max_steps
 
+    requeue = batcher.staleness.length_bias.requeue
     while (restored := batcher.take()) is not None:  # groups restored by a resumed run
         if await train(restored):
             return
@@ -228,6 +233,8 @@ async def consume(
         recorder.group(group, decision, sink.version)
         if decision.decision == "dropped":
             log.info("group_dropped", group=group.id, reason=decision.reason)
+            if requeue and decision.reason != NO_MODEL_CALL:  # a staleness drop: re-run it
+                scheduler.requeue(group)
             await scheduler.release_dropped(1)
         if batch is not None and await train(batch):
             return

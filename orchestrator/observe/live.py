@@ -1,4 +1,6 @@
-"""The live terminal view of a run: endpoints, trainer version, lag histogram, throughput, steps.
+"""The live terminal view of a run: endpoints, trainer version, lag histogram, throughput, steps,
+and the length-bias guard (drop rate by sampled tokens and by turns, :mod:`staleness.length_bias`;
+the run's stop drops left out).
 
 :class:`LiveView` is an :class:`~orchestrator.record.events.EventSink` (tee it next to the event log
 with :class:`orchestrator.observe.metrics.Tee`): it counts served calls, decided groups and their
@@ -24,7 +26,10 @@ from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
+from orchestrator.record.events import STOP_REASONS
 from orchestrator.types import NullEvents
+from staleness.config import LengthBiasConfig
+from staleness.length_bias import AXES, LengthBias
 
 if TYPE_CHECKING:
     from orchestrator.types import Endpoint
@@ -38,7 +43,10 @@ def wanted(stream: Any = None) -> bool:
 
 
 class LiveView(NullEvents):
-    def __init__(self, max_steps: int) -> None:
+    def __init__(self, max_steps: int, length_bias: LengthBiasConfig | None = None) -> None:
+        lb = length_bias or LengthBiasConfig()
+        self.length_bias = LengthBias(z_threshold=lb.z_threshold, min_groups=lb.min_groups)
+        self.requeued = 0
         self.endpoints: dict[str, Endpoint] = {}  # the pool's live objects, as events name them
         self.max_steps = max_steps
         self.trainer_version = 0
@@ -70,6 +78,12 @@ class LiveView(NullEvents):
         elif kind == "decide":
             self.groups[f["decision"]] += 1
             self.lags[f["max_lag"]] += 1
+            if "max_sampled_tokens" in f and f.get("reason") not in STOP_REASONS:
+                self.length_bias.add(
+                    f["max_sampled_tokens"], f["max_turns"], dropped=f["decision"] == "dropped"
+                )
+        elif kind == "requeue":
+            self.requeued += 1
 
     # -- drawing --------------------------------------------------------------------------------
     def frame(self) -> Group:
@@ -100,7 +114,29 @@ class LiveView(NullEvents):
             f"{elapsed:.0f}s"
         )
         bar = ProgressBar(total=self.max_steps, completed=min(self.trainer_version, self.max_steps))
-        return Group(status, bar, eps, hist)
+        if self.requeued:
+            status += f" · requeued {self.requeued}"
+        return Group(status, bar, eps, hist, self._length_table())
+
+    def _length_table(self) -> Table:
+        """One row per axis: drop rate per bucket, and the long-vs-short verdict."""
+        t = Table(title="drop rate by length (longest episode of the group)", expand=False)
+        for col in ("by", "buckets: drop rate (groups)", "long vs short"):
+            t.add_column(col)
+        for axis in AXES:
+            v = self.length_bias.verdict(axis)
+            cells = " ".join(
+                f"{label}:{c.drop_rate:.0%}({c.decided})"
+                for label, c in self.length_bias.rows(axis)
+            )
+            if v.split < 0:
+                verdict = "-"
+            else:
+                verdict = f"{v.long.drop_rate:.0%} vs {v.short.drop_rate:.0%} z={v.z:.1f}"
+                if v.biased:
+                    verdict = f"[red]{verdict} BIASED"
+            t.add_row(axis, cells or "-", verdict)
+        return t
 
     async def run(self, console: Console | None = None, refresh_s: float = 0.5) -> None:
         """Redraw until cancelled (a display refresh, not coordination: sleeping is right)."""

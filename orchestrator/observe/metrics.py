@@ -12,6 +12,12 @@ Metrics (all prefixed ``sprawl_``; one private registry per :class:`RunMetrics`)
 ``admitted_groups_total``, ``groups_total{decision}``, ``group_lag`` (histogram of the lag of
 decided groups), ``waiting_routes_total`` (routing attempts that found no endpoint).
 
+The length-bias guard (:mod:`staleness.length_bias`; groups the run's stop dropped are left out):
+``groups_decided_by_tokens_total{bucket,decision}`` and ``groups_decided_by_turns_total{bucket,
+decision}`` (power-of-two buckets of the group's longest episode: ``0-1``, ``2``, ``3-4``, …),
+``length_bias_z{axis}`` (the long-vs-short z statistic), ``length_bias{axis}`` (1 while the test
+fires; a ``length_bias`` warning is logged once per crossing) and ``groups_requeued_total``.
+
 Not covered: authentication on ``/metrics`` (bind it to a private interface).
 """
 
@@ -28,7 +34,10 @@ from prometheus_client import (
     generate_latest,
 )
 
+from orchestrator.record.events import STOP_REASONS
 from orchestrator.types import EventSink, NullEvents
+from staleness.config import LengthBiasConfig
+from staleness.length_bias import AXES, Axis, LengthBias, bucket, bucket_label
 
 if TYPE_CHECKING:
     from orchestrator.types import Endpoint
@@ -69,7 +78,11 @@ class Tee:
 class RunMetrics(NullEvents):
     """Prometheus counters, gauges and histograms driven by orchestrator events."""
 
-    def __init__(self) -> None:
+    def __init__(self, length_bias: LengthBiasConfig | None = None) -> None:
+        lb = length_bias or LengthBiasConfig()
+        self.length_bias = LengthBias(
+            z_threshold=lb.z_threshold, min_groups=lb.min_groups, warn=True
+        )
         self.registry = CollectorRegistry()
         r = self.registry
         self.calls = Counter("sprawl_calls", "Model calls served", ["endpoint"], registry=r)
@@ -102,6 +115,50 @@ class RunMetrics(NullEvents):
         self.waiting = Counter(
             "sprawl_waiting_routes", "Routing attempts that found no endpoint", registry=r
         )
+        self.history_rewritten = Counter(
+            "sprawl_episodes_history_rewritten",
+            "Episodes whose chat template re-renders earlier turns differently from the tokens "
+            "the model saw (their reasoning left out)",
+            registry=r,
+        )
+
+        self.by_length = {
+            axis: Counter(
+                f"sprawl_groups_decided_by_{axis}",
+                f"Groups decided by the staleness policy, by the {axis} of their longest episode "
+                "(power-of-two bucket) and decision; the run's stop drops are left out",
+                ["bucket", "decision"],
+                registry=r,
+            )
+            for axis in AXES
+        }
+        self.bias_z = Gauge(
+            "sprawl_length_bias_z",
+            "z of 'long groups are dropped more than short ones' (staleness.length_bias)",
+            ["axis"],
+            registry=r,
+        )
+        self.biased = Gauge(
+            "sprawl_length_bias", "1 while the length-bias test fires", ["axis"], registry=r
+        )
+        self.requeued = Counter(
+            "sprawl_groups_requeued",
+            "Groups re-run after a staleness drop (staleness.length_bias.requeue)",
+            registry=r,
+        )
+
+    def _decided(self, f: dict[str, Any]) -> None:
+        if "max_sampled_tokens" not in f or f.get("reason") in STOP_REASONS:
+            return
+        tokens, turns = int(f["max_sampled_tokens"]), int(f["max_turns"])
+        self.length_bias.add(tokens, turns, dropped=f["decision"] == "dropped")
+        lengths: dict[Axis, int] = {"tokens": tokens, "turns": turns}
+        for axis, n in lengths.items():
+            label = bucket_label(bucket(n))
+            self.by_length[axis].labels(label, f["decision"]).inc()
+            v = self.length_bias.verdict(axis)
+            self.bias_z.labels(axis).set(v.z)
+            self.biased.labels(axis).set(float(v.biased))
 
     def emit(self, kind: str, **f: Any) -> None:
         match kind:
@@ -119,6 +176,10 @@ class RunMetrics(NullEvents):
             case "decide":
                 self.groups.labels(f["decision"]).inc()
                 self.group_lag.observe(f["max_lag"])
+                self.history_rewritten.inc(f.get("history_rewritten", 0))
+                self._decided(f)
+            case "requeue":
+                self.requeued.inc()
             case _:
                 pass
 

@@ -13,8 +13,9 @@
 Each policy re-decides every logged group with the run's own decision code
 (:meth:`orchestrator.loop.batcher.Batcher.decide`) at the trainer version the group was logged at,
 and the results are printed side by side with the logged decisions: kept/dropped groups and
-episodes, drop rate per episode-duration bucket (:func:`staleness.metrics.drop_by_duration`,
-duration = wall seconds), and — for the kept episodes — the policy's correction
+episodes, drop rate per bucket of sampled tokens and of turns and the length-bias test
+(:class:`staleness.length_bias.LengthBias`, one count per group: its longest episode), and — for
+the kept episodes — the policy's correction
 (:func:`staleness.corrections.correct`) and its IS-weight statistics and effective sample size
 (:func:`staleness.metrics.correction_metrics`). μ is the logged behaviour log probs. π_prox is
 **not** in the log: with ``--model DIR`` it is that model's log probs of the logged tokens (at each
@@ -58,7 +59,7 @@ from orchestrator.record.trajlog import EpisodeRecord, batch_records, episode_re
 from orchestrator.types import Batch, Episode, Group
 from policies.codec.digests import state_digest
 from staleness.config import StalenessConfig
-from staleness.metrics import DropByDuration, drop_by_duration
+from staleness.length_bias import AXES, LengthBias
 
 if TYPE_CHECKING:
     import torch
@@ -140,7 +141,7 @@ class Outcome:
     groups_dropped: int
     episodes_kept: int
     episodes_dropped: int
-    by_duration: DropByDuration
+    by_length: LengthBias
     correction: dict[str, float] | None
     groups_stopped: int = 0
     episodes_stopped: int = 0
@@ -154,7 +155,7 @@ class Outcome:
             "episodes/dropped": float(self.episodes_dropped),
             "episodes/stopped": float(self.episodes_stopped),
         }
-        out.update(self.by_duration.as_dict())
+        out.update(self.by_length.as_dict())
         out.update(self.correction or {})
         return out
 
@@ -178,7 +179,13 @@ def what_if(
     groups = [g for g in every if g[0].id not in stopped]
     n_stopped = len(every) - len(groups)
     eps_stopped = sum(len(g.episodes) for g, _, _ in every if g.id in stopped)
-    durations = [e.duration_s for g, _, _ in groups for e in g.episodes]
+    lengths = [
+        (
+            max((e.n_sampled for e in g.episodes), default=0),
+            max((len(e.segments) for e in g.episodes), default=0),
+        )
+        for g, _, _ in groups
+    ]
     prox: dict[str, list[float]] = {}
     verdicts = {LOGGED: [d == "kept" for _, _, d in groups]}
     verdicts.update({name: decide_all(groups, p, max_lag) for name, p in policies.items()})
@@ -199,7 +206,9 @@ def what_if(
                 groups_dropped=len(kept) - sum(kept),
                 episodes_kept=sum(per_episode),
                 episodes_dropped=len(per_episode) - sum(per_episode),
-                by_duration=drop_by_duration(durations, per_episode),
+                by_length=LengthBias.of(
+                    (t, n, not k) for (t, n), k in zip(lengths, kept, strict=True)
+                ),
                 correction=correction,
                 groups_stopped=n_stopped,
                 episodes_stopped=eps_stopped,
@@ -270,11 +279,13 @@ def render_what_if(outcomes: Sequence[Outcome], console: Console, with_is: bool)
     row("groups kept / dropped", [f"{o.groups_kept} / {o.groups_dropped}" for o in outcomes])
     row("episodes kept / dropped", [f"{o.episodes_kept} / {o.episodes_dropped}" for o in outcomes])
     row("groups stopped (not decided)", [str(o.groups_stopped) for o in outcomes])
-    row("drop rate", [f"{o.by_duration.as_dict()['drop/rate']:.1%}" for o in outcomes])
-    for i, b in enumerate(outcomes[0].by_duration.buckets):
-        cells = [f"{o.by_duration.buckets[i].drop_rate:.1%}" for o in outcomes]
-        row(f"drop rate, {b.lo:.1f}–{b.hi:.1f}s", cells)
-    row("length-biased", ["yes" if o.by_duration.biased else "no" for o in outcomes])
+    row("drop rate", [f"{o.by_length.as_dict()['drop/rate']:.1%}" for o in outcomes])
+    for axis in AXES:  # the same groups in every column, so the same buckets
+        for i, (label, _) in enumerate(outcomes[0].by_length.rows(axis)):
+            cells = [f"{o.by_length.rows(axis)[i][1].drop_rate:.1%}" for o in outcomes]
+            row(f"drop rate, {label} {axis}", cells)
+        row(f"long vs short z, {axis}", [f"{o.by_length.verdict(axis).z:.2f}" for o in outcomes])
+    row("length-biased", ["yes" if o.by_length.biased else "no" for o in outcomes])
     keys = ["is/weight_mean", "is/weight_max", "is/weight_p99", "is/frac_masked"]
     keys += ["is/frac_truncated", "is/nonfinite_tokens", "is/ess", "is/ess_frac", "mismatch/kl_k3"]
     for key in keys if with_is else []:

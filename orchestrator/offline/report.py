@@ -13,8 +13,10 @@ external file, script or font: it opens offline and can be mailed):
   events), with the trainer version;
 - sync: for each published version, seconds until each endpoint was seen serving it — as the
   orchestrator observed it (by poll or response stamp), so an upper bound on the real swap time;
-- drops: drop rate per trainer step, and per episode-duration bucket
-  (:func:`staleness.metrics.drop_by_duration`).
+- drops: drop rate per trainer step;
+- length bias: drop rate per bucket of sampled tokens and of turns (the group's longest episode),
+  the long-vs-short test and its verdict (:mod:`staleness.length_bias`, the live guard's code);
+  groups the run's stop dropped are left out.
 
 Times are seconds since the first record. A plot whose data is absent (no event log, no step
 yet) says so instead of drawing. Pure data first (:func:`report_data`), rendering second.
@@ -37,9 +39,15 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from orchestrator.offline.inspect_log import LogSummary, resolve_log, summarize
-from orchestrator.record.events import read_events
-from orchestrator.record.trajlog import batch_records, episode_records, run_header
-from staleness.metrics import DropByDuration, drop_by_duration
+from orchestrator.record.events import STOP_REASONS, read_events
+from orchestrator.record.trajlog import (
+    EpisodeRecord,
+    batch_records,
+    episode_records,
+    run_header,
+)
+from staleness.config import LengthBiasConfig
+from staleness.length_bias import AXES, Axis, LengthBias
 
 Series = list[tuple[float, float]]
 
@@ -59,7 +67,8 @@ class ReportData:
     trainer_versions: Series = field(default_factory=list)  # (t, version)
     sync: dict[str, Series] = field(default_factory=dict)  # id -> (version, seconds)
     step_drop_rate: Series = field(default_factory=list)  # (trainer version, drop rate)
-    by_duration: DropByDuration | None = None
+    length_bias: LengthBias | None = None
+    requeued: int = 0  # groups re-run after a staleness drop (``requeue`` events)
     has_events: bool = False
 
 
@@ -93,12 +102,28 @@ def report_data(run_dir: Path) -> ReportData:
         per_version.setdefault(r.trainer_version, []).append(r.decision.decision == "dropped")
     d.step_drop_rate = [(v, sum(x) / len(x)) for v, x in sorted(per_version.items())]
     if records:
-        d.by_duration = drop_by_duration(
-            [r.episode.duration_s for r in records],
-            [r.decision.decision == "kept" for r in records],
-        )
+        d.length_bias = length_bias(records, header.config if header else None)
     _from_events(d, events, t0)
     return d
+
+
+def length_bias(records: list[EpisodeRecord], config: dict[str, Any] | None = None) -> LengthBias:
+    """The length-bias counts of the logged groups the staleness policy decided (one per group,
+    its longest episode), with the run's thresholds when its config is known."""
+    lb = LengthBiasConfig.model_validate(
+        ((config or {}).get("staleness") or {}).get("length_bias") or {}
+    )
+    groups: dict[str, tuple[int, int, bool]] = {}
+    for r in records:
+        if r.decision.decision == "dropped" and r.decision.reason in STOP_REASONS:
+            continue
+        tokens, turns, _ = groups.get(r.decision.group_id, (0, 0, False))
+        groups[r.decision.group_id] = (
+            max(tokens, r.episode.n_sampled),
+            max(turns, len(r.episode.segments)),
+            r.decision.decision == "dropped",
+        )
+    return LengthBias.of(groups.values(), z_threshold=lb.z_threshold, min_groups=lb.min_groups)
 
 
 def _from_events(d: ReportData, events: list[dict[str, Any]], t0: float) -> None:
@@ -128,6 +153,8 @@ def _from_events(d: ReportData, events: list[dict[str, Any]], t0: float) -> None
                 applied(e["id"], e["applied_version"], t)
             case "served":
                 applied(e["endpoint"], e["end"], t)
+            case "requeue":
+                d.requeued += 1
 
 
 # -- rendering ------------------------------------------------------------------------------------
@@ -202,16 +229,20 @@ def plots(d: ReportData) -> dict[str, str]:
         else:
             _empty(ax, "no event log" if not d.has_events else "no version published")
 
-    def drops(ax: Axes) -> None:
-        if d.by_duration is not None and d.by_duration.buckets:
-            b = d.by_duration.buckets
-            labels = [f"{x.lo:.1f}–{x.hi:.1f}s" for x in b]
-            ax.bar(labels, [x.drop_rate for x in b], color="C3", alpha=0.7)
-            ax.set_xlabel("episode duration bucket")
-        else:
-            _empty(ax, "no episodes logged")
-        ax.set_ylabel("drop rate")
-        ax.set_ylim(0, 1)
+    def by_length(axis: Axis) -> Callable[[Axes], None]:
+        def draw(ax: Axes) -> None:
+            rows = d.length_bias.rows(axis) if d.length_bias is not None else []
+            if rows:
+                ax.bar([lbl for lbl, _ in rows], [c.drop_rate for _, c in rows], color="C3")
+                for i, (_, c) in enumerate(rows):
+                    ax.annotate(f"{c.decided}", (i, c.drop_rate), ha="center", fontsize=7)
+                ax.set_xlabel(f"{axis} of the group's longest episode (groups above bars)")
+            else:
+                _empty(ax, "no decided groups logged")
+            ax.set_ylabel("drop rate")
+            ax.set_ylim(0, 1)
+
+        return draw
 
     def step_drops(ax: Axes) -> None:
         if d.step_drop_rate:
@@ -227,7 +258,8 @@ def plots(d: ReportData) -> dict[str, str]:
         "Lag over time": _png(lag, "max lag per episode"),
         "Version per endpoint": _png(versions, "applied version per endpoint"),
         "Sync durations": _png(sync, "publish → endpoint serving it"),
-        "Drop rate by episode duration": _png(drops, "drop rate by duration bucket"),
+        "Drop rate by sampled tokens": _png(by_length("tokens"), "drop rate by sampled tokens"),
+        "Drop rate by turns": _png(by_length("turns"), "drop rate by turns"),
         "Drop rate per step": _png(step_drops, "groups dropped per trainer version"),
     }
 
@@ -240,11 +272,13 @@ def render_html(d: ReportData) -> str:
         ("trainer steps", str(s.steps)),
         ("mean reward", f"{s.reward_mean:.4f}"),
         ("stop reasons", ", ".join(f"{k}×{n}" for k, n in s.stop_reasons.most_common())),
-        ("length-biased drops", "yes" if d.by_duration and d.by_duration.biased else "no"),
+        ("length-biased drops", "yes" if d.length_bias and d.length_bias.biased else "no"),
+        ("groups requeued", str(d.requeued)),
     ]
     table = "\n".join(
         f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows
     )
+    section = _length_section(d.length_bias)
     figures = "\n".join(
         f"<figure><figcaption>{html.escape(title)}</figcaption>"
         f'<img alt="{html.escape(title)}" src="data:image/png;base64,{png}"></figure>'
@@ -266,9 +300,40 @@ img {{ max-width: 100%; }}
 <table>
 {table}
 </table>
+{section}
 {figures}
 </body></html>
 """
+
+
+def _length_section(lb: LengthBias | None) -> str:
+    """The length-bias section: per axis, the short and long halves' drop rates and the test."""
+    if lb is None or not lb.decided:
+        return '<h2 id="length-bias">Length bias</h2><p>no decided groups logged</p>'
+    rows = []
+    for axis in AXES:
+        v = lb.verdict(axis)
+        if v.split < 0:
+            cells = ["-", "-", "-", "too few buckets"]
+        else:
+            cells = [
+                f"{v.short.drop_rate:.1%} of {v.short.decided}",
+                f"{v.long.drop_rate:.1%} of {v.long.decided}",
+                f"{v.z:.2f}",
+                "BIASED" if v.biased else "no",
+            ]
+        rows.append(
+            f"<tr><th>{axis}</th>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>"
+        )
+    return (
+        '<h2 id="length-bias">Length bias</h2>\n'
+        f"<p>{lb.decided} groups decided by the staleness policy, {lb.dropped} dropped (the run's "
+        f"stop drops left out). Biased: z ≥ {lb.z_threshold:g} with ≥ {lb.min_groups} groups "
+        "per half.</p>\n<table>\n<tr><th>by</th><th>short half dropped</th>"
+        "<th>long half dropped</th><th>z</th><th>verdict</th></tr>\n"
+        + "\n".join(rows)
+        + "\n</table>"
+    )
 
 
 def main(argv: list[str]) -> int:

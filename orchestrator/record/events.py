@@ -17,9 +17,13 @@ per event: ``seq`` (0, 1, 2, … in emission order), ``t`` (Unix time), ``kind``
 - ``trainer_version`` — the trainer clock moved (``version``);
 - ``admit`` — the scheduler admitted group ``index`` (``group_id``, e.g. ``"g000012"``,
   ``task_id``, ``admitted`` so far, ``budget``); written to disk before the group's first model
-  call; ``release`` — ``n`` dropped groups gave their admission slots back;
+  call; a re-run of a dropped group's task also names ``requeued_from`` (the dropped group);
+  ``release`` — ``n`` dropped groups gave their admission slots back; ``requeue`` — a group the
+  staleness policy dropped will have its task re-run (``group_id``, ``task_id``, ``depth``: re-runs
+  along its chain, ≤ ``staleness.length_bias.max_requeues``);
 - ``decide`` — the staleness decision of a group (``group_id``, ``trainer_version``,
-  ``decision``, ``max_lag``, ``reason``);
+  ``decision``, ``max_lag``, ``reason``, and the length of its longest episode:
+  ``max_sampled_tokens``, ``max_turns``, what the length-bias guard buckets by);
 - ``unbatched`` — at the end of a run, kept groups still waiting for a full batch
   (``group_ids``, ``reason``);
 - ``lost`` — on a restart (``run.resume``), admitted groups with no record: they were in flight

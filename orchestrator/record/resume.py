@@ -81,6 +81,9 @@ class LoggedRun:
     """``reward_mean`` of each batch record that has one (every orchestrator's does), in order."""
     resumed_at: list[int] = field(default_factory=list)
     """Trainer version of each ``resumed`` event: the step each restart continued from."""
+    requeue_depth: dict[str, int] = field(default_factory=dict)
+    """Re-run groups (``admit`` events naming ``requeued_from``) → re-runs along their chain:
+    their indices took no task of the stream."""
 
     @property
     def episodes(self) -> int:
@@ -103,6 +106,7 @@ class Reconciliation:
     restored: list[tuple[Group, GroupDecision]]
     lost: list[str]
     reconstructed: Batch | None
+    requeue_depth: dict[str, int] = field(default_factory=dict)  # LoggedRun.requeue_depth
 
 
 def check_run_dir(cfg: Config) -> Path:
@@ -141,6 +145,9 @@ def read_run(run_dir: Path) -> LoggedRun:
     for ev in events:
         if ev["kind"] == "admit":
             logged.admitted.append(ev.get("group_id") or f"g{ev['index']:06d}")
+            if "requeued_from" in ev:
+                src = logged.requeue_depth.get(ev["requeued_from"], 0)
+                logged.requeue_depth[logged.admitted[-1]] = src + 1
         elif ev["kind"] == "lost":
             logged.lost.update(ev["group_ids"])
         elif ev["kind"] == "resumed":
@@ -206,6 +213,7 @@ def reconcile(logged: LoggedRun, *, trainer_version: int, groups_per_batch: int)
         restored=kept,
         lost=[g for g in unrecorded if g not in logged.lost],
         reconstructed=reconstructed,
+        requeue_depth=logged.requeue_depth,
     )
 
 

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: stop_reason context_length became context
 
 
 class _Model(BaseModel):
@@ -130,6 +130,10 @@ class TrajectoryLog:
             decision=decision.decision,
             max_lag=decision.max_lag,
             reason=decision.reason,
+            history_rewritten=sum(e.history_rewritten for e in group.episodes),
+            # the group's longest episode: the length-bias guard's unit (staleness.length_bias)
+            max_sampled_tokens=max((e.n_sampled for e in group.episodes), default=0),
+            max_turns=max((len(e.segments) for e in group.episodes), default=0),
         )
         self._episodes.write(
             [

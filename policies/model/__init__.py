@@ -1,8 +1,10 @@
 """sprawl's own tiny *real* model: tokenizer, chat template and weights, built offline.
 
 Public surface (lazily imported): :func:`init_model`, :func:`build_tokenizer`, ``ModelSize``.
-Modules: :mod:`~policies.model.build` (tokenizer + ``Qwen2ForCausalLM``), and
-:mod:`~policies.model.corpus` (the generated text the tokenizer is trained on).
+Modules: :mod:`~policies.model.build` (tokenizer + ``Qwen2ForCausalLM``),
+:mod:`~policies.model.chat_template` (what any chat template needs from its tokenizer, and the
+model directory's ``sprawl.json`` notes) and :mod:`~policies.model.corpus` (the generated text
+the tokenizer is trained on).
 """
 
 import lazy_loader

@@ -12,18 +12,37 @@ Nothing may come from a model hub, so ``init_model(out, size, seed)`` makes one 
    tokenizer's, saved in HF layout: ``config.json``, ``generation_config.json``,
    ``model.safetensors``.
 
+``init_model(..., chat_template=T)`` stores another Jinja template instead (a ``Path`` is read
+from that file, a ``str`` is the template itself; ``examples/chat_templates/`` has one per model
+family sprawl is tested against). The tokenizer then gets the tokens ``T`` needs, worked out by
+:func:`policies.model.chat_template.template_tokens`: ``<|endoftext|>`` (pad) and every control
+token ``T`` writes (``<|eot_id|>``, ``[INST]``, ``<s>``, …) as special tokens; the tool markers and
+``<think>``, ``</think>`` as plain added tokens; ``eos_token`` = the token ``T`` closes an
+assistant turn with; ``generation_config.eos_token_id`` = that id, or the list of ids when a
+tool-call turn closes with another one (``<|call|>``); a ``bos_token`` when ``T`` reads one.
+The BPE is trained with fewer merges so that the vocabulary stays ``ModelSpec.vocab_size``
+(when the template's tokens leave no room for merges, it is larger, and the model follows it).
+``tool_parser=NAME`` (one of ``TOOL_PARSERS``) is written to ``<out>/sprawl.json`` as
+``{"tool_parser": NAME}``, the parser an engine should read this model's calls with; without
+one, a ``sprawl.json`` left in ``out`` by an earlier build is removed.
+
 Guarantees:
 
-- Offline and deterministic: the same ``(size, seed)`` gives byte-identical files
+- Offline and deterministic: the same ``(size, seed, chat_template)`` gives byte-identical files
   (``model.safetensors``, ``tokenizer.json``, …) on a given torch/transformers/tokenizers
-  version. The tokenizer depends on ``size`` only (its corpus seed is fixed), so every seed of a
-  size shares token ids; ``seed`` drives the weight init, under a forked torch RNG so the
-  caller's global RNG is left untouched.
+  version. The tokenizer depends on ``size`` and the template only (its corpus seed is fixed),
+  so every seed of a size shares token ids; ``seed`` drives the weight init, under a forked torch
+  RNG so the caller's global RNG is left untouched.
 - ``AutoTokenizer.from_pretrained(out)`` and ``AutoModelForCausalLM.from_pretrained(out)`` load
   the result with ``HF_HUB_OFFLINE=1``; ``apply_chat_template(messages, tools=...)`` works.
-- The tool-call markers are *added but not special* tokens (as in Qwen2.5): one id each, and they
-  survive ``decode(..., skip_special_tokens=True)``, so the engine can parse calls from decoded
-  text. ``<|im_start|>``, ``<|im_end|>`` and ``<|endoftext|>`` are special.
+- The tool-call markers (and, with a template, ``<think>``, ``</think>``) are *added but not
+  special* tokens (as in Qwen2.5): one id each, and they survive
+  ``decode(..., skip_special_tokens=True)``, so the engine can parse calls from decoded text.
+  ``<|im_start|>``, ``<|im_end|>`` and ``<|endoftext|>`` (or the template's control tokens) are
+  special.
+- A template that cannot be read or rendered, or that closes no assistant turn with a control
+  token, and an unknown ``tool_parser``, are a :class:`~policies.errors.ModelBuildError`
+  naming the file, raised before anything is built or written.
 - The tokenizer pipeline is exactly Qwen2's (NFC, Qwen's split pattern, byte level), and
   ``tokenizer_config.json`` names ``Qwen2Tokenizer`` with ``additional_special_tokens``; so
   transformers 5 (which rebuilds Qwen2 tokenizers from vocab + merges), transformers 4.46+ and
@@ -61,9 +80,18 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config,
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 from transformers.utils import logging as hf_logging
 
+from policies.errors import ModelBuildError
+from policies.model.chat_template import (
+    SPRAWL_JSON,
+    read_template,
+    template_tokens,
+)
 from policies.model.corpus import generate_corpus
+from policies.wire.tool_parsers import TOOL_PARSERS
 from policies.wire.toolcalls import (
     CHAT_TEMPLATE,
+    THINK_CLOSE,
+    THINK_OPEN,
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     TOOL_RESPONSE_CLOSE,
@@ -79,6 +107,8 @@ IM_START = "<|im_start|>"
 EOS_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, IM_START, EOS_TOKEN)
 TOOL_TOKENS = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE, TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE)
+
+# sprawl's own per-model settings, next to the HF files (see ``init_model``).
 
 # The tokenizer's training text is fixed per size, so all seeds of a size share one vocabulary.
 CORPUS_SEED = 20240601
@@ -112,8 +142,40 @@ SPECS: dict[ModelSize, ModelSpec] = {
 }
 
 
-def build_tokenizer(size: ModelSize = "tiny") -> PreTrainedTokenizerFast:
-    """Train the byte-level BPE tokenizer for ``size`` and wrap it with the chat template."""
+@dataclass(frozen=True)
+class ChatSpec:
+    """The chat side of a tokenizer: its template, added tokens, eos (``eos[0]`` is the
+    tokenizer's ``eos_token``; all are stop tokens) and bos."""
+
+    template: str
+    special: tuple[str, ...]
+    plain: tuple[str, ...]
+    eos: tuple[str, ...]
+    bos: str | None = None
+    source: str = "sprawl"  # where the template came from, for logs
+
+
+DEFAULT_CHAT = ChatSpec(CHAT_TEMPLATE, SPECIAL_TOKENS, TOOL_TOKENS, (EOS_TOKEN,))
+
+
+def chat_spec(chat_template: str | Path | None) -> ChatSpec:
+    """The tokens a chat template needs (a ``Path`` is read; ``None`` is sprawl's own template)."""
+    if chat_template is None:
+        return DEFAULT_CHAT
+    if isinstance(chat_template, Path):
+        source, text = str(chat_template), read_template(chat_template)
+    else:
+        source, text = "<text>", chat_template
+    tokens = template_tokens(text, f"chat template {source}")
+    special = (PAD_TOKEN, *(t for t in tokens.control if t != PAD_TOKEN))
+    plain = tuple(t for t in (*TOOL_TOKENS, THINK_OPEN, THINK_CLOSE) if t not in special)
+    return ChatSpec(text, special, plain, tokens.eos, tokens.bos, source)
+
+
+def build_tokenizer(
+    size: ModelSize = "tiny", chat: ChatSpec = DEFAULT_CHAT
+) -> PreTrainedTokenizerFast:
+    """Train the byte-level BPE tokenizer for ``size`` and wrap it with ``chat``'s template."""
     spec = SPECS[size]
     tokenizer = Tokenizer(models.BPE())
     tokenizer.normalizer = normalizers.NFC()
@@ -125,35 +187,36 @@ def build_tokenizer(size: ModelSize = "tiny") -> PreTrainedTokenizerFast:
     )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=spec.vocab_size - len(TOOL_TOKENS),
+        vocab_size=spec.vocab_size - len(chat.plain),
         min_frequency=2,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(chat.special),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(generate_corpus(spec.corpus_docs, CORPUS_SEED), trainer=trainer)
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in chat.plain])
     return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tokenizer,
-        bos_token=None,
-        eos_token=EOS_TOKEN,
+        bos_token=chat.bos,
+        eos_token=chat.eos[0],
         pad_token=PAD_TOKEN,
-        additional_special_tokens=list(SPECIAL_TOKENS),
-        chat_template=CHAT_TEMPLATE,
+        additional_special_tokens=list(chat.special),
+        chat_template=chat.template,
         model_max_length=spec.max_position_embeddings,
         clean_up_tokenization_spaces=False,
     )
 
 
-def _portable_tokenizer_config(saved: dict[str, object]) -> dict[str, object]:
+def _portable_tokenizer_config(saved: dict[str, object], chat: ChatSpec) -> dict[str, object]:
     """The saved config, rewritten in the form transformers 4.x and 5.x both load."""
     config = dict(saved)
     config.pop("extra_special_tokens", None)  # 5.x spelling; 4.x expects a dict there
     config.pop("backend", None)
     config["tokenizer_class"] = "Qwen2Tokenizer"
-    config["additional_special_tokens"] = list(SPECIAL_TOKENS)
-    config["bos_token"] = None
-    config["chat_template"] = CHAT_TEMPLATE
+    config["additional_special_tokens"] = list(chat.special)
+    config["bos_token"] = chat.bos
+    config["eos_token"] = chat.eos[0]
+    config["chat_template"] = chat.template
     return config
 
 
@@ -164,7 +227,14 @@ def _token_id(tokenizer: PreTrainedTokenizerFast, token: str) -> int:
     return token_id
 
 
-def _model_config(spec: ModelSpec, tokenizer: PreTrainedTokenizerFast) -> Qwen2Config:
+def _stop_ids(tokenizer: PreTrainedTokenizerFast, chat: ChatSpec) -> int | list[int]:
+    ids = [_token_id(tokenizer, t) for t in chat.eos]
+    return ids[0] if len(ids) == 1 else ids
+
+
+def _model_config(
+    spec: ModelSpec, tokenizer: PreTrainedTokenizerFast, chat: ChatSpec
+) -> Qwen2Config:
     return Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
@@ -175,8 +245,8 @@ def _model_config(spec: ModelSpec, tokenizer: PreTrainedTokenizerFast) -> Qwen2C
         max_position_embeddings=spec.max_position_embeddings,
         max_window_layers=spec.num_hidden_layers,
         tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=_token_id(tokenizer, EOS_TOKEN),
+        bos_token_id=None if chat.bos is None else _token_id(tokenizer, chat.bos),
+        eos_token_id=_stop_ids(tokenizer, chat),
         pad_token_id=_token_id(tokenizer, PAD_TOKEN),
         dtype="float32",
         architectures=["Qwen2ForCausalLM"],
@@ -187,18 +257,20 @@ def _write_json(path: Path, obj: object) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
-def _save(staging: Path, tokenizer: PreTrainedTokenizerFast, model: Qwen2ForCausalLM) -> None:
+def _save(
+    staging: Path, tokenizer: PreTrainedTokenizerFast, model: Qwen2ForCausalLM, chat: ChatSpec
+) -> None:
     tokenizer.save_pretrained(staging, save_jinja_files=False)
     saved = json.loads((staging / "tokenizer_config.json").read_text())
-    _write_json(staging / "tokenizer_config.json", _portable_tokenizer_config(saved))
-    _write_json(
-        staging / "special_tokens_map.json",
-        {
-            "eos_token": EOS_TOKEN,
-            "pad_token": PAD_TOKEN,
-            "additional_special_tokens": list(SPECIAL_TOKENS),
-        },
-    )
+    _write_json(staging / "tokenizer_config.json", _portable_tokenizer_config(saved, chat))
+    special_map: dict[str, object] = {
+        "eos_token": chat.eos[0],
+        "pad_token": PAD_TOKEN,
+        "additional_special_tokens": list(chat.special),
+    }
+    if chat.bos is not None:
+        special_map["bos_token"] = chat.bos
+    _write_json(staging / "special_tokens_map.json", special_map)
     # transformers' shard-writing progress bar is noise in a sub-second save; restore the
     # caller's setting afterwards.
     bars_were_on = hf_logging.is_progress_bar_enabled()
@@ -214,31 +286,55 @@ def _save(staging: Path, tokenizer: PreTrainedTokenizerFast, model: Qwen2ForCaus
     _write_json(staging / "config.json", config)
 
 
-def init_model(out: Path, size: ModelSize = "tiny", seed: int = 0) -> Path:
-    """Build the tokenizer and a random ``Qwen2ForCausalLM`` for ``(size, seed)`` in ``out``."""
+def init_model(
+    out: Path,
+    size: ModelSize = "tiny",
+    seed: int = 0,
+    chat_template: str | Path | None = None,
+    tool_parser: str | None = None,
+) -> Path:
+    """Build the tokenizer and a random ``Qwen2ForCausalLM`` for ``(size, seed)`` in ``out``.
+
+    ``chat_template``: a template file (``Path``) or text (``str``) to use instead of sprawl's
+    own; ``tool_parser``: the parser name to record in ``sprawl.json``.
+    """
+    if tool_parser is not None and tool_parser not in TOOL_PARSERS:
+        raise ModelBuildError(
+            f"unknown tool parser {tool_parser!r}; choose one of {', '.join(TOOL_PARSERS)}"
+        )
+    chat = chat_spec(chat_template)
     spec = SPECS[size]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(size)
-    config = _model_config(spec, tokenizer)
+    tokenizer = build_tokenizer(size, chat)
+    config = _model_config(spec, tokenizer, chat)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
     model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
-        bos_token_id=None, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
     )
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-") as tmp:
         staging = Path(tmp)
-        _save(staging, tokenizer, model)
+        _save(staging, tokenizer, model, chat)
+        if tool_parser is not None:
+            _write_json(staging / SPRAWL_JSON, {"tool_parser": tool_parser})
         for item in sorted(staging.iterdir()):
             item.chmod(0o644)  # temporary files are private; the model is not
             os.replace(item, out / item.name)
+    if tool_parser is None:
+        (out / SPRAWL_JSON).unlink(missing_ok=True)  # an earlier build's parser is not this one's
     log.info(
         "model_initialised",
         out=str(out),
         size=size,
         seed=seed,
         vocab_size=len(tokenizer),
+        chat_template=chat.source,
+        eos=list(chat.eos),
+        tool_parser=tool_parser,
         parameters=sum(p.numel() for p in model.parameters()),
     )
     return out

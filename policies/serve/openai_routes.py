@@ -6,13 +6,17 @@ answer in OpenAI's shape plus the lane's extensions: top-level ``prompt_token_id
 ``policy_version`` stamp, per-choice ``token_ids``.
 
 Chat: ``messages`` and ``tools`` are rendered with the model's chat template
-(``apply_chat_template``, generation prompt added); the generated text is split into content and
-OpenAI ``tool_calls`` by :func:`policies.wire.toolcalls.parse_assistant`. ``tool_choice``:
-``"none"`` renders no tools, ``"auto"`` (default with tools) lets the model choose, ``"required"``
-and a named function are enforced by prefilling the assistant turn with the start of a call (the
-prefill is part of ``prompt_token_ids``, so the result stays token-exact). ``logprobs: true``
-returns ``{"content": [{"token", "logprob", "bytes", "top_logprobs": []}]}``, the log prob of
-each sampled token under the distribution it was sampled from.
+(``apply_chat_template``, generation prompt added); the generated text is split into reasoning
+(``reasoning_content``), content and OpenAI ``tool_calls`` by the served model's tool-call parser
+(:mod:`policies.wire.tool_parsers`): the one named by ``tool_parser``, else the one detected from
+the tokenizer's chat template. The parser's markers that are special tokens (``[TOOL_CALLS]``,
+``<|python_tag|>``) are kept when the reply is decoded; every other special token is skipped.
+``tool_choice``: ``"none"`` renders no tools, ``"auto"`` (default with tools) lets the model
+choose, ``"required"`` and a named function are enforced by prefilling the assistant turn with
+the start of a call in the parser's dialect (the prefill is part of ``prompt_token_ids``, so the
+result stays token-exact). ``logprobs: true`` returns ``{"content": [{"token", "logprob",
+"bytes", "top_logprobs": []}]}``, the log prob of each sampled token under the distribution it
+was sampled from.
 
 Completions: ``prompt`` is text (encoded without special tokens) or a list of token ids;
 ``logprobs: 0|1`` returns the legacy ``{"tokens", "token_logprobs", "text_offset"}`` object.
@@ -30,14 +34,17 @@ import json
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from transformers import PreTrainedTokenizerBase
 
 from policies.errors import BadRequest
+from policies.model.chat_template import noted_tool_parser
 from policies.serve.decode import Generation
 from policies.serve.sidecar import Sidecar, stamps
+from policies.wire import tool_parsers
 from policies.wire.lane import (
     ChatChoice,
     ChatCompletionRequest,
@@ -53,7 +60,7 @@ from policies.wire.lane import (
     TokenLogprob,
     VersionStamp,
 )
-from policies.wire.toolcalls import TOOL_CALL_OPEN, parse_assistant, to_openai_message
+from policies.wire.toolcalls import THINK_CLOSE, THINK_OPEN, to_openai_message
 
 DEFAULT_MAX_TOKENS = 256
 M = TypeVar("M", bound=BaseModel)
@@ -83,11 +90,35 @@ def parse_body(model: type[M], payload: Any) -> M:
 
 
 class OpenAIRoutes:
-    """Builds and answers the OpenAI-shaped requests for one sidecar and tokenizer."""
+    """Builds and answers the OpenAI-shaped requests for one sidecar and tokenizer.
 
-    def __init__(self, sidecar: Sidecar, tokenizer: PreTrainedTokenizerBase) -> None:
+    ``tool_parser`` names the tool-call dialect (a :data:`~policies.wire.tool_parsers.TOOL_PARSERS`
+    key); None: the one ``init-model`` noted in the tokenizer's directory (``sprawl.json``), else
+    detected from the tokenizer's chat template.
+    """
+
+    def __init__(
+        self,
+        sidecar: Sidecar,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        tool_parser: str | None = None,
+    ) -> None:
         self.sidecar = sidecar
         self.tokenizer = tokenizer
+        template = getattr(tokenizer, "chat_template", None)
+        if isinstance(template, dict):  # named templates ("default", "tool_use", …)
+            template = "\n".join(str(t) for t in template.values())
+        source = getattr(tokenizer, "name_or_path", "")
+        name = tool_parser or (noted_tool_parser(Path(source)) if source else None)
+        name = name or tool_parsers.detect_tool_parser(template)
+        self.parser = tool_parsers.tool_parser(name)
+        kept = {*self.parser.markers, THINK_OPEN, THINK_CLOSE}
+        self._kept_ids = {
+            int(i): tok.content
+            for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items()
+            if tok.special and tok.content in kept
+        }
 
     # -- shared ---------------------------------------------------------------------------------
     def _stop_ids(self, stops: list[str]) -> list[int]:
@@ -130,6 +161,18 @@ class OpenAIRoutes:
     def _decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
+    def _decode_reply(self, ids: list[int]) -> str:
+        """Like :meth:`_decode`, keeping the special tokens the tool-call parser reads."""
+        parts: list[str] = []
+        run: list[int] = []
+        for i in ids:
+            if i in self._kept_ids:
+                parts += [self._decode(run), self._kept_ids[i]]
+                run = []
+            else:
+                run.append(i)
+        return "".join([*parts, self._decode(run)])
+
     def _token_texts(self, ids: list[int]) -> list[str]:
         return [str(self.tokenizer.decode([i])) for i in ids]
 
@@ -158,10 +201,9 @@ class OpenAIRoutes:
             raise BadRequest(f"messages cannot be rendered: {exc}", "messages") from None
         prefill = ""
         if isinstance(req.tool_choice, NamedToolChoice):
-            name = json.dumps(req.tool_choice.function.name)
-            prefill = f'{TOOL_CALL_OPEN}\n{{"name": {name}, "arguments": '
+            prefill = self.parser.prefill(req.tool_choice.function.name)
         elif req.tool_choice == "required":
-            prefill = f"{TOOL_CALL_OPEN}\n"
+            prefill = self.parser.prefill()
         ids = self.tokenizer.encode(str(text) + prefill, add_special_tokens=False)
         return [int(i) for i in ids], prefill
 
@@ -169,9 +211,10 @@ class OpenAIRoutes:
         prompt, prefill = self.chat_prompt(req)
         lane = self._lane(req, prompt, req.max_completion_tokens or req.max_tokens)
         gen = await self.sidecar.run_request(lane)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         choices = []
         for c in gen.choices:
-            parsed = parse_assistant(prefill + self._decode(c.token_ids))
+            parsed = self.parser.parse(prefill + self._decode_reply(c.token_ids), tools=tools)
             finish = c.finish_reason
             finish_out = "tool_calls" if parsed.tool_calls and finish == "stop" else finish
             logprobs = None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 import ssl
 import tempfile
 import uuid
@@ -329,7 +330,8 @@ async def serve_model(
     The weights (every ``*.safetensors`` in the dir, in their stored dtype) are copied into the
     engine once; the sidecar is in fixed-version mode, so it never polls, every response is
     stamped 0 and bounds excluding 0 get 409. Its board is an empty private directory that is
-    never read; it only names the run (the dir's name) in ``/v1/models`` and responses.
+    never read; it only names the run in ``/v1/models`` and responses: the dir's name, with
+    what a run name cannot hold (:func:`policies.board.types.check_run_name`) replaced by ``-``.
     """
 
     def load() -> Engine:
@@ -350,7 +352,7 @@ async def serve_model(
         registry = CollectorRegistry()
         sidecar = Sidecar(
             ReferenceBackend(engine),
-            Board(tmp, model_dir.name),
+            Board(tmp, _run_name_of(model_dir)),
             poll_interval_s=3600.0,
             registry=registry,
             fixed_version=0,
@@ -365,6 +367,12 @@ async def serve_model(
             tls=tls,
             task_status=task_status,
         )
+
+
+def _run_name_of(model_dir: Path) -> str:
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", model_dir.resolve().name)
+    name = re.sub(r"\.{2,}", ".", name).lstrip("._-")[:128]
+    return name or "model"
 
 
 async def _wait_for_board(board: Board) -> int:

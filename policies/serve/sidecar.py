@@ -320,6 +320,7 @@ class Sidecar:
             staged_version=self.staged_version,
             state=self.state,
             run=self.board.run,
+            max_context=self.backend.max_context,
         )
 
 

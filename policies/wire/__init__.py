@@ -2,8 +2,9 @@
 
 - :mod:`~policies.wire.lane` — the request lane's pydantic models (orchestrator ↔ endpoint);
 - :mod:`~policies.wire.batches` — the batch protocol (orchestrator ↔ external trainer);
-- :mod:`~policies.wire.toolcalls` — the chat template and tool-call parsing (engine ↔
-  environment ↔ episode runner);
+- :mod:`~policies.wire.toolcalls` — sprawl's (Hermes) chat template and the parsed-turn
+  vocabulary (engine ↔ environment ↔ episode runner);
+- :mod:`~policies.wire.tool_parsers` — one tool-call parser per model family, by vLLM name;
 - :mod:`~policies.wire.chat_tokens` — token-exact multi-turn prompts, and ``Message``;
 - :mod:`~policies.wire.logs` — structlog set-up for every process;
 - :mod:`~policies.wire.lifetime` — a child process's lifetime tied to its parent's;

@@ -1,39 +1,90 @@
-"""Token-exact multi-turn prompts from a chat template.
+"""Token-exact multi-turn prompts from any chat template.
 
 The prompt of model call ``k + 1`` is the prompt of call ``k``, plus the tokens call ``k``
 sampled, plus the tokens of the environment's new messages. Only those new messages are
-tokenized; nothing already in the sequence is ever re-tokenized.
+tokenized; nothing already in the sequence, and no sampled token, is ever re-tokenized, so what
+the policy saw is what it trains on.
 
-The new messages' text is found by rendering a two-message reference conversation with and
-without them and taking the difference; the template's text that closes an assistant turn
-(e.g. ``<|im_end|>\\n``) is bridged from what the model actually sampled: if the model ended with
-the end-of-turn token, only the rest of the closing text is added.
+Templates do not render a conversation as a stable prefix: Qwen3-style templates strip earlier
+turns' reasoning and render the last assistant turn differently, Llama-3-style ones insert a
+dated system header, Mistral-style ones fold the system prompt into the last ``[INST]``. So the
+new messages' text is never found by diffing two renders of the real conversation. It is found
+by rendering a fixed probe instead, ``[user "x", assistant SENTINEL, *new_messages]`` with the
+generation prompt, and keeping what the template wrote after ``SENTINEL``: how the template
+closes an assistant turn, renders these messages after one, and opens the next assistant turn.
+The closing is then bridged from what the model actually sampled: if the model ended its turn on
+a special token (``<|im_end|>``, ``<|eot_id|>``, ``<|eom_id|>``, ``</s>``, ``<|call|>``, …) and
+the template closes assistant turns with one (``<|end|>`` where the model stopped on
+``<|return|>`` included), the template's is left out and the model's own stays; a turn cut short
+by ``max_tokens`` gets the template's whole closing.
+
+:class:`ChatTokens` checks the template once, at start-up, with the probe (and a ``tool`` probe
+when the environment has tools): a template that cannot render it, or that drops a plain
+assistant turn's content when more messages follow, is a :class:`SprawlError` naming it.
+
+What the template does to *earlier* turns is recorded rather than applied:
+:meth:`ChatTokens.history_rewritten` says whether the template, re-rendering the episode's
+messages, would drop reasoning the model saw (Qwen3 and R1 strip it from earlier turns). Such an
+episode trains on the context the model really had; a chat server replaying the conversation
+through the template would show a later model call less. docs/environments.md says more.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from policies.wire.toolcalls import Message
+from policies.wire.errors import SprawlError
+from policies.wire.toolcalls import THINK_CLOSE, THINK_OPEN, Message
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+REASONING_MARKERS = (THINK_OPEN, THINK_CLOSE)
+_CHANNEL_TOKENS = ("<|channel|>", "<|message|>")  # gpt-oss's message channels
 _SENTINEL = "\x00sprawl-sentinel\x00"
+_PROBE: list[Message] = [
+    {"role": "user", "content": "x"},
+    {"role": "assistant", "content": _SENTINEL},
+]
+_USER_PROBE: list[Message] = [{"role": "user", "content": "y"}]
+_TOOL_PROBE: list[Message] = [
+    {"role": "tool", "tool_call_id": "call_0", "name": "probe", "content": "y"},
+]
 
 
 class ChatTokens:
-    """Renders initial prompts and continuations for one tokenizer and tool list."""
+    """Renders initial prompts and continuations for one tokenizer and tool list.
+
+    ``name`` names the template in errors (default: the tokenizer's ``name_or_path``).
+    """
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, tools: list[dict[str, Any]] | None = None
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        name: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.tools = tools or None
-        ref = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}]
-        closed = self._render(ref, generation_prompt=False)
-        self._assistant_close = closed[closed.index(_SENTINEL) + len(_SENTINEL) :]
-        self._ref = ref
-        self._ref_text = closed
+        source = name or getattr(tokenizer, "name_or_path", "") or "the tokenizer"
+        self.name = f"the chat template of {source}"
+        if not getattr(tokenizer, "chat_template", None):
+            raise SprawlError(f"{source} has no chat template (tokenizer_config.json)")
+        self._special_ids = set(tokenizer.all_special_ids)
+        ids = [tokenizer.convert_tokens_to_ids(t) for t in _CHANNEL_TOKENS]
+        self._channels = ids if all(i in self._special_ids for i in ids) else []
+        self._specials = sorted(tokenizer.all_special_tokens, key=len, reverse=True)
+        # a template that ends an assistant turn with a special token, even a different one when
+        # more messages follow (gpt-oss: <|return|> last, <|end|> in history), closes turns
+        closing = self._leading_special(self._probe_suffix([], generation_prompt=False))
+        self._closes_turns = closing is not None
+        eos = tokenizer.eos_token
+        self._closers = {eos} if isinstance(eos, str) else set()
+        self._probe_suffix(_USER_PROBE)
+        if self.tools:
+            self._probe_suffix(_TOOL_PROBE)
 
     def _render(self, messages: list[Message], *, generation_prompt: bool) -> str:
         tools: Any = self.tools  # transformers types tools as an invariant list
@@ -42,6 +93,28 @@ class ChatTokens:
         )
         assert isinstance(text, str)
         return text
+
+    def _probe_suffix(self, new_messages: list[Message], *, generation_prompt: bool = True) -> str:
+        """What the template writes after a plain assistant turn's content, ``new_messages``
+        included: the closing, the new messages, the next generation prompt."""
+        try:
+            text = self._render([*_PROBE, *new_messages], generation_prompt=generation_prompt)
+        except Exception as exc:  # jinja2's TemplateError, or the template's raise_exception
+            roles = ", ".join(m["role"] for m in new_messages) or "nothing"
+            raise SprawlError(
+                f"{self.name} cannot render an assistant turn followed by {roles}: {exc}"
+            ) from None
+        at = text.find(_SENTINEL)
+        if at == -1:
+            raise SprawlError(
+                f"{self.name} does not render an assistant turn's content when more messages "
+                "follow, so sprawl cannot find where the environment's messages begin"
+            )
+        return text[at + len(_SENTINEL) :]
+
+    def _leading_special(self, text: str) -> str | None:
+        stripped = text.lstrip()
+        return next((t for t in self._specials if stripped.startswith(t)), None)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -52,13 +125,57 @@ class ChatTokens:
 
     def continuation(self, sampled: list[int], new_messages: list[Message]) -> list[int]:
         """Tokens to append after ``sampled`` so that the model answers ``new_messages``."""
-        full = self._render([*self._ref, *new_messages], generation_prompt=True)
-        if not full.startswith(self._ref_text):
-            raise ValueError("chat template does not render conversations as stable prefixes")
-        suffix = full[len(self._ref_text) :]
-        closing = self._assistant_close
-        ended_on_special = bool(sampled) and sampled[-1] in self.tokenizer.all_special_ids
-        tail = str(self.tokenizer.decode(sampled[-1:], skip_special_tokens=False))
-        if ended_on_special and closing.startswith(tail):
-            closing = closing[len(tail) :]
-        return self.encode(closing + suffix)
+        suffix = self._probe_suffix(new_messages)
+        if sampled and sampled[-1] in self._special_ids:  # the model closed its turn itself
+            sampled_tail = str(self.tokenizer.decode(sampled[-1:], skip_special_tokens=False))
+            leading = self._leading_special(suffix)
+            closes = self._closes_turns or leading in self._closers or leading == sampled_tail
+            if leading is not None and closes:
+                suffix = suffix.lstrip()[len(leading) :]
+        return self.encode(suffix)
+
+    def assistant_text(self, sampled: list[int], markers: Iterable[str] = ()) -> str:
+        """The text a tool parser reads: the sampled tokens decoded with every special token
+        left out except ``markers`` (a dialect's call markers, e.g. ``[TOOL_CALLS]``, may be
+        special tokens) and ``<think>`` / ``</think>``. A turn written in gpt-oss's channels
+        (``<|channel|>analysis<|message|>…<|end|><|start|>assistant<|channel|>final<|message|>…``)
+        reads as its analysis text, ``</think>``, then the other channels' text."""
+        if self._channels and self._channels[0] in sampled:
+            return self._channel_text(sampled, markers)
+        keep = {self.tokenizer.convert_tokens_to_ids(m) for m in (*markers, *REASONING_MARKERS)}
+        ids = [i for i in sampled if i not in self._special_ids or i in keep]
+        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
+
+    def _channel_text(self, sampled: list[int], markers: Iterable[str]) -> str:
+        channel, message = self._channels
+        analysis: list[str] = []
+        other: list[str] = []
+        rest = sampled
+        while channel in rest:  # <|channel|>NAME…<|message|>TEXT, up to the next special token
+            rest = rest[rest.index(channel) + 1 :]
+            split = rest.index(message) if message in rest else len(rest)
+            header, body = rest[:split], rest[split + 1 :]
+            end = next((k for k, i in enumerate(body) if i in self._special_ids), len(body))
+            name = str(self.tokenizer.decode(header, skip_special_tokens=True)).strip()
+            (analysis if name.startswith("analysis") else other).append(
+                self.assistant_text(body[:end], markers)
+            )
+            rest = body[end:]
+        content = "".join(other)
+        return f"{''.join(analysis)}{THINK_CLOSE}{content}" if analysis else content
+
+    def history_rewritten(self, messages: list[Message]) -> bool:
+        """Whether the template, re-rendering ``messages``, leaves out reasoning an assistant
+        turn of them had (the token history keeps it: it is what the model saw)."""
+        reasoning = [
+            str(m["reasoning_content"]).strip()
+            for m in messages
+            if m.get("role") == "assistant" and m.get("reasoning_content")
+        ]
+        if not reasoning:
+            return False
+        try:
+            text = self._render(messages, generation_prompt=False)
+        except Exception:  # a history the template refuses is not a rewrite we can measure
+            return False
+        return any(r not in text for r in reasoning)

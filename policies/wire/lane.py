@@ -103,6 +103,8 @@ class PolicyState(_Wire):
     staged_version: int | None
     state: SidecarState
     run: str
+    max_context: int | None = None
+    """The longest sequence (prompt + sampled tokens) the engine serves; None: not reported."""
 
 
 class ErrorBody(_Wire):

@@ -1,26 +1,31 @@
-"""The Hermes-style tool-call syntax: how a model writes calls, and how we read them back.
+"""The Hermes-style tool-call syntax, and the vocabulary every tool-call dialect parses into.
 
-One syntax serves three places, so it lives here and nowhere else:
+sprawl's own models speak Hermes, so its syntax lives here: the chat template
+(``CHAT_TEMPLATE``) that ``policies.model.build`` stores in the tokenizer renders tool schemas,
+assistant ``tool_calls`` and ``tool`` results in it, and :func:`parse_assistant` reads it back.
+Other model families write calls differently; :mod:`policies.wire.tool_parsers` holds one parser
+per family (this one included, as ``hermes``), all producing the :class:`ParsedAssistant` defined
+here, which :func:`to_openai_message` turns into an OpenAI ``message``. The engine, the episode
+runner and the environment all read calls through that one shape.
 
-- the chat template (``CHAT_TEMPLATE``) that ``policies.model.build`` stores in the tokenizer
-  renders tool schemas, assistant ``tool_calls`` and ``tool`` results in this syntax;
-- the engine turns generated text into OpenAI ``tool_calls`` with :func:`parse_assistant` and
-  :func:`to_openai_message`;
-- the orchestrator hands the environment the calls the model made, from the same parse.
-
-The syntax (Qwen2.5 / Hermes style)::
+The syntax (Qwen2.5 / Qwen3 / Hermes style)::
 
     <|im_start|>assistant
+    <think>Optional reasoning.</think>
     Some optional text.
     <tool_call>
     {"name": "calculator", "arguments": {"expression": "37 * 12"}}
     </tool_call><|im_end|>
 
-Guarantees of :func:`parse_assistant`:
+Guarantees of :func:`parse_assistant` (and of every parser in ``tool_parsers``):
 
 - It never raises on model text. A block that is not a JSON object, lacks a string ``"name"``,
   has arguments that are not a JSON object, or never closes becomes a :class:`ToolCallError`
   whose ``message`` names what was wrong and whose ``raw`` is the offending text.
+- Reasoning is split off first (:func:`split_reasoning`): when the text holds ``</think>``,
+  everything before the first one (less a leading ``<think>``) is ``reasoning``, stripped, and
+  calls are parsed only from the text after it. Without ``</think>`` there is no reasoning, so a
+  turn cut off inside ``<think>`` is all content.
 - ``content`` is the text outside tool-call blocks, each piece stripped, non-empty pieces joined
   by a newline; a stray ``</tool_call>`` is reported as an error and not kept as content.
 - ``ToolCall.arguments`` is the canonical JSON string of the arguments object
@@ -32,9 +37,11 @@ Guarantees of :func:`parse_assistant`:
 Leniency, on purpose: a missing ``"arguments"`` means ``{}``; arguments given as a JSON *string*
 that decodes to an object (an OpenAI habit some models copy) are accepted.
 
-Not covered: other tool-call dialects (Llama ``<|python_tag|>``, Mistral ``[TOOL_CALLS]``), and
-stripping chat-control tokens such as ``<|im_end|>`` (the engine decodes with special tokens
-skipped; ``<tool_call>`` tokens are not special, so they survive that decode).
+Not covered: stripping chat-control tokens such as ``<|im_end|>`` (the engine decodes with
+special tokens skipped; ``<tool_call>`` tokens are not special, so they survive that decode), and
+reasoning not closed by ``</think>`` (other markers, or a turn cut off while thinking: that is all
+content). A template that opens ``<think>`` in the prompt is fine: the turn then starts inside
+the reasoning and still closes it with ``</think>``.
 """
 
 from __future__ import annotations
@@ -51,6 +58,8 @@ TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 TOOL_RESPONSE_OPEN = "<tool_response>"
 TOOL_RESPONSE_CLOSE = "</tool_response>"
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
 
 TOOLS_PREAMBLE = (
     "# Tools\n\n"
@@ -155,7 +164,7 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ToolCallError:
-    """A malformed ``<tool_call>`` block: the raw text and what was wrong with it."""
+    """A malformed call, in any dialect: the raw text and what was wrong with it."""
 
     raw: str
     message: str
@@ -163,11 +172,46 @@ class ToolCallError:
 
 @dataclass(frozen=True)
 class ParsedAssistant:
-    """An assistant turn split into its text, its calls, and its malformed blocks."""
+    """An assistant turn split into its text, its calls, its malformed calls and its reasoning."""
 
     content: str
     tool_calls: tuple[ToolCall, ...]
     errors: tuple[ToolCallError, ...]
+    reasoning: str = ""
+
+
+def split_reasoning(text: str) -> tuple[str, str]:
+    """``(reasoning, rest)``: the text before the first ``</think>`` (less a leading ``<think>``),
+    stripped, and the text after it; ``("", text)`` when there is no ``</think>``."""
+    close = text.find(THINK_CLOSE)
+    if close == -1:
+        return "", text
+    reasoning = text[:close].strip().removeprefix(THINK_OPEN)
+    return reasoning.strip(), text[close + len(THINK_CLOSE) :]
+
+
+def call_fields(obj: object, arguments_key: str = "arguments") -> tuple[str, str] | str:
+    """``(name, arguments_json)`` of a decoded JSON call, or a message saying what is wrong.
+
+    ``arguments_key`` names the field holding the arguments (``"parameters"`` for Llama); it
+    may be missing (``{}``) or a JSON string that decodes to an object.
+    """
+    if not isinstance(obj, dict):
+        return f"tool call must be a JSON object, got {type(obj).__name__}"
+    name = obj.get("name")
+    if name is None:
+        return 'tool call has no "name"'
+    if not isinstance(name, str) or not name:
+        return '"name" must be a non-empty string'
+    arguments = obj.get(arguments_key, {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (json.JSONDecodeError, RecursionError):
+            return f'"{arguments_key}" is a string that is not JSON'
+    if not isinstance(arguments, dict):
+        return f'"{arguments_key}" must be a JSON object, got {type(arguments).__name__}'
+    return name, json.dumps(arguments, ensure_ascii=False)
 
 
 def _decode_call(body: str) -> tuple[str, str] | str:
@@ -176,26 +220,15 @@ def _decode_call(body: str) -> tuple[str, str] | str:
         obj = json.loads(body)
     except json.JSONDecodeError as exc:
         return f"tool call is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
-    if not isinstance(obj, dict):
-        return f"tool call must be a JSON object, got {type(obj).__name__}"
-    name = obj.get("name")
-    if name is None:
-        return 'tool call has no "name"'
-    if not isinstance(name, str) or not name:
-        return '"name" must be a non-empty string'
-    arguments = obj.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return '"arguments" is a string that is not JSON'
-    if not isinstance(arguments, dict):
-        return f'"arguments" must be a JSON object, got {type(arguments).__name__}'
-    return name, json.dumps(arguments, ensure_ascii=False)
+    except RecursionError:  # the decoder recurses per nesting level; models do loop on "[["
+        return "tool call is not valid JSON: nested too deeply"
+    return call_fields(obj)
 
 
 def parse_assistant(text: str, *, first_id: int = 0) -> ParsedAssistant:
-    """Split generated assistant text into content, tool calls and malformed blocks."""
+    """Split generated assistant text into reasoning, content, tool calls and malformed blocks:
+    the ``hermes`` parser of :mod:`policies.wire.tool_parsers`."""
+    reasoning, text = split_reasoning(text)
     pieces: list[str] = []
     calls: list[ToolCall] = []
     errors: list[ToolCallError] = []
@@ -230,20 +263,23 @@ def parse_assistant(text: str, *, first_id: int = 0) -> ParsedAssistant:
             calls.append(ToolCall(f"call_{first_id + len(calls)}", name, arguments))
         pos = end
     content = "\n".join(p.strip() for p in pieces if p.strip())
-    return ParsedAssistant(content, tuple(calls), tuple(errors))
+    return ParsedAssistant(content, tuple(calls), tuple(errors), reasoning)
 
 
 def to_openai_message(parsed: ParsedAssistant) -> dict[str, object]:
     """The OpenAI chat ``message`` object for a parsed turn.
 
     ``content`` is ``None`` when the turn is only tool calls, as OpenAI returns it; the
-    ``tool_calls`` key is present only when there are calls. Malformed blocks are not part of an
-    OpenAI message; callers that care read ``parsed.errors``.
+    ``tool_calls`` key is present only when there are calls, ``reasoning_content`` (the key
+    Qwen3 / DeepSeek templates and vLLM use) only when there is reasoning. Malformed blocks are
+    not part of an OpenAI message; callers that care read ``parsed.errors``.
     """
     message: dict[str, object] = {
         "role": "assistant",
         "content": parsed.content if parsed.content or not parsed.tool_calls else None,
     }
+    if parsed.reasoning:
+        message["reasoning_content"] = parsed.reasoning
     if parsed.tool_calls:
         message["tool_calls"] = [
             {

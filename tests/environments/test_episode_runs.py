@@ -8,96 +8,28 @@ the trajectory with their type and message.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from environments.base import Environment, EpisodeState, reward
+from environments.base import EpisodeState, reward
 from environments.guess import Guess, GuessConfig
 from environments.retrieval import Retrieval, RetrievalConfig
-from orchestrator.loop.episode import EpisodeRunner
-from orchestrator.loop.pool import Pool
-from orchestrator.types import Episode, SamplingParams
-from policies.wire.lane import (
-    GenerateChoice,
-    GenerateRequest,
-    GenerateResponse,
-    Usage,
-    VersionBounds,
-    VersionStamp,
-)
+from policies.wire.chat_tokens import ChatTokens
 from policies.wire.toolcalls import ParsedAssistant
+from tests.support.fakes import run_scripted
 
 pytestmark = pytest.mark.anyio
-
-
-@dataclass(frozen=True)
-class ScriptedEndpoint:
-    """What the runner reads of the endpoint that served a call: its id."""
-
-    id: str
-
-
-class ScriptedPool:
-    """Answers each call with the next scripted text (+ end of turn), recording the requests."""
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> None:
-        self.tokenizer = tokenizer
-        self.texts = list(texts)
-        self.requests: list[GenerateRequest] = []
-        self.sampled: list[list[int]] = []
-        self.endpoint = ScriptedEndpoint(id="scripted")
-
-    async def generate(
-        self, req: GenerateRequest, affinity: str | None = None, priority: float = 0.0
-    ) -> tuple[GenerateResponse, ScriptedEndpoint, int]:
-        self.requests.append(req)
-        text = self.texts[len(self.requests) - 1]
-        ids = [*self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_id]
-        self.sampled.append(ids)
-        choice = GenerateChoice(
-            index=0, token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop"
-        )
-        resp = GenerateResponse(
-            id=f"gen-{len(self.requests)}",
-            model="scripted",
-            prompt_token_ids=req.prompt_token_ids,
-            choices=[choice],
-            policy_version=VersionStamp(start=3, end=3),
-            usage=Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=len(ids)),
-        )
-        return resp, self.endpoint, 1
-
-
-async def _run(
-    env: Environment,
-    tokenizer: PreTrainedTokenizerBase,
-    task: dict[str, Any],
-    texts: Sequence[str],
-    max_turns: int = 8,
-) -> tuple[Episode, ScriptedPool]:
-    pool = ScriptedPool(tokenizer, texts)
-    runner = EpisodeRunner(
-        env,
-        tokenizer,
-        cast(Pool, pool),
-        sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=32),
-        max_turns=max_turns,
-        episode_timeout_s=30,
-        max_context=2048,
-    )
-    episode = await runner.run(task, "group-0", lambda: VersionBounds(min=2), admitted_at=3)
-    return episode, pool
 
 
 async def test_user_turns_extend_the_prompt_token_exactly(
     tokenizer: PreTrainedTokenizerBase,
 ) -> None:
     env = Guess(GuessConfig())
-    episode, pool = await _run(env, tokenizer, {"id": "g", "secret": 37}, ["50", "25", "37"])
+    episode, pool = await run_scripted(
+        env, tokenizer, {"id": "g", "secret": 37}, ["50", "25", "37"]
+    )
     assert episode.stop_reason == "done"
     assert episode.error is None
     assert episode.reward == pytest.approx(1 + 0.5 * (1 - 2 / 7))
@@ -132,7 +64,7 @@ async def test_tool_results_and_tool_errors_through_the_runner(
         return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
 
     texts = [call("read", doc_id="d99"), call("read", doc_id="d25"), "21 members."]
-    episode, pool = await _run(env, tokenizer, task, texts)
+    episode, pool = await run_scripted(env, tokenizer, task, texts)
     assert episode.stop_reason == "done"
     assert [(c.name, c.error) for c in episode.tool_calls] == [
         ("read", "ValueError: no document 'd99'; use an id returned by search"),
@@ -147,7 +79,9 @@ async def test_tool_results_and_tool_errors_through_the_runner(
 
 async def test_max_turns_is_recorded_and_penalised(tokenizer: PreTrainedTokenizerBase) -> None:
     env = Guess(Guess.Config.model_validate({"penalties": {"unfinished": 0.25}}))
-    episode, _ = await _run(env, tokenizer, {"id": "g", "secret": 37}, ["1", "2"], max_turns=2)
+    episode, _ = await run_scripted(
+        env, tokenizer, {"id": "g", "secret": 37}, ["1", "2"], max_turns=2
+    )
     assert episode.stop_reason == "max_turns"
     assert episode.rewards["penalty_unfinished"] == 1.0
     assert episode.reward == pytest.approx(-0.25)
@@ -165,17 +99,37 @@ async def test_errors_in_hooks_and_rewards_are_captured(
         def efficiency(self, state: EpisodeState) -> float:
             return len(state.data["guesses"]) / 0
 
-    hook, _ = await _run(BadHook(GuessConfig()), tokenizer, {"id": "g", "secret": 3}, ["3"])
+    hook, _ = await run_scripted(BadHook(GuessConfig()), tokenizer, {"id": "g", "secret": 3}, ["3"])
     assert hook.stop_reason == "env_error"
     assert hook.error is not None
     assert (hook.error.where, hook.error.type) == ("environment", "KeyError")
     assert "secret_number" in hook.error.message
     assert len(hook.segments) == 1  # the partial trajectory is kept
 
-    bad, _ = await _run(BadReward(GuessConfig()), tokenizer, {"id": "g", "secret": 3}, ["3"])
+    bad, _ = await run_scripted(
+        BadReward(GuessConfig()), tokenizer, {"id": "g", "secret": 3}, ["3"]
+    )
     assert bad.stop_reason == "env_error"
     assert bad.error is not None
     assert bad.error.type == "RewardError"
     assert "'efficiency' raised ZeroDivisionError: division by zero" in bad.error.message
     assert bad.rewards == {}
     assert bad.reward == 0.0
+
+
+async def test_the_engines_context_ends_an_episode_gracefully(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    """The engines report a context smaller than the model's: the first call's max_tokens is
+    clamped to the room left, and the episode stops with ``context`` once nothing fits."""
+    env = Guess(Guess.Config.model_validate({"penalties": {"unfinished": 0.25}}))
+    task = {"id": "g", "secret": 37}
+    prompt = ChatTokens(tokenizer).initial(list(env.initial_messages(task)))
+    episode, pool = await run_scripted(
+        env, tokenizer, task, ["50", "25"], engine_context=len(prompt) + 8
+    )
+    assert episode.stop_reason == "context"
+    assert episode.error is None
+    assert len(pool.requests) == 1
+    assert pool.requests[0].max_tokens == 8
+    assert episode.rewards["penalty_unfinished"] == 1.0

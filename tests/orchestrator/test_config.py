@@ -46,6 +46,12 @@ def test_bad_value_on_command_line_names_key_and_source() -> None:
         load_config(Path("configs/demo.toml"), parse_overrides(["--sampling.top_p", "2"]))
 
 
+@pytest.mark.parametrize("name", ["..", ".", "a..b", ".hidden", "x" * 129])
+def test_a_run_name_that_is_not_one_board_segment_is_refused(name: str) -> None:
+    with pytest.raises(ConfigError, match=r"command line: run\.name: .*is not valid"):
+        load_config(None, {"run.name": name})
+
+
 def test_staleness_parameters_are_checked_at_load(tmp_path: Path) -> None:
     f = tmp_path / "s.toml"
     f.write_text('[staleness.correction]\ntype = "tis"\ncap = 0\n')

@@ -1,4 +1,4 @@
-"""Staleness metrics: lag histogram, length-bias guard, IS statistics, ESS, log-prob mismatch."""
+"""Staleness metrics: lag histogram, IS statistics, ESS, log-prob mismatch."""
 
 from __future__ import annotations
 
@@ -8,14 +8,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from structlog.testing import capture_logs
 
 from staleness.config import DecoupledPPO, NoCorrection, TokenMask, TruncatedIS
 from staleness.corrections import correct
 from staleness.errors import ShapeError
 from staleness.metrics import (
     correction_metrics,
-    drop_by_duration,
     effective_sample_size,
     lag_histogram,
     logprob_mismatch,
@@ -44,78 +42,6 @@ def test_lag_histogram_counts_everything(lags: list[int], max_lag: int) -> None:
     hist = lag_histogram(lags, max_lag=max_lag)
     assert sum(hist.values()) == len(lags)
     assert hist[f"lag_hist/{max_lag}+"] == sum(1 for x in lags if x >= max_lag)
-
-
-def _episodes(n: int, short_drop: int, long_drop: int) -> tuple[list[float], list[bool]]:
-    """n short episodes (duration 1..n) then n long ones (100..), dropping the first k of each."""
-    durations = [float(i) for i in range(1, n + 1)] + [100.0 + i for i in range(n)]
-    kept = [i >= short_drop for i in range(n)] + [i >= long_drop for i in range(n)]
-    return durations, kept
-
-
-def test_length_bias_warns_when_long_episodes_dropped_twice_as_often() -> None:
-    durations, kept = _episodes(10, short_drop=2, long_drop=4)
-    with capture_logs() as logs:
-        result = drop_by_duration(durations, kept, n_buckets=2)
-    assert [b.drop_rate for b in result.buckets] == [0.2, 0.4]
-    assert result.ratio == pytest.approx(2.0)
-    assert result.biased
-    (event,) = [e for e in logs if e["event"] == "staleness.length_bias"]
-    assert event["log_level"] == "warning"
-    assert event["long_drop_rate"] == 0.4
-    assert event["short_drop_rate"] == 0.2
-
-
-def test_no_warning_below_the_ratio() -> None:
-    durations, kept = _episodes(10, short_drop=3, long_drop=5)
-    with capture_logs() as logs:
-        result = drop_by_duration(durations, kept, n_buckets=2)
-    assert result.ratio == pytest.approx(5 / 3)
-    assert not result.biased
-    assert logs == []
-
-
-def test_only_long_dropped_is_infinite_ratio() -> None:
-    durations, kept = _episodes(10, short_drop=0, long_drop=1)
-    with capture_logs() as logs:
-        result = drop_by_duration(durations, kept, n_buckets=2)
-    assert math.isinf(result.ratio)
-    assert result.biased
-    assert len(logs) == 1
-
-
-def test_small_buckets_do_not_warn() -> None:
-    durations, kept = _episodes(3, short_drop=0, long_drop=3)
-    with capture_logs() as logs:
-        result = drop_by_duration(durations, kept, n_buckets=2, min_per_bucket=8)
-    assert math.isinf(result.ratio)
-    assert not result.biased
-    assert logs == []
-
-
-def test_buckets_are_equal_count_and_sorted() -> None:
-    durations = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0, 8.0, 4.0]
-    kept = [True] * 8
-    result = drop_by_duration(durations, kept, n_buckets=4)
-    assert [(b.lo, b.hi, b.episodes) for b in result.buckets] == [
-        (1.0, 2.0, 2),
-        (3.0, 4.0, 2),
-        (5.0, 7.0, 2),
-        (8.0, 9.0, 2),
-    ]
-    flat = result.as_dict()
-    assert flat["drop/rate"] == 0.0
-    assert flat["drop/length_biased"] == 0.0
-    assert flat["drop/duration_max_bucket_3"] == 9.0
-
-
-def test_drop_by_duration_edge_inputs() -> None:
-    assert drop_by_duration([], []).buckets == ()
-    assert not drop_by_duration([1.0], [False]).biased
-    with pytest.raises(ShapeError):
-        drop_by_duration([1.0], [])
-    with pytest.raises(ShapeError):
-        drop_by_duration([1.0], [True], n_buckets=1)
 
 
 def test_ess_hand_cases() -> None:

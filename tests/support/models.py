@@ -1,9 +1,10 @@
 """sprawl's own models for the tests, built once per machine and cached outside the clone.
 
-``init_model`` is deterministic for a (size, seed) on given torch / transformers / tokenizers
-versions, so its output is cached under ``${SPRAWL_MODEL_CACHE:-~/.cache/sprawl/models}`` keyed
-by those and by the source of the generator; each session gets its own copy (tests may write
-into a model directory), so the cache is never changed after it is built.
+``init_model`` is deterministic for a (size, seed, chat template) on given torch / transformers
+/ tokenizers versions, so its output is cached under
+``${SPRAWL_MODEL_CACHE:-~/.cache/sprawl/models}`` keyed by those (the template by its file's
+bytes) and by the source of the generator; each session gets its own copy (tests may write into
+a model directory), so the cache is never changed after it is built.
 """
 
 from __future__ import annotations
@@ -22,25 +23,38 @@ import transformers
 from policies.model.build import ModelSize, init_model
 
 REPO = Path(__file__).resolve().parents[2]
-SOURCES = ("policies/model/build.py", "policies/model/corpus.py", "policies/wire/toolcalls.py")
+SOURCES = (
+    "policies/model/build.py",
+    "policies/model/chat_template.py",
+    "policies/model/corpus.py",
+    "policies/wire/toolcalls.py",
+)
 
 
-def _key(size: ModelSize, seed: int) -> str:
+def _key(size: ModelSize, seed: int, chat_template: Path | None) -> str:
     h = hashlib.sha256(f"{size}|{seed}|{torch.__version__}|{transformers.__version__}".encode())
     h.update(tokenizers.__version__.encode())
     for source in SOURCES:
         h.update((REPO / source).read_bytes())
+    if chat_template is not None:
+        h.update(b"|template|" + chat_template.read_bytes())
     return h.hexdigest()[:16]
 
 
-def model_copy(size: ModelSize, into: Path, seed: int = 0) -> Path:
-    """A copy of the cached model (built first if missing) at ``into``."""
+def model_copy(
+    size: ModelSize, into: Path, seed: int = 0, chat_template: Path | None = None
+) -> Path:
+    """A copy of the cached model (built first if missing) at ``into``.
+
+    ``chat_template``: a template file to build the tokenizer for, instead of sprawl's own.
+    """
     root = Path(os.environ.get("SPRAWL_MODEL_CACHE", Path.home() / ".cache" / "sprawl" / "models"))
-    cached = root / f"{size}-{seed}-{_key(size, seed)}"
+    name = size if chat_template is None else f"{size}-{chat_template.stem}"
+    cached = root / f"{name}-{seed}-{_key(size, seed, chat_template)}"
     if not (cached / "config.json").exists():
         root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{size}-", dir=root))
-        init_model(tmp / "model", size, seed=seed)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+        init_model(tmp / "model", size, seed=seed, chat_template=chat_template)
         with contextlib.suppress(OSError):  # another session built it first: theirs is the same
             (tmp / "model").rename(cached)  # whole or not at all
         shutil.rmtree(tmp, ignore_errors=True)

@@ -15,6 +15,7 @@ from orchestrator.loop.pool import Pool
 from orchestrator.types import EndpointRef, Episode, SamplingParams
 from policies.wire.chat_tokens import ChatTokens
 from policies.wire.lane import VersionBounds
+from policies.wire.tool_parsers import tool_parser
 from tests.support.fakes import ScriptedTransport
 
 pytestmark = pytest.mark.anyio
@@ -37,7 +38,8 @@ def _runner(
     env = env or Calculator(CalculatorConfig(num_tasks=4, seed=3))
     runner = EpisodeRunner(
         env,
-        tokenizer,
+        ChatTokens(tokenizer, env.tool_schemas()),
+        tool_parser("hermes"),
         pool,
         sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=64),
         max_turns=kw.get("max_turns", 3),

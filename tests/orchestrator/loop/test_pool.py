@@ -90,6 +90,16 @@ async def test_waits_for_a_version_without_polling_then_serves() -> None:
     assert [name for name, _ in t.calls] == ["b"]
 
 
+async def test_the_smallest_context_an_endpoint_reports_bounds_every_call() -> None:
+    t = ScriptedTransport({"a": 0, "b": 0, "c": 0}, contexts={"a": 4096, "b": 1024})
+    pool = _pool(t)
+    assert pool.max_context() is None  # nothing reported yet
+    await pool.refresh_all()
+    assert pool.max_context() == 1024  # c reports none, so it does not bound
+    pool.remove("b")
+    assert pool.max_context() == 4096
+
+
 async def test_wait_gives_up_naming_the_key() -> None:
     t = ScriptedTransport({"a": 0})
     pool = _pool(t, wait=3.0)

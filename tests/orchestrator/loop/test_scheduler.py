@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import anyio
 import pytest
@@ -20,8 +21,8 @@ from orchestrator.loop.pool import Pool
 from orchestrator.loop.rl import rl_loop
 from orchestrator.loop.scheduler import Scheduler, VersionClock
 from orchestrator.loop.train_sink import drain
-from orchestrator.types import Batch, Group, GroupDecision
-from staleness.config import StalenessConfig
+from orchestrator.types import Batch, Group, GroupDecision, NullEvents
+from staleness.config import DropRule, LengthBiasConfig, StalenessConfig
 from tests.support.fakes import ScriptedTransport
 
 
@@ -234,7 +235,7 @@ def test_a_resumed_scheduler_continues_the_task_stream_and_the_budget() -> None:
     """Group ids are never reused and a restart sees the tasks a fresh run would have seen next."""
     tasks = Calculator(CalculatorConfig(num_tasks=8)).tasks()
 
-    def scheduler(**resume: int) -> Scheduler:
+    def scheduler(**resume: Any) -> Scheduler:
         return Scheduler(
             None,  # type: ignore[arg-type]  # the task stream and the budget need no runner
             tasks,
@@ -254,3 +255,126 @@ def test_a_resumed_scheduler_continues_the_task_stream_and_the_budget() -> None:
     assert again == stream[11:]
     assert resumed.admitted == 11
     assert resumed.budget() == fresh.budget() + 2
+
+
+class RecordingEvents(NullEvents):
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        self.events.append({"kind": kind, **fields})
+
+
+async def _requeue_run(tokenizer: PreTrainedTokenizerBase, max_requeues: int) -> None:
+    rng = random.Random(3)
+    names = ["e0", "e1"]
+    t = ScriptedTransport(
+        dict.fromkeys(names, 0), latency={"e0": 0.2, "e1": 1.0}, eos=tokenizer.eos_token_id
+    )
+    pool = Pool(t, version_wait_s=600.0, poll_interval_s=0.3, max_inflight=3)
+    runner = await calculator_runner(
+        pool,
+        {n: f"http://{n}" for n in names},
+        tokenizer,
+        num_tasks=8,
+        seed=3,
+        max_tokens=4,
+        max_turns=2,
+        episode_timeout_s=120.0,
+        max_context=2048,
+    )
+    events = RecordingEvents()
+    sched = Scheduler(
+        runner,
+        runner.env.tasks(),
+        VersionClock(0),
+        group_size=2,
+        groups_per_batch=2,
+        max_lag=2,
+        max_concurrent_episodes=8,
+        seed=3,
+        max_requeues=max_requeues,
+        events=events,
+    )
+    trainer = FakeTrainer(t, pool, rng)
+    staleness = StalenessConfig(  # stricter than admission: many groups are dropped
+        drop=DropRule(max_lag=0), length_bias=LengthBiasConfig(requeue=True)
+    )
+    batcher = Batcher(staleness, 2, 2, lambda: trainer.version)
+    recorder = Recorder()
+    await rl_loop(
+        sched,
+        batcher,
+        trainer,
+        recorder,
+        max_steps=4,
+        beside=[partial(_catch_up, t, pool, trainer, rng, "e1")],
+    )
+    admits = {e["group_id"]: e for e in events.events if e["kind"] == "admit"}
+    requeues = [e for e in events.events if e["kind"] == "requeue"]
+    assert requeues, "the run should have dropped (and requeued) something"
+    depth: dict[str, int] = {}
+    for e in admits.values():  # a re-run is a new group of the same task, one per requeue
+        if "requeued_from" in e:
+            src = admits[e["requeued_from"]]
+            assert e["task_id"] == src["task_id"]
+            depth[e["group_id"]] = depth.get(src["group_id"], 0) + 1
+    assert max(depth.values()) <= max_requeues
+    sources = [e["requeued_from"] for e in admits.values() if "requeued_from" in e]
+    assert 0 < len(sources) == len(set(sources)) == sched.requeued
+    assert set(sources) <= {e["group_id"] for e in requeues}  # the rest were still waiting
+    for e in requeues:  # only staleness drops, each at most once, within the bound
+        decision = recorder.groups[e["group_id"]]
+        assert decision.decision == "dropped"
+        assert "staleness.drop.max_lag" in decision.reason
+        assert e["depth"] == depth.get(e["group_id"], 0) + 1 <= max_requeues
+    assert len(requeues) == len({e["group_id"] for e in requeues})
+    # a dropped group that was not requeued had used up its chain's bound
+    requeued = {e["group_id"] for e in requeues}
+    for gid, d in recorder.groups.items():
+        if d.decision == "dropped" and gid not in requeued:
+            assert depth.get(gid, 0) == max_requeues
+    # the budget accounting still holds: every drop gave its slot back
+    assert sched.dropped == sum(d.decision == "dropped" for d in recorder.groups.values())
+
+
+@pytest.mark.parametrize("max_requeues", [1, 2])
+def test_requeue_reruns_dropped_tasks_bounded_and_recorded(
+    tokenizer: PreTrainedTokenizerBase, max_requeues: int
+) -> None:
+    anyio.run(
+        _requeue_run,
+        tokenizer,
+        max_requeues,
+        backend="trio",
+        backend_options={"clock": MockClock(autojump_threshold=0)},
+    )
+
+
+def test_a_resumed_scheduler_skips_no_task_for_requeued_groups() -> None:
+    """Admission indices taken by re-runs took no task of the stream: a restart after 11
+    admissions of which 3 were re-runs continues the stream at position 8, and keeps the bound."""
+    tasks = Calculator(CalculatorConfig(num_tasks=8)).tasks()
+    kw: dict[str, Any] = {
+        "group_size": 2,
+        "groups_per_batch": 2,
+        "max_lag": 1,
+        "max_concurrent_episodes": 4,
+        "seed": 5,
+    }
+    fresh = Scheduler(None, tasks, VersionClock(3), **kw)  # type: ignore[arg-type]
+    resumed = Scheduler(
+        None,  # type: ignore[arg-type]  # the task stream and the budget need no runner
+        tasks,
+        VersionClock(3),
+        first_index=11,
+        requeue_depth=dict.fromkeys(["g000002", "g000005", "g000009"], 1),
+        **kw,
+    )
+    stream = [t["id"] for t, _ in zip(fresh._task_stream(), range(30), strict=False)]
+    again = [t["id"] for t, _ in zip(resumed._task_stream(), range(22), strict=False)]
+    assert again == stream[8:]
+    assert resumed.admitted == 11
+    resumed.max_requeues = 1  # the chain depths survive the restart: g000002 was a re-run
+    assert not resumed.requeue(Group(id="g000002", task_id=str(stream[0]), episodes=[]))
+    assert resumed.requeue(Group(id="g000003", task_id=str(stream[1]), episodes=[]))

@@ -10,7 +10,9 @@ import pytest
 from rich.console import Console
 
 from orchestrator.observe.live import LiveView, wanted
+from orchestrator.record.events import STOPPED_UNFINISHED
 from orchestrator.types import Endpoint, EndpointRef
+from staleness.config import LengthBiasConfig
 from tests.support.events import pool_run
 
 
@@ -58,3 +60,41 @@ async def test_run_redraws_until_cancelled() -> None:
     with anyio.move_on_after(0.35):
         await view.run(console, refresh_s=0.1)
     assert buf.getvalue().count("trainer v0/2") >= 2
+
+
+def test_frame_shows_drop_rate_by_tokens_and_turns() -> None:
+    view = LiveView(max_steps=8, length_bias=LengthBiasConfig(min_groups=10))
+    for i in range(20):
+        for tokens, turns, dropped in ((6, 1, i % 10 == 0), (300, 9, i % 5 < 4)):
+            view.emit(
+                "decide",
+                group_id=f"g{i}",
+                trainer_version=4,
+                decision="dropped" if dropped else "kept",
+                max_lag=1,
+                reason="",
+                max_sampled_tokens=tokens,
+                max_turns=turns,
+            )
+    view.emit(  # the run's stop: not shown in the guard
+        "decide",
+        group_id="gs",
+        trainer_version=4,
+        decision="dropped",
+        max_lag=0,
+        reason=STOPPED_UNFINISHED,
+        max_sampled_tokens=6,
+        max_turns=1,
+    )
+    view.emit("requeue", group_id="g1", task_id="t1", depth=1)
+    buf = io.StringIO()
+    Console(file=buf, width=160, color_system=None).print(view.frame())
+    text = buf.getvalue()
+    assert "groups kept 22, dropped 19" in text
+    assert "requeued 1" in text
+    rows = {ln.split("│")[1].strip(): ln for ln in text.splitlines() if ln.count("│") == 4}
+    assert "5-8:10%(20)" in rows["tokens"]
+    assert "257-512:80%(20)" in rows["tokens"]
+    assert "0-1:10%(20)" in rows["turns"]
+    assert "80% vs 10%" in rows["turns"]
+    assert "BIASED" in rows["turns"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from pathlib import Path
 
@@ -9,13 +10,18 @@ import aiohttp
 import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
+from structlog.testing import capture_logs
 
 from orchestrator.loop.admin import AdminApp
 from orchestrator.loop.pool import Pool
 from orchestrator.observe.metrics import RunMetrics
-from orchestrator.record.events import read_events
+from orchestrator.record.events import STOPPED_UNTRAINED, read_events
+from orchestrator.record.trajlog import TrajectoryLog
+from orchestrator.types import Decision, Group, GroupDecision
+from staleness.config import LengthBiasConfig
 from tests.support.events import pool_run
 from tests.support.fakes import ScriptedTransport
+from tests.support.trajectories import make_episode
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -72,3 +78,59 @@ async def test_metrics_endpoint_serves_prometheus_text() -> None:
     assert samples[("sprawl_groups_total", (("decision", "dropped"),))] == 1
     assert samples[("sprawl_group_lag_bucket", (("le", "4.0"),))] == 0
     assert samples[("sprawl_group_lag_bucket", (("le", "6.0"),))] == 1
+
+
+def _group(rng: random.Random, index: int, turns: int) -> Group:
+    gid = f"g{index:06d}"
+    return Group(
+        id=gid,
+        task_id=f"t{index}",
+        episodes=[make_episode(rng, gid, i, 3, turns=turns) for i in range(2)],
+    )
+
+
+def test_length_bias_metrics_follow_the_decide_events(tmp_path: Path) -> None:
+    """Decisions written by the trajectory log move the by-length counters; the run's stop drops
+    are left out; the gauge and the warning fire once long groups are dropped beyond noise."""
+    metrics = RunMetrics(LengthBiasConfig(min_groups=10))
+    tlog = TrajectoryLog(tmp_path, run="t", events=metrics)
+    rng = random.Random(0)
+    groups = [(_group(rng, i, 1), i % 10 == 0) for i in range(20)]  # short: 10 % dropped
+    groups += [(_group(rng, 20 + i, 12), i % 5 < 4) for i in range(20)]  # long: 80 % dropped
+    with capture_logs() as logs:
+        for g, dropped in groups:
+            decision: Decision = "dropped" if dropped else "kept"
+            tlog.write_group(
+                g, GroupDecision(group_id=g.id, decision=decision, max_lag=1, reason="")
+            )
+        for i in range(5):  # the run's stop: not a staleness decision
+            g = _group(rng, 100 + i, 1)
+            stop = GroupDecision(
+                group_id=g.id, decision="dropped", max_lag=0, reason=STOPPED_UNTRAINED
+            )
+            tlog.write_group(g, stop)
+    tlog.close()
+    samples = _samples(metrics.exposition().decode())
+    by_turns = {
+        (dict(labels)["bucket"], dict(labels)["decision"]): v
+        for (name, labels), v in samples.items()
+        if name == "sprawl_groups_decided_by_turns_total"
+    }
+    assert by_turns == {
+        ("0-1", "kept"): 18,
+        ("0-1", "dropped"): 2,
+        ("9-16", "kept"): 4,
+        ("9-16", "dropped"): 16,
+    }
+    by_tokens = [
+        v for (name, _), v in samples.items() if name == "sprawl_groups_decided_by_tokens_total"
+    ]
+    assert sum(by_tokens) == 40  # every staleness decision once, the 5 stop drops left out
+    assert samples[("sprawl_groups_total", (("decision", "dropped"),))] == 18 + 5
+    assert samples[("sprawl_length_bias", (("axis", "turns"),))] == 1.0
+    assert samples[("sprawl_length_bias_z", (("axis", "turns"),))] > 3
+    warned = [e for e in logs if e["event"] == "length_bias"]
+    assert "turns" in [w["axis"] for w in warned]
+    assert len(warned) == len({w["axis"] for w in warned})  # once per crossing
+    metrics.emit("requeue", group_id="g000021", task_id="t21", depth=1)
+    assert _samples(metrics.exposition().decode())[("sprawl_groups_requeued_total", ())] == 1

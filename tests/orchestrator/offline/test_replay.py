@@ -77,8 +77,10 @@ def test_what_if_reproduces_logged_decisions_and_counts_drops(tmp_path: Path) ->
     assert out["keep_all"].groups_dropped == 0
     assert out["keep_all"].episodes_kept == len(records)
     for o in out.values():
-        assert sum(b.episodes for b in o.by_duration.buckets) == len(records)
-        assert sum(b.dropped for b in o.by_duration.buckets) == o.episodes_dropped
+        for axis in ("tokens", "turns"):  # one length-bias count per group, on both axes
+            rows = [c for _, c in o.by_length.rows(axis)]
+            assert sum(c.decided for c in rows) == len(lags)
+            assert sum(c.dropped for c in rows) == o.groups_dropped
         assert o.correction is None  # no π_prox without a scorer
     # the run's lag budget caps every policy, as the run's batcher does
     capped = {o.name: o for o in what_if(records, policies, max_lag=0)}
@@ -112,7 +114,7 @@ def test_what_if_keeps_shutdown_drops_and_compares_decided_groups_only(tmp_path:
     n_decided = len({r.decision.group_id for r in decided})
     for o in out.values():
         assert o.groups_kept + o.groups_dropped == n_decided
-        assert sum(b.episodes for b in o.by_duration.buckets) == len(decided)
+        assert o.by_length.decided == n_decided
     assert out["keep_all"].episodes_kept == len(decided)
 
 

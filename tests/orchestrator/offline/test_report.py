@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import random
 import re
 import shutil
 import subprocess
@@ -12,10 +13,12 @@ from pathlib import Path
 import pytest
 from matplotlib.image import imread
 
-from orchestrator.offline.report import main, report_data
-from orchestrator.record.events import EventLog
+from orchestrator.offline.report import main, render_html, report_data
+from orchestrator.record.events import STOPPED_UNTRAINED, EventLog
+from orchestrator.record.trajlog import TrajectoryLog
+from orchestrator.types import Decision, Group, GroupDecision
 from tests.support.events import pool_run
-from tests.support.trajectories import write_synthetic_log
+from tests.support.trajectories import make_episode, write_synthetic_log
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -49,6 +52,11 @@ def test_report_data_matches_the_logs(run_dir: Path) -> None:
     rates = dict(d.step_drop_rate)
     assert set(rates) == {0, 1, 2, 3}
     assert any(r > 0 for r in rates.values())
+    assert d.length_bias is not None
+    assert (d.length_bias.decided, d.length_bias.dropped) == (
+        d.summary.groups,
+        d.summary.groups_dropped,
+    )
 
 
 def test_page_is_self_contained_with_every_plot(run_dir: Path, tmp_path: Path) -> None:
@@ -63,7 +71,8 @@ def test_page_is_self_contained_with_every_plot(run_dir: Path, tmp_path: Path) -
         "Lag over time",
         "Version per endpoint",
         "Sync durations",
-        "Drop rate by episode duration",
+        "Drop rate by sampled tokens",
+        "Drop rate by turns",
         "Drop rate per step",
     ]
     for _, data in images:
@@ -74,6 +83,43 @@ def test_page_is_self_contained_with_every_plot(run_dir: Path, tmp_path: Path) -
         assert pixels.std() > 0.05, "a blank plot"
     d = report_data(run_dir)
     assert f"{d.summary.groups} ({d.summary.groups_dropped} dropped)" in page
+    assert '<h2 id="length-bias">Length bias</h2>' in page
+
+
+def test_length_bias_section_leaves_out_stop_drops_and_flags_bias(tmp_path: Path) -> None:
+    """Long groups dropped 80 % vs short 10 %: the section says so, with the run's thresholds;
+    groups the run's stop dropped are not counted."""
+    config = {"staleness": {"length_bias": {"min_groups": 10}}}
+    tlog = TrajectoryLog(tmp_path / "trajectories", run="biased", config=config)
+    rng = random.Random(3)
+    plan: list[tuple[int, int, Decision, str]]
+    plan = [(i, 1, "kept" if i % 10 else "dropped", "") for i in range(20)]
+    plan += [(20 + i, 12, "dropped" if i % 5 < 4 else "kept", "") for i in range(20)]
+    plan += [(50 + i, 1, "dropped", STOPPED_UNTRAINED) for i in range(6)]
+    requeues = EventLog(tmp_path / "events")
+    for index, turns, decision, reason in plan:
+        gid = f"g{index:06d}"
+        eps = [make_episode(rng, gid, i, 3, turns=turns) for i in range(2)]
+        group = Group(id=gid, task_id=f"t{index}", episodes=eps)
+        tlog.write_group(
+            group, GroupDecision(group_id=gid, decision=decision, max_lag=1, reason=reason)
+        )
+        if decision == "dropped" and not reason:
+            requeues.emit("requeue", group_id=gid, task_id=f"t{index}", depth=1)
+    tlog.close()
+    requeues.close()
+    d = report_data(tmp_path)
+    assert d.length_bias is not None
+    assert (d.length_bias.decided, d.length_bias.dropped) == (40, 18)
+    assert d.length_bias.min_groups == 10
+    assert d.length_bias.verdict("turns").biased
+    assert d.requeued == 18
+    page = render_html(d)
+    section = page[page.index('id="length-bias"') : page.index("</table>", page.index("z</th>"))]
+    assert "40 groups decided by the staleness policy, 18 dropped" in section
+    assert "BIASED" in section
+    assert "80.0% of 20" in section
+    assert "<th>groups requeued</th><td>18</td>" in page
 
 
 def _chromium() -> str | None:

@@ -188,3 +188,22 @@ def test_resume_names_what_is_missing_or_changed(tmp_path: Path) -> None:
 
 
 # -- real runs, killed with SIGKILL ---------------------------------------------------------------
+
+
+def test_a_restart_counts_the_re_runs_the_task_stream_did_not_feed(tmp_path: Path) -> None:
+    """Admits naming ``requeued_from`` are read back with their chain depth, so the resumed
+    scheduler continues the task stream where it stopped and keeps the requeue bound
+    (``Scheduler(requeue_depth=…)``)."""
+    run_dir = tmp_path / "r"
+    events = EventLog(run_dir / "events")
+    for i, source in enumerate([None, None, "g000000", None, "g000002"]):  # g2 re-runs g0
+        extra = {"requeued_from": source} if source else {}
+        events.emit("admit", index=i, group_id=f"g{i:06d}", task_id="t", **extra)
+    events.close()
+    (run_dir / "trajectories").mkdir()
+    logged = read_run(run_dir)
+    assert logged.requeue_depth == {"g000002": 1, "g000004": 2}  # g4 re-ran g2, a re-run
+    assert reconcile(logged, trainer_version=0, groups_per_batch=2).requeue_depth == {
+        "g000002": 1,
+        "g000004": 2,
+    }

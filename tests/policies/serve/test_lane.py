@@ -56,6 +56,8 @@ async def test_generate_returns_tokens_logprobs_and_stamps(board: Board) -> None
             assert all(lp <= 0.0 for lp in choice["logprobs"])
         _, again, _ = await _post(s, f"{url}/v1/generate", bounded_request(n=2))
         assert again["choices"] == body["choices"]  # the same seed samples the same tokens
+        async with s.get(f"{url}/v1/policy") as r:
+            assert (await r.json())["max_context"] == 2048  # the tiny model's positions
 
 
 async def test_version_bounds_409_and_activation(board: Board, tiny_model_dir: Path) -> None:
@@ -136,6 +138,27 @@ async def test_a_dangling_pointer_is_not_refused_for_good(
                 await anyio.sleep(0.1)
         async with s.get(f"{url}/metrics") as r:
             assert "sprawl_version_failures_total 0.0" in await r.text()
+
+
+@pytest.mark.parametrize("pointer", [b'{"version": 1e400}', b'{"version": true}', b"{"])
+async def test_a_malformed_pointer_is_logged_and_the_replica_keeps_serving(
+    board: Board, tiny_model_dir: Path, pointer: bytes
+) -> None:
+    async with engine(board) as url, aiohttp.ClientSession() as s:
+        with capture_logs() as logs:
+            board.store.write(f"{board.root}/POINTER", pointer)
+            await _post(s, f"{url}/v1/policy/notify", {})
+            await anyio.sleep(0.5)  # ten polls
+            async with s.get(f"{url}/v1/policy") as r:
+                assert (await r.json())["applied_version"] == 0
+            status, body, _ = await _post(s, f"{url}/v1/generate", bounded_request())
+            assert (status, body["policy_version"]["start"]) == (200, 0)
+        assert any(
+            e["event"] == "board_unreadable" and "POINTER is malformed" in e["error"] for e in logs
+        )
+        publish_scaled(Board(board.url, board.run), 1, tiny_model_dir, scale=0.5)  # repairs it
+        await _post(s, f"{url}/v1/policy/notify", {})
+        await _wait_version(s, url, 1)
 
 
 async def test_auth_required_except_health(board: Board) -> None:

@@ -14,10 +14,9 @@ from prometheus_client import CollectorRegistry
 from transformers import PreTrainedTokenizerBase
 
 from policies.board import Board
-from policies.serve.decode import Generation, QuiesceMode
 from policies.serve.server import run_lane
 from policies.serve.sidecar import Sidecar
-from policies.wire.lane import GenerateChoice, GenerateRequest
+from tests.support.backends import ScriptedBackend
 from tests.support.boards import engine, publish_scaled, tiny_board
 
 pytestmark = pytest.mark.anyio
@@ -112,32 +111,6 @@ async def test_pause_mode_response_spanning_an_update(board: Board, tiny_model_d
         assert body["policy_version"] == {"start": 0, "end": 1}
         async with s.get(f"{url}/metrics") as r:
             assert "sprawl_activation_pause_seconds_count 2.0" in await r.text()  # v0 and v1
-
-
-class ScriptedBackend:
-    """A backend that answers every request with fixed text; it records the requests."""
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, text: str) -> None:
-        self.name = "scripted"
-        self.max_context = 2048
-        self.ids = [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
-        self.calls: list[GenerateRequest] = []
-
-    async def stage(self, board: Board, version: int) -> None:
-        raise AssertionError("a fixed-version sidecar never stages")
-
-    async def activate(self, version: int, mode: QuiesceMode) -> float:
-        raise AssertionError("a fixed-version sidecar never activates")
-
-    async def generate(self, req: GenerateRequest) -> Generation:
-        self.calls.append(req)
-        choice = GenerateChoice(
-            index=0, token_ids=self.ids, logprobs=[-0.5] * len(self.ids), finish_reason="stop"
-        )
-        return Generation([choice], start=7, end=7)
-
-    async def aclose(self) -> None:
-        return None
 
 
 async def test_tool_calls_are_parsed_into_openai_tool_calls(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -94,3 +95,15 @@ async def test_model_dir_without_weights_is_refused(tmp_path: Path, tiny_model_d
     (empty / "config.json").write_bytes((tiny_model_dir / "config.json").read_bytes())
     with pytest.raises(EngineError, match=r"no \*\.safetensors"):
         await serve_model(empty, host="127.0.0.1", port=0, device="cpu", token=None)
+
+
+async def test_a_model_dir_whose_name_is_no_run_name_is_served(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    odd = tmp_path / "my model (v2)"
+    shutil.copytree(tiny_model_dir, odd)
+    async with served(odd) as url, aiohttp.ClientSession() as s:
+        async with s.get(f"{url}/v1/models") as r:
+            assert (await r.json())["data"][0]["id"] == "my-model-v2-"
+        status, _ = await _post(s, f"{url}/v1/generate", bounded_request())
+        assert status == 200

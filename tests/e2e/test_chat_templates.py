@@ -1,0 +1,50 @@
+"""``orchestrate --config configs/guess.toml --model.path M`` on a tiny model built with each
+family's test template (``examples/chat_templates/``): the run finishes, its episodes are
+multi-turn, none is an ``env_error``, and every logged sequence holds each call's sampled tokens
+where its loss mask says."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.record.frames import read_log
+from tests.support.models import model_copy
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+FAMILIES = ("qwen3_like", "llama3_like", "mistral_like", "r1_like", "gptoss_like")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_guess_runs_on_each_familys_template(tmp_path: Path, family: str) -> None:
+    template = ROOT / "examples" / "chat_templates" / f"{family}.jinja"
+    model = model_copy("tiny", tmp_path / "model", chat_template=template)
+    cmd = [
+        sys.executable, "-m", "orchestrator.cli", "--config", "configs/guess.toml",
+        "--model.path", str(model), "--run.root", str(tmp_path), "--log-format", "json",
+        "--trainer.max_steps", "1",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "steps:     1" in proc.stdout
+
+    records = [r for r in read_log(tmp_path / "guess" / "trajectories") if r["type"] == "episode"]
+    assert records
+    assert not [
+        r["episode"]["error"] for r in records if r["episode"]["stop_reason"] == "env_error"
+    ]
+    assert max(len(r["episode"]["segments"]) for r in records) >= 2  # multi-turn
+    for r in records:
+        ids, mask = r["episode"]["token_ids"], r["loss_mask"]
+        assert len(mask) == len(ids)
+        sampled = 0
+        for seg in r["episode"]["segments"]:
+            at, n = seg["prompt_len"], len(seg["token_ids"])
+            assert ids[at : at + n] == seg["token_ids"]
+            assert mask[at : at + n] == [1] * n
+            sampled += n
+        assert sum(mask) == sampled
