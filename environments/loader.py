@@ -11,31 +11,30 @@ from environments.base import Environment
 from environments.errors import EnvironmentLoadError
 
 
-def load_environment(path: str, args: dict[str, Any]) -> Environment:
-    """Import ``path`` and build it with ``args`` validated by its ``Config`` model."""
+def load_environment(path: str, args: dict[str, Any], *, key: str = "environment") -> Environment:
+    """Import ``path`` and build it with ``args`` validated by its ``Config`` model; errors name
+    the config table ``key`` (``environments[0]`` in a mixture)."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise EnvironmentLoadError(f"environment.cls: expected 'module:Class', got {path!r}")
+        raise EnvironmentLoadError(f"{key}.cls: expected 'module:Class', got {path!r}")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise EnvironmentLoadError(
-            f"environment.cls: cannot import {module_name!r}: {exc}"
-        ) from exc
+        raise EnvironmentLoadError(f"{key}.cls: cannot import {module_name!r}: {exc}") from exc
     cls = getattr(module, attr, None)
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
-        raise EnvironmentLoadError(f"environment.cls: {path!r} is not an Environment subclass")
+        raise EnvironmentLoadError(f"{key}.cls: {path!r} is not an Environment subclass")
     try:
         config = cls.Config.model_validate(args)
     except ValidationError as exc:
         err = exc.errors()[0]
-        key = ".".join(str(p) for p in err["loc"])
-        raise EnvironmentLoadError(f"environment.args.{key}: {err['msg']}") from None
+        field = ".".join(str(p) for p in err["loc"])
+        raise EnvironmentLoadError(f"{key}.args.{field}: {err['msg']}") from None
     try:
         return cls(config)
     except EnvironmentLoadError:
         raise
     except Exception as exc:  # user code at the boundary: one error type, naming the key
         raise EnvironmentLoadError(
-            f"environment.cls: {path} could not start: {type(exc).__name__}: {exc}"
+            f"{key}.cls: {path} could not start: {type(exc).__name__}: {exc}"
         ) from exc

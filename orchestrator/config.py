@@ -30,7 +30,7 @@ from policies.board.types import BoardOptions, check_run_name
 from policies.errors import BoardError
 from policies.train.config import TrainerConfig
 from policies.wire.tool_parsers import TOOL_PARSERS
-from staleness.config import StalenessConfig
+from staleness.config import DropRule, StalenessConfig
 
 
 class _Section(BaseModel):
@@ -54,7 +54,6 @@ class RunConfig(_Section):
     (``orchestrator/record/resume.py``). Keep the other settings as they were (``trainer.max_steps``
     may grow)."""
 
-
     @field_validator("name")
     @classmethod
     def _one_board_segment(cls, name: str) -> str:
@@ -62,6 +61,7 @@ class RunConfig(_Section):
             return check_run_name(name)
         except BoardError as exc:
             raise ValueError(str(exc)) from None
+
 
 class ModelConfig(_Section):
     path: Path = Path("runs/models/tiny")
@@ -227,6 +227,37 @@ class EnvironmentConfig(_Section):
     """Arguments validated by the environment's own config model."""
 
 
+class EnvironmentStaleness(_Section):
+    """An environment's own staleness rule, replacing the given keys of the run's
+    ``[staleness]`` (a key left out keeps the run's value; no deeper merge). Only ``drop`` may be
+    given: the orchestrator decides each group by its environment's rule, while the correction
+    and the loss reduction are the trainer's, applied to whole mixed batches."""
+
+    drop: DropRule | None = None
+    """This environment's drop rule (``None``: the lag budget, ``scheduler.max_lag``)."""
+
+
+class MixtureEnvironmentConfig(EnvironmentConfig):
+    """One ``[[environments]]`` entry: an environment of a mixture, admitted by weight."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    """The environment's name in the run (``Episode.environment``, log fields, metric labels);
+    unique within the run."""
+    cls: str
+    """Import path ``module:Class`` of the Environment subclass."""
+    weight: float = Field(default=1.0, gt=0)
+    """Share of admitted groups, relative to the other entries' weights."""
+    staleness: EnvironmentStaleness | None = None
+    """Overrides of the run's ``[staleness]`` for this environment's groups (``drop`` only)."""
+
+    def effective_staleness(self, run: StalenessConfig) -> StalenessConfig:
+        """The run's ``[staleness]`` with this entry's given keys replacing the run's."""
+        if self.staleness is None:
+            return run
+        given = self.staleness.model_dump(include=self.staleness.model_fields_set)
+        return run.model_validate({**run.model_dump(), **given})
+
+
 class AdminConfig(_Section):
     enabled: bool = True
     """Serve the admin API (fleet add/remove/list) while the run goes on."""
@@ -256,6 +287,9 @@ class Config(_Section):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig)
+    environments: list[MixtureEnvironmentConfig] = Field(default_factory=list)
+    """Several environments in one run (``[[environments]]``), admitted by ``weight``; exclusive
+    with ``[environment]``, the one-environment form."""
     staleness: StalenessConfig = Field(default_factory=StalenessConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     admin: AdminConfig = Field(default_factory=AdminConfig)
@@ -271,6 +305,21 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _one_environment_form(self) -> Config:
+        # a dump of a mixture's config carries the default [environment]: it round-trips
+        given = "environment" in self.model_fields_set and self.environment != EnvironmentConfig()
+        if self.environments and given:
+            raise ValueError(
+                "[environment] and [[environments]] are exclusive: give one environment in "
+                "[environment], or a mixture in [[environments]]"
+            )
+        names = [e.name for e in self.environments]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"environments: names must be unique, {', '.join(dup)} repeated")
+        return self
+
+    @model_validator(mode="after")
     def _external_trainer_shares_a_board(self) -> Config:
         if self.trainer.mode == "external" and self.board.url is None:
             raise ValueError(
@@ -279,6 +328,15 @@ class Config(_Section):
                 "clears)"
             )
         return self
+
+    def environment_staleness(self) -> dict[str, StalenessConfig]:
+        """Name → staleness config of each ``[[environments]]`` entry with a ``staleness``
+        table of its own (the others are decided by the run's ``[staleness]``)."""
+        return {
+            e.name: e.effective_staleness(self.staleness)
+            for e in self.environments
+            if e.staleness is not None and e.staleness.model_fields_set
+        }
 
     @property
     def run_dir(self) -> Path:

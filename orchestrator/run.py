@@ -6,6 +6,11 @@ groups are decided by the staleness policy and batched, each batch is one traine
 publishes the next version and notifies the engines. The run ends after ``trainer.max_steps``
 steps, or on SIGINT/SIGTERM, and in both cases every engine subprocess is stopped and reaped and
 the trajectory log is closed cleanly.
+
+A run has one environment (``[environment]``) or a mixture (``[[environments]]``): each
+environment gets its own episode runner (its own tool schemas in the chat template), the
+scheduler picks each new group's environment by weight, and the batcher decides each group by
+its environment's staleness rule.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from orchestrator.loop.chat import ModelChat, model_chat
 from orchestrator.loop.client import HttpTransport
 from orchestrator.loop.episode import EpisodeRunner
 from orchestrator.loop.fleet import local_fleet
+from orchestrator.loop.mixture import Source
 from orchestrator.loop.pool import Pool
 from orchestrator.loop.rl import Leftovers, rl_loop
 from orchestrator.loop.scheduler import Scheduler, VersionClock
@@ -73,6 +79,8 @@ class RunSummary:
     seconds: float = 0.0
     resumed_at: list[int] = field(default_factory=list)
     """The step (trainer version) each restart continued from; empty for a run never resumed."""
+    by_environment: dict[str, list[int]] = field(default_factory=dict)
+    """Environment → [groups decided, groups dropped]; shown for a mixture."""
 
     def cover(self, logged: resume.LoggedRun) -> None:
         """Count the whole run its logs describe (every process's records) instead of this
@@ -82,6 +90,16 @@ class RunSummary:
         self.dropped_groups = logged.dropped_groups
         self.rewards = list(logged.rewards)
         self.resumed_at = list(logged.resumed_at)
+        self.by_environment = {}
+        for group, decision in logged.groups.values():
+            self.count(group, decision)
+
+    def count(self, group: Group, decision: GroupDecision) -> None:
+        """Count a decided group under its environment."""
+        env = group.episodes[0].environment if group.episodes else "?"
+        counts = self.by_environment.setdefault(env, [0, 0])
+        counts[0] += 1
+        counts[1] += decision.decision == "dropped"
 
     def render(self) -> str:
         lines = [
@@ -100,6 +118,9 @@ class RunSummary:
             f"episodes:  {self.episodes} ({self.dropped_groups} groups dropped)",
             "reward:    " + (" → ".join(f"{r:.3f}" for r in self.rewards) or "n/a"),
         ]
+        if len(self.by_environment) > 1:
+            for env, (decided, dropped) in sorted(self.by_environment.items()):
+                lines.append(f"env {env}: {decided} groups ({dropped} dropped)")
         for ep, versions in sorted(self.served.items()):
             served = ", ".join(f"v{v}×{n}" for v, n in sorted(versions.items()))
             lines.append(f"{ep}: {served or 'no calls'}")
@@ -143,20 +164,23 @@ async def run(cfg: Config) -> RunSummary:
     from policies.board import Board
 
     t0 = time.perf_counter()
-    env = load_environment(cfg.environment.cls, cfg.environment.args)
-    env.tool_timeout_s = cfg.timeouts.tool_s
+    envs = _load_environments(cfg)
     run_dir = prepare_run_dir(cfg)
     logged = resume.read_run(run_dir) if cfg.run.resume else None
     summary = RunSummary(run_dir=run_dir)
     model_dir = await anyio.to_thread.run_sync(ensure_model, cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    chat = model_chat(
-        model_dir,
-        tokenizer,
-        env.tool_schemas(),
-        tool_parser_name=cfg.model.tool_parser,
-        max_context=cfg.model.max_context,
-    )  # before any engine starts: a template sprawl cannot bridge stops the run here
+    # before any engine starts: a template sprawl cannot bridge stops the run here
+    chats = [
+        model_chat(
+            model_dir,
+            tokenizer,
+            e.env.tool_schemas(),
+            tool_parser_name=cfg.model.tool_parser,
+            max_context=cfg.model.max_context,
+        )
+        for e in envs
+    ]
     board = Board(cfg.board_url, cfg.run.name, options=cfg.board)
     sink = await _trainer_sink(cfg, run_dir, model_dir, board, logged)
     metrics = RunMetrics(cfg.staleness.length_bias)  # Prometheus, served on GET /metrics
@@ -214,7 +238,7 @@ async def run(cfg: Config) -> RunSummary:
                 )
                 for ref in local + cfg.fleet.endpoint_refs():
                     pool.add(ref)
-                loop = _Loop(cfg, pool, env, chat, sink, trajlog, summary, events, rec)
+                loop = _Loop(cfg, pool, envs, chats, sink, trajlog, summary, events, rec)
                 try:
                     await loop.run(metrics, view)
                 finally:
@@ -228,6 +252,37 @@ async def run(cfg: Config) -> RunSummary:
     return summary
 
 
+@dataclass
+class _Env:
+    """One environment of the run, as loaded: its name in the run (None: the class's), its
+    admission weight and turn limit."""
+
+    env: Environment
+    name: str | None
+    weight: float
+    max_turns: int
+
+
+def _load_environments(cfg: Config) -> list[_Env]:
+    """The ``[[environments]]`` of a mixture, or the one ``[environment]``."""
+    if not cfg.environments:
+        one = cfg.environment
+        envs = [_Env(load_environment(one.cls, one.args), None, 1.0, one.max_turns)]
+    else:
+        envs = [
+            _Env(
+                load_environment(e.cls, e.args, key=f"environments[{i}]"),
+                e.name,
+                e.weight,
+                e.max_turns,
+            )
+            for i, e in enumerate(cfg.environments)
+        ]
+    for e in envs:
+        e.env.tool_timeout_s = cfg.timeouts.tool_s
+    return envs
+
+
 class _Loop:
     """The run's pieces around :func:`~orchestrator.loop.rl.rl_loop`: built from the config,
     with the admin API and the live view beside the loop, and every leftover recorded."""
@@ -236,8 +291,8 @@ class _Loop:
         self,
         cfg: Config,
         pool: Pool,
-        env: Environment,
-        chat: ModelChat,
+        envs: list[_Env],
+        chats: list[ModelChat],
         sink: TrainerSink,
         trajlog: TrajectoryLog,
         summary: RunSummary,
@@ -245,24 +300,29 @@ class _Loop:
         rec: resume.Reconciliation | None,
     ) -> None:
         self.cfg, self.pool, self.sink = cfg, pool, sink
-        self.runner = EpisodeRunner(
-            env,
-            chat.chat,
-            chat.parser,
-            pool,
-            sampling=SamplingParams(
-                temperature=cfg.sampling.temperature,
-                top_p=cfg.sampling.top_p,
-                top_k=cfg.sampling.top_k,
-                max_tokens=cfg.sampling.max_tokens,
-            ),
-            max_turns=cfg.environment.max_turns,
-            episode_timeout_s=cfg.timeouts.episode_s,
-            max_context=chat.max_context,
+        sampling = SamplingParams(
+            temperature=cfg.sampling.temperature,
+            top_p=cfg.sampling.top_p,
+            top_k=cfg.sampling.top_k,
+            max_tokens=cfg.sampling.max_tokens,
         )
+        sources = []
+        for e, chat in zip(envs, chats, strict=True):
+            runner = EpisodeRunner(
+                e.env,
+                chat.chat,
+                chat.parser,
+                pool,
+                sampling=sampling,
+                max_turns=e.max_turns,
+                episode_timeout_s=cfg.timeouts.episode_s,
+                max_context=chat.max_context,
+                name=e.name,
+            )
+            sources.append(Source(runner.name, runner, e.env.tasks(), e.weight))
         self.scheduler = Scheduler(
-            self.runner,
-            env.tasks(),
+            None,
+            None,
             VersionClock(sink.version, events=events),
             group_size=cfg.scheduler.group_size,
             groups_per_batch=cfg.scheduler.groups_per_batch,
@@ -274,12 +334,14 @@ class _Loop:
             requeue_depth=rec.requeue_depth if rec else None,
             max_requeues=cfg.staleness.length_bias.max_requeues,
             events=events,
+            sources=sources,
         )
         self.batcher = Batcher(
             cfg.staleness,
             cfg.scheduler.groups_per_batch,
             cfg.scheduler.max_lag,
             lambda: sink.version,
+            cfg.environment_staleness(),
         )
         if rec is not None:
             self.batcher.restore(rec.restored)
@@ -351,6 +413,7 @@ class _RunRecorder:
         self.scalars.group(group, decision)
         self.summary.episodes += len(group.episodes)
         self.summary.dropped_groups += decision.decision == "dropped"
+        self.summary.count(group, decision)
 
     async def step(self, batch: Batch, version: int, metrics: dict[str, float]) -> None:
         self.trajlog.write_batch(batch, version, metrics)

@@ -12,13 +12,15 @@ Routes (JSON; every route but ``/health`` requires ``Authorization: Bearer <toke
   health per endpoint, trainer version, admissions, decisions — see
   :mod:`orchestrator.observe.metrics`).
 
+Every refused request gets a 4xx JSON body ``{"error": {"type", "message", "param"}}``: a wrong
+or undecodable token (401), a body that is not usable JSON (not UTF-8, nested too deep, an
+integer of more than 64 digits, a lone surrogate in a string) or a bad field (400).
+
 ``orchestrate fleet add|remove|list --orchestrator URL`` is the client.
 """
 
 from __future__ import annotations
 
-import hmac
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -30,6 +32,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from orchestrator.loop.pool import Pool
 from orchestrator.types import Endpoint, EndpointRef
+from policies.errors import BadRequest
+from policies.serve.http_body import bearer_matches, read_json
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -85,10 +89,13 @@ class AdminApp:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if self.token is not None and request.path != "/health":
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
-                return _error(401, "missing or wrong bearer token")
+        given = request.headers.get("Authorization", "")
+        if (
+            self.token is not None
+            and request.path != "/health"
+            and not bearer_matches(given, self.token)
+        ):
+            return _error(401, "missing or wrong bearer token")
         return await handler(request)
 
     async def list(self, _request: web.Request) -> web.Response:
@@ -96,9 +103,9 @@ class AdminApp:
 
     async def add(self, request: web.Request) -> web.Response:
         try:
-            body = AddEndpoint.model_validate(await request.json())
-        except json.JSONDecodeError as exc:
-            return _error(400, f"body is not JSON: {exc}")
+            body = AddEndpoint.model_validate(await read_json(request))
+        except BadRequest as exc:
+            return _error(400, str(exc), exc.param)
         except ValidationError as exc:
             err = exc.errors()[0]
             param = ".".join(str(p) for p in err["loc"]) or None

@@ -10,11 +10,16 @@ token is older than the lag budget, even when a late group is overtaken by later
 that is looser than the budget (a larger ``drop.max_lag``, or a ``mean`` / ``token_weighted``
 statistic) keeps the overtaken groups it allows. The lag of a group is measured against the
 trainer version at the moment the batch is formed (consumption time).
+
+In a mixture (``[[environments]]``) each group is decided by its environment's staleness config
+(the run's ``[staleness]`` with the entry's ``staleness`` keys replacing the run's): the
+environment of a group is its episodes' ``environment``; one with no config of its own, or a
+group with no episode, is decided by the run's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from orchestrator.types import Batch, Group, GroupDecision
 from staleness.config import StalenessConfig
@@ -40,7 +45,9 @@ def segment_versions(group: Group) -> list[list[SegmentVersions]]:
 class Batcher:
     """Decides each group by the staleness policy and accumulates kept groups until
     ``groups_per_batch`` are ready. ``max_lag`` is ``scheduler.max_lag``: the drop rule when
-    ``staleness.drop`` is unset (:meth:`~staleness.config.StalenessConfig.effective_drop`)."""
+    ``staleness.drop`` is unset (:meth:`~staleness.config.StalenessConfig.effective_drop`).
+    ``per_environment``: environment name → the staleness config its groups are decided by,
+    where it differs from ``staleness`` (module docstring)."""
 
     def __init__(
         self,
@@ -48,8 +55,10 @@ class Batcher:
         groups_per_batch: int,
         max_lag: int,
         trainer_version: Callable[[], int],
+        per_environment: Mapping[str, StalenessConfig] | None = None,
     ) -> None:
         self.staleness = staleness
+        self.per_environment = dict(per_environment or {})
         self.groups_per_batch = groups_per_batch
         self.max_lag = max_lag
         self.trainer_version = trainer_version
@@ -67,16 +76,20 @@ class Batcher:
                 reason=NO_MODEL_CALL,
             )
         stats = group_lag(per_episode, version)
-        rule = self.staleness.effective_drop(self.max_lag)
+        env = group.episodes[0].environment
+        staleness = self.per_environment.get(env, self.staleness)
+        rule = staleness.effective_drop(self.max_lag)
         if keep(rule, stats):
             return GroupDecision(group_id=group.id, decision="kept", max_lag=stats.max, reason="")
-        if self.staleness.drop is None:
-            reason = (
-                f"max lag {stats.max} exceeds scheduler.max_lag={self.max_lag} "
-                "(no staleness.drop rule)"
-            )
+        key = (
+            "staleness.drop"
+            if env not in self.per_environment
+            else f"environments[name={env!r}].staleness.drop"
+        )
+        if staleness.drop is None:
+            reason = f"max lag {stats.max} exceeds scheduler.max_lag={self.max_lag} (no {key} rule)"
         else:
-            reason = f"lag {rule.statistic} exceeds staleness.drop.max_lag={rule.max_lag}"
+            reason = f"lag {rule.statistic} exceeds {key}.max_lag={rule.max_lag}"
         return GroupDecision(
             group_id=group.id, decision="dropped", max_lag=stats.max, reason=reason
         )

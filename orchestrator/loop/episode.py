@@ -59,8 +59,12 @@ class EpisodeRunner:
         max_turns: int,
         episode_timeout_s: float,
         max_context: int,
+        name: str | None = None,
     ) -> None:
+        """``name``: the environment's name in the run (``Episode.environment``; an
+        ``[[environments]]`` entry's ``name``), by default the environment class's ``name``."""
         self.env = env
+        self.name = name or env.name
         self.chat = chat  # built with env.tool_schemas()
         self.parser = parser
         self.pool = pool
@@ -86,7 +90,7 @@ class EpisodeRunner:
             id=ep_id,
             group_id=group_id,
             task_id=str(task["id"]),
-            environment=self.env.name,
+            environment=self.name,
             admitted_at_version=admitted_at,
             started_at=started,
             token_ids=[],

@@ -22,6 +22,13 @@ budget (the dropped group's slot is given back), as a new group (the next index,
 the trainer version of its admission, its ``admit`` event naming ``requeued_from``. A task is
 re-run at most ``max_requeues`` times along one chain of drops. Not covered: a requeue still
 waiting for admission when the run stops or is killed is not run (the drop is recorded).
+
+Mixture (``[[environments]]``): each new group's environment is the next pick of
+:func:`~orchestrator.loop.mixture.weighted_picks` over the sources' weights, and its task the
+next of that environment's own seeded task stream; a re-run keeps its group's environment. Group
+ids number admissions across all environments, so they stay unique; a resumed run replays the
+picks of the admissions before the restart, so every environment's stream continues where it
+stopped.
 """
 
 from __future__ import annotations
@@ -29,9 +36,9 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import structlog
@@ -39,6 +46,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from datasets import Dataset
 
 from orchestrator.loop.episode import EpisodeRunner
+from orchestrator.loop.mixture import Source, picks_so_far, weighted_picks
 from orchestrator.types import NULL_EVENTS, Episode, EventSink, Group
 from policies.wire.lane import VersionBounds
 
@@ -52,6 +60,7 @@ class _Flight:
     task_id: str
     admitted_at: int
     episodes: list[Episode | None]
+    source: int = 0
 
 
 class VersionClock:
@@ -91,8 +100,8 @@ class Scheduler:
 
     def __init__(
         self,
-        runner: EpisodeRunner,
-        tasks: Dataset,
+        runner: EpisodeRunner | None,
+        tasks: Dataset | None,
         clock: VersionClock,
         *,
         group_size: int,
@@ -105,16 +114,26 @@ class Scheduler:
         requeue_depth: Mapping[str, int] | None = None,
         max_requeues: int = 0,
         events: EventSink = NULL_EVENTS,
+        sources: Sequence[Source] = (),
     ) -> None:
-        """``first_index``, ``dropped`` and ``requeue_depth`` continue a resumed run
+        """``sources``: the environments of a mixture (then ``runner`` and ``tasks`` are unused);
+        without them, ``runner`` runs the episodes of ``tasks``, the one environment.
+        ``first_index``, ``dropped`` and ``requeue_depth`` continue a resumed run
         (:mod:`orchestrator.record.resume`): groups ``0 … first_index − 1`` were admitted before the
         restart (group ids are never reused, and the tasks of those that were not re-runs — not in
         ``requeue_depth``, re-run group → re-runs along its chain — are skipped in the seeded task
         stream), and ``dropped`` of them will never be trained, so their admission slots are free.
         ``max_requeues``: how often :meth:`requeue` may re-run one task (0: never)."""
-        self.runner = runner
+        if not sources:
+            if tasks is None:
+                raise ValueError("Scheduler: give runner and tasks, or sources")
+            name = runner.name if runner is not None else ""
+            sources = [Source(name, cast("EpisodeRunner", runner), tasks)]
+        self.sources = list(sources)
+        self._by_name = {s.name: i for i, s in enumerate(self.sources)}
+        self.runner = self.sources[0].runner
         self.events = events
-        self.tasks = tasks
+        self.tasks = self.sources[0].tasks
         self.clock = clock
         self.group_size = group_size
         self.groups_per_batch = groups_per_batch
@@ -128,14 +147,15 @@ class Scheduler:
         self._depth = dict(requeue_depth or {})  # re-run group -> re-runs along its chain
         self.requeued = len(self._depth)  # admissions that took no task of the stream
         self.max_requeues = max_requeues
-        self._requeue: deque[tuple[str, str, int]] = deque()  # (task id, from group, depth)
-        self._task_rows: dict[str, int] | None = None
+        # (source, task id, from group, depth)
+        self._requeue: deque[tuple[int, str, str, int]] = deque()
+        self._task_rows: dict[int, dict[str, int]] = {}
 
     def abandoned(self) -> list[Group]:
         """Admitted groups that never finished (the run was cancelled first), whole: finished
         episodes, the runner's interrupted ones, and ``interrupted`` records for episodes that
         never started."""
-        interrupted = {ep.id: ep for ep in self.runner.interrupted}
+        interrupted = {ep.id: ep for s in self.sources for ep in s.runner.interrupted}
         now = time.time()
         groups = []
         for gid, flight in self._in_flight.items():
@@ -149,7 +169,7 @@ class Scheduler:
                         id=eid,
                         group_id=gid,
                         task_id=flight.task_id,
-                        environment=self.runner.env.name,
+                        environment=self.sources[flight.source].name,
                         token_ids=[],
                         prompt_len=0,
                         stop_reason="interrupted",
@@ -178,15 +198,17 @@ class Scheduler:
         depth = self._depth.get(group.id, 0) + 1
         if depth > self.max_requeues:
             return False
-        self._requeue.append((group.task_id, group.id, depth))
+        source = self._by_name.get(group.episodes[0].environment, 0) if group.episodes else 0
+        self._requeue.append((source, group.task_id, group.id, depth))
         self.events.emit("requeue", group_id=group.id, task_id=group.task_id, depth=depth)
         log.info("group_requeued", group=group.id, task=group.task_id, depth=depth)
         return True
 
-    def _task(self, task_id: str) -> dict[str, Any]:
-        if self._task_rows is None:  # built on the first requeue only
-            self._task_rows = {str(t): i for i, t in enumerate(self.tasks["id"])}
-        row: dict[str, Any] = self.tasks[self._task_rows[task_id]]
+    def _task(self, source: int, task_id: str) -> dict[str, Any]:
+        tasks = self.sources[source].tasks
+        if source not in self._task_rows:  # built on the first requeue only
+            self._task_rows[source] = {str(t): i for i, t in enumerate(tasks["id"])}
+        row: dict[str, Any] = tasks[self._task_rows[source][task_id]]
         return row
 
     def bounds(self, admitted_at: int) -> VersionBounds:
@@ -194,34 +216,49 @@ class Scheduler:
         return VersionBounds(min=max(admitted_at, self.clock.version - self.max_lag))
 
     def _task_stream(self) -> Iterator[dict[str, Any]]:
-        """Tasks from stream position ``first_index − requeued`` (as of this call: re-runs admitted
-        later take no task) on, in the same order a fresh run would see them."""
-        n = len(self.tasks)
-        first_epoch, skip = divmod(self.first_index - self.requeued, n) if n else (0, 0)
-        return self._tasks_from(first_epoch, skip)
+        """The tasks of :meth:`_mixed_stream`, without their sources."""
+        return (task for _, task in self._mixed_stream())
 
-    def _tasks_from(self, first_epoch: int, skip: int) -> Iterator[dict[str, Any]]:
-        n = len(self.tasks)
+    def _mixed_stream(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        """(source, task) from stream position ``first_index − requeued`` (as of this call:
+        re-runs admitted later take no task) on, in the same order a fresh run would see them:
+        the weighted picks of the admissions before are replayed, and each source's own stream
+        skips the tasks its picks consumed."""
+        done = self.first_index - self.requeued
+        weights = [s.weight for s in self.sources]
+        picks = weighted_picks(weights)
+        for _ in range(done):
+            next(picks)
+        streams = []
+        for source, taken in zip(self.sources, picks_so_far(weights, done), strict=True):
+            n = len(source.tasks)
+            first_epoch, skip = divmod(taken, n) if n else (0, 0)
+            streams.append(self._tasks_from(source.tasks, first_epoch, skip))
+        for i in picks:
+            yield i, next(streams[i])
+
+    def _tasks_from(self, tasks: Dataset, first_epoch: int, skip: int) -> Iterator[dict[str, Any]]:
+        n = len(tasks)
         for epoch in itertools.count(first_epoch):
-            order = self.tasks.shuffle(seed=self.seed + epoch)
+            order = tasks.shuffle(seed=self.seed + epoch)
             yield from order.select(range(skip, n)) if skip else order
             skip = 0
 
     async def run(self, out: MemoryObjectSendStream[Group]) -> None:
         """Admit and run groups until cancelled, sending each finished group to ``out``."""
-        stream = self._task_stream()
+        stream = self._mixed_stream()
         async with out, anyio.create_task_group() as tg:
             for n in itertools.count(self.first_index):
                 while self.admitted >= self.budget():
                     await self.clock.changed()
                 source: str | None = None
                 if self._requeue:  # a dropped group's task goes before new ones
-                    task_id, source, depth = self._requeue.popleft()
-                    task = self._task(task_id)
+                    src, task_id, source, depth = self._requeue.popleft()
+                    task = self._task(src, task_id)
                     self._depth[f"g{n:06d}"] = depth
                     self.requeued += 1
                 else:
-                    task = next(stream)
+                    src, task = next(stream)
                 self.admitted += 1
                 group_id = f"g{n:06d}"
                 # durable before the group's first model call (the event log flushes on
@@ -232,6 +269,7 @@ class Scheduler:
                     index=n,
                     group_id=group_id,
                     task_id=str(task["id"]),
+                    environment=self.sources[src].name,
                     admitted=self.admitted,
                     budget=self.budget(),
                     **({"requeued_from": source} if source is not None else {}),
@@ -239,7 +277,7 @@ class Scheduler:
                 # Registered before the task starts, so a group cancelled before it ran is
                 # still accounted for by abandoned().
                 self._in_flight[group_id] = _Flight(
-                    str(task["id"]), self.clock.version, [None] * self.group_size
+                    str(task["id"]), self.clock.version, [None] * self.group_size, src
                 )
                 tg.start_soon(self._group, task, n, self.clock.version, out)
 
@@ -249,10 +287,11 @@ class Scheduler:
         group_id = f"g{index:06d}"
         flight = self._in_flight[group_id]
         episodes = flight.episodes
+        runner = self.sources[flight.source].runner
 
         async def one(i: int) -> None:
             async with self.limiter:
-                episodes[i] = await self.runner.run(
+                episodes[i] = await runner.run(
                     task,
                     group_id,
                     lambda: self.bounds(admitted_at),
@@ -261,7 +300,8 @@ class Scheduler:
                     episode_id=f"{group_id}-{i}",
                 )
 
-        with structlog.contextvars.bound_contextvars(group=group_id):
+        env = self.sources[flight.source].name
+        with structlog.contextvars.bound_contextvars(group=group_id, environment=env):
             async with anyio.create_task_group() as tg:
                 for i in range(self.group_size):
                     tg.start_soon(one, i)

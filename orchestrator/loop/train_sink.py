@@ -25,6 +25,7 @@ from orchestrator.errors import TrainerError
 from orchestrator.loop.batcher import NO_MODEL_CALL, Batcher
 from orchestrator.loop.scheduler import Scheduler, VersionClock
 from orchestrator.types import Batch, Episode, Group, GroupDecision
+from policies.errors import BoardError
 from policies.wire.batches import BatchFile, BatchSample, read_metrics, write_batch
 
 if TYPE_CHECKING:
@@ -73,11 +74,17 @@ async def board_version_above(board: Board, version: int, poll_interval_s: float
 
     The pointer lives in storage another process writes (a directory or a bucket), so it is
     re-read every ``poll_interval_s``: moving it is how an external trainer announces a version.
+    A pointer that cannot be read (half-written by a store without atomic renames, malformed)
+    is logged and read again; ``timeouts.trainer_step_s`` bounds the wait.
     """
     while True:
-        latest = await anyio.to_thread.run_sync(board.latest)
-        if latest is not None and latest > version:
-            return latest
+        try:
+            latest = await anyio.to_thread.run_sync(board.latest)
+        except BoardError as exc:
+            log.warning("board_unreadable", error=str(exc))
+        else:
+            if latest is not None and latest > version:
+                return latest
         await anyio.sleep(poll_interval_s)
 
 

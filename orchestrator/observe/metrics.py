@@ -103,6 +103,18 @@ class RunMetrics(NullEvents):
         )
         self.trainer_version = Gauge("sprawl_trainer_version", "Trainer version", registry=r)
         self.admitted = Counter("sprawl_admitted_groups", "Groups admitted", registry=r)
+        self.admitted_by_env = Counter(
+            "sprawl_environment_admitted_groups",
+            "Groups admitted, by environment",
+            ["environment"],
+            registry=r,
+        )
+        self.groups_by_env = Counter(
+            "sprawl_environment_groups",
+            "Groups decided, by environment and decision",
+            ["environment", "decision"],
+            registry=r,
+        )
         self.groups = Counter(
             "sprawl_groups", "Groups decided, by decision", ["decision"], registry=r
         )
@@ -173,8 +185,12 @@ class RunMetrics(NullEvents):
                 self.trainer_version.set(f["version"])
             case "admit":
                 self.admitted.inc()
+                if f.get("environment") is not None:
+                    self.admitted_by_env.labels(f["environment"]).inc()
             case "decide":
                 self.groups.labels(f["decision"]).inc()
+                if f.get("environment") is not None:
+                    self.groups_by_env.labels(f["environment"], f["decision"]).inc()
                 self.group_lag.observe(f["max_lag"])
                 self.history_rewritten.inc(f.get("history_rewritten", 0))
                 self._decided(f)

@@ -145,8 +145,17 @@ def _decisions(
     if run is None:
         return
     policy = staleness or StalenessConfig.model_validate(run["staleness"])
+    # the logged per-environment rules, unless a counterfactual policy replaces every rule
+    per_env = (
+        {}
+        if staleness is not None
+        else {
+            name: StalenessConfig.model_validate(s)
+            for name, s in run.get("environment_staleness", {}).items()
+        }
+    )
     version = [0]
-    batcher = Batcher(policy, run["groups_per_batch"], run["max_lag"], lambda: version[0])
+    batcher = Batcher(policy, run["groups_per_batch"], run["max_lag"], lambda: version[0], per_env)
     groups = {g.id: g for g, _, _ in groups_of(episode_records(trajectories))}
     for ev in events:
         if ev["kind"] != "decide" or ev["group_id"] not in groups or ev["reason"] in STOP_REASONS:

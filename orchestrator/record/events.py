@@ -4,7 +4,9 @@ Written to ``<run_dir>/events/events-NNNNNN.jsonl.zst`` (same container as the t
 independent zstd frames, torn tail skipped; see :mod:`orchestrator.record.frames`). One JSON object
 per event: ``seq`` (0, 1, 2, … in emission order), ``t`` (Unix time), ``kind`` and its fields:
 
-- ``run`` — ``max_lag``, ``groups_per_batch``, ``staleness`` (the config the decisions depend on);
+- ``run`` — ``max_lag``, ``groups_per_batch``, ``staleness`` (the config the decisions depend on)
+  and ``environment_staleness`` (environment name → its own staleness config, for the
+  ``[[environments]]`` entries that override the run's);
 - ``route`` — a routing decision of the pool: ``bounds`` (min/max), ``affinity``, ``exclude``,
   ``endpoints`` (every live endpoint's routing state at that instant: ``id``, ``weight``,
   ``healthy``, ``open`` (breaker), ``applied_version``, ``outstanding``, ``limit``,
@@ -16,13 +18,13 @@ per event: ``seq`` (0, 1, 2, … in emission order), ``t`` (Unix time), ``kind``
   call (``endpoint``, ``error``, ``attempt``, ``failover``: whether it is retried elsewhere);
 - ``trainer_version`` — the trainer clock moved (``version``);
 - ``admit`` — the scheduler admitted group ``index`` (``group_id``, e.g. ``"g000012"``,
-  ``task_id``, ``admitted`` so far, ``budget``); written to disk before the group's first model
-  call; a re-run of a dropped group's task also names ``requeued_from`` (the dropped group);
-  ``release`` — ``n`` dropped groups gave their admission slots back; ``requeue`` — a group the
-  staleness policy dropped will have its task re-run (``group_id``, ``task_id``, ``depth``: re-runs
-  along its chain, ≤ ``staleness.length_bias.max_requeues``);
-- ``decide`` — the staleness decision of a group (``group_id``, ``trainer_version``,
-  ``decision``, ``max_lag``, ``reason``, and the length of its longest episode:
+  ``task_id``, ``environment``, ``admitted`` so far, ``budget``); written to disk before the
+  group's first model call; a re-run of a dropped group's task also names ``requeued_from``
+  (the dropped group); ``release`` — ``n`` dropped groups gave their admission slots back;
+  ``requeue`` — a group the staleness policy dropped will have its task re-run (``group_id``,
+  ``task_id``, ``depth``: re-runs along its chain, ≤ ``staleness.length_bias.max_requeues``);
+- ``decide`` — the staleness decision of a group (``group_id``, ``environment``,
+  ``trainer_version``, ``decision``, ``max_lag``, ``reason``, and the length of its longest episode:
   ``max_sampled_tokens``, ``max_turns``, what the length-bias guard buckets by);
 - ``unbatched`` — at the end of a run, kept groups still waiting for a full batch
   (``group_ids``, ``reason``);
@@ -89,6 +91,9 @@ class EventLog:
             max_lag=cfg.scheduler.max_lag,
             groups_per_batch=cfg.scheduler.groups_per_batch,
             staleness=cfg.staleness.model_dump(mode="json"),
+            environment_staleness={
+                name: s.model_dump(mode="json") for name, s in cfg.environment_staleness().items()
+            },
         )
         return log
 

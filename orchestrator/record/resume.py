@@ -54,6 +54,7 @@ UNCHANGEABLE = (
     "scheduler.groups_per_batch",
     "environment.cls",
     "environment.args",
+    "environments",
 )
 """Settings a resumed run must share with the original (the task stream and batches depend on
 them)."""
@@ -122,7 +123,7 @@ def check_run_dir(cfg: Config) -> Path:
     now = cfg.model_dump(mode="json")
     for key in UNCHANGEABLE:
         before, after = _dotted(original, key), _dotted(now, key)
-        if before != after:
+        if before != after and not (before is None and after == []):  # a key added since
             raise ConfigError(
                 f"run.resume: {key} was {before!r} in {run_dir}, now {after!r}: "
                 "a resumed run keeps it"

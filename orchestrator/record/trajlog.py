@@ -126,6 +126,7 @@ class TrajectoryLog:
         self.events.emit(
             "decide",
             group_id=group.id,
+            environment=group.episodes[0].environment if group.episodes else None,
             trainer_version=version,
             decision=decision.decision,
             max_lag=decision.max_lag,

@@ -38,7 +38,6 @@ not atomic against another writer); a reader racing :meth:`gc` below ``keep_from
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -56,10 +55,17 @@ from policies.board.read import (
     anchor_payload,
     manifest_digest,
 )
-from policies.board.types import BoardOptions, Manifest, PatchRef, TensorEntry
+from policies.board.types import (
+    MAX_VERSION,
+    BoardOptions,
+    Manifest,
+    PatchRef,
+    Pointer,
+    TensorEntry,
+)
 from policies.codec import CODEC, encode_patch, read_patch_header
 from policies.codec.digests import checksums, storage_key
-from policies.errors import BoardError, VersionCorrupt
+from policies.errors import BoardError, PointerMalformed, VersionCorrupt
 
 log = structlog.get_logger(__name__)
 
@@ -102,6 +108,8 @@ class Board(BoardReader):
         self, version: int, view: Mapping[str, torch.Tensor], *, view_name: str
     ) -> Manifest:
         """Write ``version`` (a delta, or an anchor when due), then move the pointer to it."""
+        if type(version) is not int or not 0 <= version <= MAX_VERSION:
+            raise BoardError(f"version {version!r} is not an integer in 0..{MAX_VERSION}")
         latest = self._durable_latest()
         if latest is not None and version <= latest:
             raise BoardError(f"pointer only moves forward: version {version} <= current {latest}")
@@ -165,9 +173,8 @@ class Board(BoardReader):
             full_bytes=full_bytes,
         )
         self._write(f"{vdir}/{MANIFEST}", manifest.model_dump_json(indent=1).encode())
-        self._write(
-            f"{self.root}/POINTER", json.dumps({"version": version, "digest": digest}).encode()
-        )
+        pointer = Pointer(version=version, digest=digest)
+        self._write(f"{self.root}/POINTER", pointer.model_dump_json().encode())
         held = {**held, version: _Held(tensors, digest)}
         self._held = {v: held[v] for v in board_plan.keep_views(version, held, opts.catchup_levels)}
         self._head = manifest
@@ -181,9 +188,14 @@ class Board(BoardReader):
         return manifest
 
     def _durable_latest(self) -> int | None:
-        """The pointer's version; if the pointer names a version without a manifest (damaged),
-        the newest version that has one, so the next publish repairs the pointer."""
-        latest = self.latest()
+        """The pointer's version; if the pointer is malformed or names a version without a
+        manifest (damaged), the newest version that has one, so the next publish repairs it."""
+        try:
+            latest = self.latest()
+        except PointerMalformed as exc:
+            newest = self._newest_manifest()
+            log.error("board.pointer_malformed", run=self.run, error=str(exc), newest=newest)
+            return newest
         if latest is None or (self._head is not None and self._head.version == latest):
             return latest  # nothing, or the version this publisher wrote last
         try:
@@ -192,10 +204,16 @@ class Board(BoardReader):
         except VersionCorrupt:
             raise
         except BoardError:
-            found = self.store.dirs_with(f"{self.root}/versions", MANIFEST)
-            newest = max((int(d) for d in found if d.isdigit()), default=None)
+            newest = self._newest_manifest()
             log.error("board.pointer_dangling", run=self.run, pointer=latest, newest=newest)
             return newest
+
+    def _newest_manifest(self) -> int | None:
+        try:
+            found = self.store.dirs_with(f"{self.root}/versions", MANIFEST)
+        except FileNotFoundError:
+            return None
+        return max((int(d) for d in found if d.isdigit()), default=None)
 
     # -- retention -------------------------------------------------------------------------------
     def gc(self, keep_from: int) -> list[int]:

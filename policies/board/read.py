@@ -7,21 +7,37 @@ The layout and the guarantees are in :mod:`policies.board`.
 
 from __future__ import annotations
 
-import json
+import shutil
+import uuid
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
 import structlog
 import torch
+from pydantic import ValidationError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from policies.board import plan as board_plan
 from policies.board.store import Store
-from policies.board.types import BoardOptions, CatchUp, Manifest, Step, TensorEntry
+from policies.board.types import (
+    BoardOptions,
+    CatchUp,
+    Manifest,
+    Pointer,
+    Step,
+    TensorEntry,
+    check_run_name,
+)
 from policies.codec import apply_patch, read_patch_header
 from policies.codec.digests import checksums, digest_of, storage_key, tensor_checksum
-from policies.errors import BoardError, PatchBaseMismatch, PatchError, VersionCorrupt
+from policies.errors import (
+    BoardError,
+    PatchBaseMismatch,
+    PatchError,
+    PointerMalformed,
+    VersionCorrupt,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -68,6 +84,8 @@ class BoardReader:
     ``options`` (or its fields as keyword arguments) matter to a publisher, except
     ``catchup_levels``, which bounds how far back a direct patch route is searched.
     ``storage_options`` go to fsspec (e.g. ``{"client_kwargs": {"endpoint_url": …}}``).
+    A ``run`` that is not a valid run name (:func:`~policies.board.types.check_run_name`, e.g.
+    ``../..``) raises :class:`BoardError` naming it.
     """
 
     def __init__(
@@ -80,7 +98,7 @@ class BoardReader:
         **fields: int | float | None,
     ) -> None:
         self.url = url
-        self.run = run
+        self.run = check_run_name(run)
         self.options = options or BoardOptions.model_validate(fields)
         self.store = Store(url, storage_options)
         self.safe_url = self.store.safe_url
@@ -98,15 +116,26 @@ class BoardReader:
         return self.store.read(path)
 
     def latest(self) -> int | None:
-        """The version the pointer names, or None before the first publish."""
+        """The version the pointer names, or None before the first publish.
+
+        A malformed pointer (not JSON, no ``version``, or one that is not an integer in
+        ``0..MAX_VERSION``) raises :class:`PointerMalformed`; a watcher logs it and keeps what it
+        has, and the next publish repairs it.
+        """
         try:
             raw = self._read(f"{self.root}/POINTER")
         except FileNotFoundError:
             return None
         try:
-            latest = int(json.loads(raw)["version"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise BoardError(f"{self.safe_url}/{self.run}/POINTER is unreadable: {exc}") from None
+            latest = Pointer.model_validate_json(raw).version
+        except ValidationError as exc:
+            why = "; ".join(
+                f"{'.'.join(map(str, e['loc'])) or 'pointer'}: {e['msg']}"
+                for e in exc.errors(include_url=False, include_input=False)[:3]
+            )
+            raise PointerMalformed(
+                f"{self.safe_url}/{self.run}/POINTER is malformed ({why})"
+            ) from None
         self._seen_latest = latest
         return latest
 
@@ -297,13 +326,31 @@ class BoardReader:
         return self._read(f"{self.root}/base/{name}")
 
     def materialize(self, version: int, out: Path) -> Path:
-        """Write an HF checkpoint dir of ``version``, bit-identical to an anchor of it."""
-        out.mkdir(parents=True, exist_ok=True)
-        for name in BASE_FILES:
-            try:
-                (out / name).write_bytes(self.read_base(name))
-            except FileNotFoundError:
-                continue
-        _, tensors = self.load(version)
-        (out / WEIGHTS).write_bytes(anchor_payload(tensors)[0])
+        """Write an HF checkpoint dir of ``version``, bit-identical to an anchor of it.
+
+        All or nothing: the files are written to a temporary sibling of ``out`` and renamed into
+        place only once every one is written (a new ``out`` is one rename; into an existing
+        directory, each file is one rename and other files there are left alone). If this raises,
+        ``out`` is as it was and the temporary directory is gone.
+        """
+        if out.exists() and not out.is_dir():
+            raise BoardError(f"{out} exists and is not a directory")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
+        tmp.mkdir()
+        try:
+            for name in BASE_FILES:
+                try:
+                    (tmp / name).write_bytes(self.read_base(name))
+                except FileNotFoundError:
+                    continue
+            _, tensors = self.load(version)
+            (tmp / WEIGHTS).write_bytes(anchor_payload(tensors)[0])
+            if not out.exists():
+                tmp.rename(out)
+                return out
+            for f in tmp.iterdir():
+                f.replace(out / f.name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         return out

@@ -1,4 +1,5 @@
-"""The board's vocabulary: options, manifests and catch-up plans (no I/O, no torch).
+"""The board's vocabulary: options, run names, the pointer, manifests and catch-up plans (no
+I/O, no torch).
 
 Importing this module is cheap (pydantic only), so the orchestrator's config can build
 :class:`BoardOptions` without importing torch.
@@ -6,9 +7,30 @@ Importing this module is cheap (pydantic only), so the orchestrator's config can
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from policies.errors import BoardError
+
+MAX_VERSION = 2**63 - 1
+"""The largest version a board holds (an int64: engines and logs carry versions as int64)."""
+
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+"""A run's name: one path segment of the board, so it can name neither a parent nor a subtree."""
+
+
+def check_run_name(name: str) -> str:
+    """``name`` if it is a valid run name (:data:`RUN_NAME`, no ``..``), else :class:`BoardError`
+    naming it."""
+    if not RUN_NAME.fullmatch(name) or ".." in name:
+        shown = repr(name) if len(name) <= 80 else f"{name[:77]!r}…"
+        raise BoardError(
+            f"run name {shown} is not valid: use 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit, with no '..'"
+        )
+    return name
 
 
 class BoardOptions(BaseModel):
@@ -29,6 +51,16 @@ class BoardOptions(BaseModel):
     need (``Board.gc(latest - retain_versions + 1)``); None keeps every version."""
     zstd_level: int = Field(default=3, ge=1, le=22)
     """zstd level of patch sections."""
+
+
+class Pointer(BaseModel):
+    """The run's ``POINTER`` object: the newest durable version. Strict: a bool, a float, a
+    string or an out-of-range number is a malformed pointer, never coerced to a version."""
+
+    model_config = ConfigDict(frozen=True)
+    version: StrictInt = Field(ge=0, le=MAX_VERSION)
+    digest: str | None = None
+    """Digest of the version's full state (as in its manifest); absent in hand-written pointers."""
 
 
 class TensorEntry(BaseModel):

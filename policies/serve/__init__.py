@@ -6,7 +6,8 @@ Public surface (lazily imported): :class:`Engine`, :class:`DecodeBatcher`, :clas
 Modules: :mod:`~policies.serve.engine` (the reference engine: a transformers model, weights
 patched in place), :mod:`~policies.serve.decode` (its continuous decode batcher),
 :mod:`~policies.serve.sidecar` (stage → activate → stamp, 409 outside the bounds),
-:mod:`~policies.serve.server` (the lane over aiohttp), :mod:`~policies.serve.openai_routes`
+:mod:`~policies.serve.server` (the lane over aiohttp), :mod:`~policies.serve.http_body`
+(bearer tokens and JSON bodies read safely), :mod:`~policies.serve.openai_routes`
 (chat and completions), :mod:`policies.serve.backends` (reference, vLLM, SGLang, frozen OpenAI,
 and the standalone sidecar command).
 """

@@ -29,6 +29,9 @@ Guarantees:
   weight exactly zero, but reduction shapes differ), so a seeded request is reproducible run to
   run under the same load, and token-identical under any load except where two candidate tokens
   are within float rounding of a sampling boundary;
+- a failure that belongs to one request (its prefill, or sampling one of its rows, e.g. NaN
+  logits) fails that request alone with :class:`EngineError`; every other row keeps decoding.
+  Only a failed batched forward, which every row shares, fails every row in flight;
 - :meth:`DecodeBatcher.quiesce` gives the caller the model at a step boundary with no forward
   in progress: mode ``"pause"`` holds in-flight rows where they are (they resume afterwards, with
   the new weights), mode ``"wait"`` stops admitting and lets in-flight rows finish first. Either
@@ -208,7 +211,7 @@ class DecodeBatcher:
                         joining.append(self._waiting.popleft())
                 try:
                     for job in joining:
-                        self._join(job)
+                        self._join_alone(job)
                     self._drop_finished()
                     if self._rows:
                         self._step()
@@ -224,12 +227,27 @@ class DecodeBatcher:
     def _room_for(self, job: _Job) -> bool:
         return not self._rows or len(self._rows) + job.req.n <= self.max_rows
 
-    def _join(self, job: _Job) -> None:
-        if job.future.cancelled():
+    def _join_alone(self, job: _Job) -> None:
+        """Join ``job``; if its own prefill or sampling fails, fail it alone."""
+        try:
+            rows = self._prefill(job)
+        except Exception as exc:  # this request's failure: the batch is untouched so far
+            log.exception("request_join_failed", rows=job.req.n)
+            if not job.future.done():
+                job.future.set_exception(EngineError(f"generation failed: {exc}"))
             return
+        if rows is not None:
+            live, kv, mask = rows
+            self._merge(kv, mask)
+            self._rows.extend(live)
+
+    def _prefill(self, job: _Job) -> tuple[list[_Row], KV, torch.Tensor] | None:
+        """The rows of ``job`` still to decode, with their KV cache and mask; None if none."""
+        if job.future.cancelled():
+            return None
         if self.version is not None and not job.req.policy_version.admits(self.version):
             job.future.set_exception(OutOfBounds(self.version))
-            return
+            return None
         job.start = self.version
         req = job.req
         ids = torch.tensor([req.prompt_token_ids], device=self.device)
@@ -251,12 +269,11 @@ class DecodeBatcher:
             if r.finish is not None:
                 self._finish(r)
         if not live:
-            return
+            return None
         width = len(live)
         kv = [(k.expand(width, -1, -1, -1), v.expand(width, -1, -1, -1)) for k, v in kv]
         mask = torch.ones(width, ids.shape[1], dtype=torch.long, device=self.device)
-        self._merge(kv, mask)
-        self._rows.extend(live)
+        return live, kv, mask
 
     def _merge(self, kv: KV, mask: torch.Tensor) -> None:
         if not self._rows:
@@ -286,8 +303,21 @@ class DecodeBatcher:
         for i, row in enumerate(rows):
             row.cached += 1
             req = row.job.req
-            row.take(*sample_token(logits[i], req.temperature, req.top_k, req.top_p, row.gen))
+            if row.finish is not None:  # its request failed on another of its rows
+                continue
+            try:
+                row.take(*sample_token(logits[i], req.temperature, req.top_k, req.top_p, row.gen))
+            except Exception as exc:  # this row's failure fails its request, no other
+                self._fail_job(row.job, exc)
         self.steps += 1
+
+    def _fail_job(self, job: _Job, exc: Exception) -> None:
+        log.warning("request_failed", error=str(exc), rows=job.req.n)
+        if not job.future.done():
+            job.future.set_exception(EngineError(f"generation failed: {exc}"))
+        for r in self._rows:
+            if r.job is job and r.finish is None:
+                r.finish = "abort"  # leaves at the next boundary; the failed future stays
 
     def _drop_finished(self) -> None:
         for r in self._rows:
@@ -349,13 +379,17 @@ def sample_token(
     """Sample one token id from 1-D ``logits``; return it with its log prob as sampled.
 
     The distribution is logits / temperature, then top-k, then top-p (the smallest prefix whose
-    mass reaches ``top_p``; the top token always stays), renormalized. Temperature 0 is greedy
-    and reports the log prob under the untempered distribution.
+    mass reaches ``top_p``; the top token always stays, so a ``top_p`` that rounds to 0 keeps only
+    it), renormalized. Temperature 0 is greedy and reports the log prob under the untempered
+    distribution; so is a temperature so small that logits / temperature overflows (its limit).
+    NaN logits raise :class:`EngineError` (the row fails, not the batch).
     """
-    if temperature == 0.0:
+    if bool(torch.isnan(logits).any()):
+        raise EngineError("the model produced NaN logits")
+    scaled = logits / temperature if temperature > 0.0 else logits
+    if temperature == 0.0 or not bool(torch.isfinite(scaled.max())):
         token = int(torch.argmax(logits))
         return token, float(torch.log_softmax(logits, -1)[token])
-    scaled = logits / temperature
     if top_k > 0 and top_k < scaled.numel():
         kth = torch.topk(scaled, top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -363,6 +397,7 @@ def sample_token(
         sorted_logits, order = torch.sort(scaled, descending=True)
         probs = torch.softmax(sorted_logits, -1)
         outside = (torch.cumsum(probs, -1) - probs) >= top_p
+        outside[0] = False
         scaled = scaled.scatter(0, order[outside], float("-inf"))
     logp = torch.log_softmax(scaled, -1)
     token = int(torch.multinomial(logp.exp(), 1, generator=gen))

@@ -3,9 +3,11 @@
 Routes: ``POST /v1/generate``, ``POST /v1/chat/completions``, ``POST /v1/completions``
 (``policies.serve.openai_routes``), ``GET /v1/models``, ``GET /v1/policy``, ``POST
 /v1/policy/notify``, ``GET /health``, ``GET /metrics`` (Prometheus). Every route except ``/health``
-requires ``Authorization: Bearer <token>`` when a token is set (compared in constant time). Every
-bad request (malformed JSON, a field out of range, an unknown field, an over-long prompt, an invalid
-tool schema) gets a 4xx JSON error naming the field, and the server keeps running; version
+requires ``Authorization: Bearer <token>`` when a token is set (compared in constant time; a
+header with non-ASCII bytes is a wrong token). Every bad request (malformed JSON, JSON nested too
+deep, an integer of more than 64 digits, a lone surrogate in a string, a field out of range, an
+unknown field, an over-long prompt, an invalid tool schema) gets a 4xx JSON error naming the field
+(:mod:`policies.serve.http_body`), and the server keeps running; version
 conflicts get 409 ``policy_version_unavailable`` with ``Retry-After``. TLS is optional
 (:func:`tls_context` from a PEM certificate and key).
 
@@ -16,8 +18,6 @@ version 0. The same server fronts the standalone sidecar (``policies.serve.backe
 
 from __future__ import annotations
 
-import hmac
-import json
 import re
 import ssl
 import tempfile
@@ -42,6 +42,7 @@ from policies.errors import BadRequest, EngineError
 from policies.serve.backends.reference import ReferenceBackend
 from policies.serve.decode import QuiesceMode
 from policies.serve.engine import Engine
+from policies.serve.http_body import bearer_matches, read_json
 from policies.serve.openai_routes import OpenAIRoutes, parse_body
 from policies.serve.sidecar import Sidecar, VersionNotServed
 from policies.wire.lane import (
@@ -119,10 +120,13 @@ class LaneServer:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if self.token is not None and request.path != "/health":
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
-                return error_response(401, "unauthorized", "missing or wrong bearer token")
+        given = request.headers.get("Authorization", "")
+        if (
+            self.token is not None
+            and request.path != "/health"
+            and not bearer_matches(given, self.token)
+        ):
+            return error_response(401, "unauthorized", "missing or wrong bearer token")
         return await handler(request)
 
     @web.middleware
@@ -142,9 +146,9 @@ class LaneServer:
     ) -> web.Response:
         """Parse JSON, serve it, and map every failure to its JSON error."""
         try:
-            payload = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return error_response(400, "invalid_request_error", f"body is not JSON: {exc}")
+            payload = await read_json(request)
+        except BadRequest as exc:
+            return error_response(400, "invalid_request_error", str(exc), param=exc.param)
         self.inflight.inc()
         try:
             answer = await serve(payload)

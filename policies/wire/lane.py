@@ -65,7 +65,7 @@ class GenerateRequest(_Wire):
     temperature: float = Field(default=1.0, ge=0.0, le=100.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, description="0 disables top-k")
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1, description="an int64")
     stop_token_ids: list[int] = Field(default_factory=list)
     n: int = Field(default=1, ge=1, le=64)
     policy_version: VersionBounds = Field(default_factory=VersionBounds)
@@ -196,7 +196,7 @@ class _Sampling(_Wire):
     temperature: float = Field(default=1.0, ge=0.0, le=100.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1, description="an int64")
     n: int = Field(default=1, ge=1, le=64)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)

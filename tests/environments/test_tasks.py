@@ -148,9 +148,10 @@ SHIPPED = sorted(Path("configs").glob("*.toml"))
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
 def test_every_shipped_environment_config_validates(path: Path) -> None:
-    env = tomllib.loads(path.read_text()).get("environment", {})
-    cls_path = env.get("cls", "environments.calculator:Calculator")
-    module, _, name = cls_path.partition(":")
-    cls = getattr(__import__(module, fromlist=[name]), name)
-    config = cls.Config.model_validate(env.get("args", {}))
-    assert isinstance(config, EnvConfig)
+    data = tomllib.loads(path.read_text())
+    for env in data.get("environments", [data.get("environment", {})]):  # a mixture, or one
+        cls_path = env.get("cls", "environments.calculator:Calculator")
+        module, _, name = cls_path.partition(":")
+        cls = getattr(__import__(module, fromlist=[name]), name)
+        config = cls.Config.model_validate(env.get("args", {}))
+        assert isinstance(config, EnvConfig)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.cli import main
-from orchestrator.config import load_config, parse_overrides
+from orchestrator.config import Config, load_config, parse_overrides
 from orchestrator.errors import ConfigError
 
 CONFIGS = sorted(Path("configs").glob("*.toml"))
@@ -120,3 +120,66 @@ def test_every_documented_bench_is_a_command(bench: str) -> None:
     with pytest.raises(SystemExit) as done:
         main(["bench", bench, "--help"])
     assert done.value.code == 0
+
+
+_MIXTURE = """
+[[environments]]
+name = "calc"
+cls = "environments.calculator:Calculator"
+weight = 2
+
+[[environments]]
+name = "guess"
+cls = "environments.guess:Guess"
+"""
+
+
+def _mixture(tmp_path: Path, text: str) -> Path:
+    f = tmp_path / "mix.toml"
+    f.write_text(text)
+    return f
+
+
+def test_a_mixture_parses_with_weights_and_per_environment_staleness(tmp_path: Path) -> None:
+    text = _MIXTURE + 'staleness = { drop = { statistic = "mean", max_lag = 0 } }\n'
+    text += '[staleness]\ndrop = { max_lag = 3 }\ncorrection = { type = "tis", cap = 3.0 }\n'
+    cfg = load_config(_mixture(tmp_path, text))
+    assert [(e.name, e.weight) for e in cfg.environments] == [("calc", 2.0), ("guess", 1.0)]
+    own = cfg.environment_staleness()
+    assert list(own) == ["guess"]  # calc has no table: the run's [staleness] decides it
+    assert own["guess"].drop is not None
+    assert own["guess"].drop.statistic == "mean"
+    assert own["guess"].drop.max_lag == 0
+    assert own["guess"].correction == cfg.staleness.correction  # keys not given: the run's
+
+
+def test_an_empty_staleness_table_overrides_nothing(tmp_path: Path) -> None:
+    text = _MIXTURE + "[environments.staleness]\n[staleness]\ndrop = { max_lag = 3 }\n"
+    cfg = load_config(_mixture(tmp_path, text))
+    assert cfg.environment_staleness() == {}  # an empty table overrides nothing
+    text = _MIXTURE.replace("weight = 2\n", "weight = 2\nstaleness = { drop = {} }\n")
+    with pytest.raises(ConfigError, match=r"environments\.0\.staleness\.drop\.max_lag"):
+        load_config(_mixture(tmp_path, text))
+
+
+def test_environment_and_environments_are_exclusive(tmp_path: Path) -> None:
+    text = '[environment]\ncls = "environments.guess:Guess"\n' + _MIXTURE
+    with pytest.raises(ConfigError, match=r"\[environment\] and \[\[environments\]\]"):
+        load_config(_mixture(tmp_path, text))
+    cfg = load_config(_mixture(tmp_path, _MIXTURE))
+    assert Config.model_validate(cfg.model_dump(mode="json")) == cfg  # the run header's copy
+
+
+def test_mixture_names_are_unique_and_weights_positive(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="names must be unique, calc repeated"):
+        load_config(_mixture(tmp_path, _MIXTURE.replace('"guess"', '"calc"')))
+    with pytest.raises(ConfigError, match=r"environments\.0\.weight: Input should be greater"):
+        load_config(_mixture(tmp_path, _MIXTURE.replace("weight = 2", "weight = 0")))
+    with pytest.raises(ConfigError, match=r"environments\.1\.name"):
+        load_config(_mixture(tmp_path, _MIXTURE.replace('"guess"', '"no spaces"')))
+
+
+def test_only_drop_may_be_overridden_per_environment(tmp_path: Path) -> None:
+    text = _MIXTURE + 'staleness = { loss_agg = "seq_mean" }\n'
+    with pytest.raises(ConfigError, match=r"environments\.1\.staleness\.loss_agg: unknown key"):
+        load_config(_mixture(tmp_path, text))

@@ -78,3 +78,32 @@ def test_run_dir_names_the_admin_url(tmp_path: Path) -> None:
     assert admin_url("https://h:1/") == "https://h:1"
     with pytest.raises(SprawlError, match=r"admin\.json is unreadable"):
         admin_url(str(tmp_path / "nope"))
+
+
+async def test_hostile_bodies_and_headers_get_4xx_json_errors() -> None:
+    import json
+
+    from tests.support.raw_http import raw_http, raw_post
+
+    pool = Pool(ScriptedTransport({}), version_wait_s=5.0, poll_interval_s=1.0)
+    hostile = [
+        (b'{"id": "a", "url": "http://a"}', b"Bearer \xff\xfe\xc3", 401, None),
+        (b"[" * 200_000 + b"]" * 200_000, b"Bearer tok", 400, None),
+        (
+            b'{"id": "a", "url": "http://a", "weight": ' + b"7" * 5000 + b"}",
+            b"Bearer tok",
+            400,
+            None,
+        ),
+        (b'{"id": "a", "url": "http://a", "token": "\\ud800"}', b"Bearer tok", 400, "token"),
+        (b'{"id": "a", "url": "http://a\\udfff"}', b"Bearer tok", 400, "url"),
+    ]
+    got = []
+    async with admin(pool, token="tok") as url:
+        for body, auth, _, _ in hostile:
+            status, headers, raw = await raw_http(url, raw_post("/v1/fleet", body, auth))
+            kind = headers.get("content-type", "").split(";")[0]
+            error = json.loads(raw)["error"] if kind == "application/json" else {}
+            got.append((status, kind, error.get("param")))
+    assert got == [(s, "application/json", param) for _, _, s, param in hostile]
+    assert pool.live() == []

@@ -70,3 +70,16 @@ def test_a_stricter_drop_rule_still_drops_within_the_budget() -> None:
     assert _decide(StalenessConfig(), fresh).decision == "kept"
     got = _decide(StalenessConfig(drop=DropRule(max_lag=0)), fresh)
     assert (got.decision, got.reason) == ("dropped", "lag max exceeds staleness.drop.max_lag=0")
+
+
+def test_a_group_is_decided_by_its_environments_own_rule() -> None:
+    """``[[environments]]`` with a ``staleness`` table: that environment's groups follow it."""
+    run = StalenessConfig(drop=DropRule(max_lag=2))
+    strict = StalenessConfig(drop=DropRule(max_lag=1))
+    batcher = Batcher(run, 1, 1, lambda: 5, {"strict": strict})
+    group = _group("g1", OVERTAKEN)  # max lag 2
+    assert batcher.decide(group).decision == "kept"  # the episodes' environment: the run's rule
+    envs = [e.model_copy(update={"environment": "strict"}) for e in group.episodes]
+    got = batcher.decide(group.model_copy(update={"episodes": envs}))
+    assert (got.decision, got.max_lag) == ("dropped", 2)
+    assert got.reason == "lag max exceeds environments[name='strict'].staleness.drop.max_lag=1"

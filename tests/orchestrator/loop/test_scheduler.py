@@ -237,7 +237,7 @@ def test_a_resumed_scheduler_continues_the_task_stream_and_the_budget() -> None:
 
     def scheduler(**resume: Any) -> Scheduler:
         return Scheduler(
-            None,  # type: ignore[arg-type]  # the task stream and the budget need no runner
+            None,  # the task stream and the budget need no runner
             tasks,
             VersionClock(3),
             group_size=2,
@@ -362,9 +362,9 @@ def test_a_resumed_scheduler_skips_no_task_for_requeued_groups() -> None:
         "max_concurrent_episodes": 4,
         "seed": 5,
     }
-    fresh = Scheduler(None, tasks, VersionClock(3), **kw)  # type: ignore[arg-type]
+    fresh = Scheduler(None, tasks, VersionClock(3), **kw)
     resumed = Scheduler(
-        None,  # type: ignore[arg-type]  # the task stream and the budget need no runner
+        None,  # the task stream and the budget need no runner
         tasks,
         VersionClock(3),
         first_index=11,

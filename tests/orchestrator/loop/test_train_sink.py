@@ -13,9 +13,15 @@ import torch
 from orchestrator.errors import TrainerError
 from orchestrator.loop.batcher import Batcher
 from orchestrator.loop.scheduler import VersionClock
-from orchestrator.loop.train_sink import ExternalTrainer, batch_samples, consume
+from orchestrator.loop.train_sink import (
+    ExternalTrainer,
+    batch_samples,
+    board_version_above,
+    consume,
+)
 from orchestrator.types import Batch, Episode, Group, GroupDecision, SamplingParams, Segment
 from policies.board import Board
+from policies.errors import PointerMalformed
 from policies.wire.batches import metrics_path, read_batch, write_atomic
 from policies.wire.lane import VersionStamp
 from staleness.config import StalenessConfig
@@ -157,3 +163,21 @@ async def test_groups_restored_by_a_restart_are_trained_first_as_decided() -> No
     assert [d.max_lag for d in sink.batches[0].decisions] == [1, 1]
     assert recorder.versions == [4, 5]
     assert [g.id for g in batcher.pending] == ["g4"]
+
+
+async def test_an_unreadable_pointer_is_read_again_not_fatal() -> None:
+    """An external trainer's store may show a malformed pointer for a moment: the wait goes on."""
+
+    class Flaky:
+        def __init__(self) -> None:
+            self.reads = 0
+
+        def latest(self) -> int:
+            self.reads += 1
+            if self.reads == 1:
+                raise PointerMalformed("pointer: version must be an integer, got 1e400")
+            return 3
+
+    board = Flaky()
+    assert await board_version_above(board, 2, poll_interval_s=0.01) == 3  # type: ignore[arg-type]
+    assert board.reads == 2

@@ -134,3 +134,20 @@ def test_length_bias_metrics_follow_the_decide_events(tmp_path: Path) -> None:
     assert len(warned) == len({w["axis"] for w in warned})  # once per crossing
     metrics.emit("requeue", group_id="g000021", task_id="t21", depth=1)
     assert _samples(metrics.exposition().decode())[("sprawl_groups_requeued_total", ())] == 1
+
+
+def test_admissions_and_decisions_are_counted_per_environment() -> None:
+    m = RunMetrics()
+    m.emit("admit", index=0, group_id="g000000", task_id="t", environment="calc")
+    m.emit("admit", index=1, group_id="g000001", task_id="t")  # a log without the field
+    for env, decision in [("calc", "kept"), ("guess", "dropped"), ("guess", "dropped")]:
+        m.emit("decide", group_id="g", environment=env, decision=decision, max_lag=1, reason="")
+    got = _samples(m.exposition().decode())
+    assert got[("sprawl_environment_admitted_groups_total", (("environment", "calc"),))] == 1
+    assert got[("sprawl_admitted_groups_total", ())] == 2
+    key = (("decision", "dropped"), ("environment", "guess"))
+    assert got[("sprawl_environment_groups_total", key)] == 2
+    assert (
+        got[("sprawl_environment_groups_total", (("decision", "kept"), ("environment", "calc")))]
+        == 1
+    )

@@ -56,7 +56,8 @@ def test_pool_decisions_resimulate_exactly(tmp_path: Path) -> None:
 class _Runner:
     """A scripted episode runner: an endpoint that always serves the newest version."""
 
-    env = SimpleNamespace(name="scripted")  # abandoned episodes name their environment
+    env = SimpleNamespace(name="scripted")
+    name = "scripted"  # abandoned episodes name their environment
 
     def __init__(self, clock: VersionClock) -> None:
         self.clock = clock

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from orchestrator.bench.sparsity import train_states
 from policies.board import WEIGHTS, Board, anchor_payload, redact
-from policies.errors import BoardError, PatchBaseMismatch, VersionCorrupt
+from policies.errors import BoardError, PatchBaseMismatch, PointerMalformed, VersionCorrupt
 from tests.support.boards import adam_like_step
 
 State = dict[str, torch.Tensor]
@@ -170,6 +170,81 @@ def test_pointer_only_moves_forward(make_board: MakeBoard) -> None:
         board.publish(1, states[2], view_name="bfloat16")
     assert board.versions() == [0, 1]
     assert board.latest() == 1
+
+
+@pytest.mark.parametrize(
+    "pointer",
+    [
+        b'{"version": 1e400}',
+        b'{"version": true}',
+        b'{"version": 2.9}',
+        b'{"version": 2.0}',
+        b'{"version": "2"}',
+        b'{"version": -1}',
+        b'{"version": 9223372036854775808}',
+        b'{"version": ' + b"9" * 5000 + b"}",
+        b'{"digest": "x"}',
+        b"[2]",
+        b"not json",
+        b"\xff\xfe",
+        b"[" * 200_000 + b"]" * 200_000,
+    ],
+)
+def test_a_malformed_pointer_is_refused_and_repaired_by_the_next_publish(
+    make_board: MakeBoard, pointer: bytes
+) -> None:
+    states = _chain(2)
+    board = make_board()
+    board.publish(0, states[0], view_name="bfloat16")
+    board.store.write(f"{board.root}/POINTER", pointer)
+    with pytest.raises(PointerMalformed, match="POINTER is malformed") as info:
+        make_board().latest()
+    assert "\n" not in str(info.value)
+    assert len(str(info.value)) < 400
+    with capture_logs() as logs:
+        make_board().publish(1, states[1], view_name="bfloat16")  # e.g. a restarted trainer
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == ["board.pointer_malformed"]
+    assert make_board().latest() == 1
+
+
+@pytest.mark.parametrize("version", [-1, 2**63, True])
+def test_publish_refuses_a_version_the_pointer_cannot_hold(
+    make_board: MakeBoard, version: int
+) -> None:
+    with pytest.raises(BoardError, match="not an integer in 0"):
+        make_board().publish(version, _model(0), view_name="bfloat16")
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        "../..",
+        "..",
+        ".",
+        "",
+        "a/b",
+        "/abs",
+        ".hidden",
+        "-x",
+        "a..b",
+        "a b",
+        "a\nb",
+        "r\u00e9",
+        "x" * 129,
+    ],
+)
+def test_an_invalid_run_name_is_refused_naming_it(tmp_path: Path, run: str) -> None:
+    with pytest.raises(BoardError, match="is not valid") as info:
+        Board(str(tmp_path / "board"), run)
+    assert repr(run)[:40] in str(info.value)
+    assert not (tmp_path / "board").exists()
+
+
+@pytest.mark.parametrize("run", ["demo", "run-1.v2_A", "7", "x" * 128])
+def test_valid_run_names_are_accepted(tmp_path: Path, run: str) -> None:
+    board = Board(str(tmp_path / "board"), run)
+    board.publish(0, _model(0), view_name="bfloat16")
+    assert Board(str(tmp_path / "board"), run).versions() == [0]
 
 
 def test_missing_version_names_it(make_board: MakeBoard) -> None:
@@ -452,6 +527,58 @@ def test_versions_and_materialize_commands(
     assert stored == anchor_payload(states[2])[0]
     assert main(["versions", "--board", str(tmp_path / "nothing"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1]) == []
+
+
+def test_versions_names_a_malformed_pointer_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from orchestrator.cli import main
+
+    board = Board(str(tmp_path / "b"), "run")
+    board.publish(0, _model(0), view_name="bfloat16")
+    board.store.write(f"{board.root}/POINTER", b'{"version": 1e400}')
+    assert main(["versions", "--board", str(tmp_path / "b"), "--run", "run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("orchestrate: error: ")
+    assert err.count("\n") == 1
+    assert "POINTER is malformed" in err
+
+
+def test_versions_refuses_a_run_name_outside_the_board(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from orchestrator.cli import main
+
+    Board(str(tmp_path / "b" / "x" / "y"), "run").publish(0, _model(0), view_name="bfloat16")
+    assert main(["versions", "--board", str(tmp_path / "b" / "x" / "y"), "--run", "../.."]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("orchestrate: error: run name '../..' is not valid")
+    assert err.count("\n") == 1
+
+
+def test_a_failed_materialize_leaves_no_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from orchestrator.cli import main
+
+    board = Board(str(tmp_path / "b"), "run")
+    _publish_all(board, _chain(2))
+    _flip(board, "versions/00000001/from-00000000.patch", lambda b: b[: len(b) // 2])
+    out = tmp_path / "out" / "ckpt"
+    args = ["materialize", "--board", str(tmp_path / "b"), "--run", "run", "--version", "1"]
+    assert main([*args, "--out", str(out)]) == 2
+    assert "version 1" in capsys.readouterr().err
+    assert not out.exists()
+    assert list((tmp_path / "out").iterdir()) == []  # no temporary sibling left behind either
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert main([*args[:-1], "0", "--out", str(out)]) == 0  # into an existing dir: files added
+    assert (out / "keep.txt").read_text() == "mine"
+    assert (out / WEIGHTS).read_bytes() == anchor_payload(_chain(1)[0])[0]
+    assert main([*args, "--out", str(out)]) == 2  # a failure leaves the existing dir as it was
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt", WEIGHTS]
+    assert (out / WEIGHTS).read_bytes() == anchor_payload(_chain(1)[0])[0]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["ckpt"]
 
 
 @pytest.mark.slow

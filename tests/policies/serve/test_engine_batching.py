@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import time
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -232,3 +234,80 @@ def test_a_failed_forward_fails_every_joining_request_instead_of_hanging() -> No
         with pytest.raises(EngineError, match="forward exploded"):
             future.result(timeout=30)
     sched.close()
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_p"), [(1e-300, 1.0), (1e-40, 1.0), (1.0, 1e-300), (1.0, 1e-46)]
+)
+def test_sampling_fields_that_round_to_zero_are_their_limit(
+    engine: Engine, temperature: float, top_p: float
+) -> None:
+    greedy = engine.generate(bounded_request(PROMPTS[1], temperature=0.0, seed=0))
+    good = [
+        _submit(engine, bounded_request(p, temperature=1.0, seed=i)) for i, p in enumerate(PROMPTS)
+    ]
+    odd = engine.generate(bounded_request(PROMPTS[1], temperature=temperature, top_p=top_p, seed=0))
+    assert [c.token_ids for c in odd] == [c.token_ids for c in greedy]
+    assert all(math.isfinite(lp) for c in odd for lp in c.logprobs)
+    for f in good:
+        assert len(f.result(timeout=60).choices[0].token_ids) == 12
+
+
+def test_a_failing_request_fails_alone() -> None:
+    """A request whose join fails (a seed the generator refuses) or whose row fails mid-decode
+    (NaN logits) fails with EngineError; requests decoding beside it finish."""
+    from types import SimpleNamespace
+
+    from policies.errors import EngineError
+    from policies.serve.decode import DecodeBatcher
+
+    vocab, poison = 16, 15
+
+    class Counter(torch.nn.Module):
+        """Greedy continues ``t → t + 1``; a row whose last token is ``poison`` gets NaN."""
+
+        def forward(
+            self,
+            ids: torch.Tensor,
+            cache: Any = None,
+            **_: object,  # a DynamicCache
+        ) -> SimpleNamespace:
+            b, t = ids.shape
+            new = torch.zeros(b, 1, t, 1)
+            keys = new if cache is None else torch.cat([cache.layers[0].keys, new], 2)
+            logits = torch.nn.functional.one_hot((ids + 1) % vocab, vocab).float() * 5
+            logits[ids == poison] = float("nan")
+            layer = SimpleNamespace(keys=keys, values=keys)
+            return SimpleNamespace(logits=logits, cache=SimpleNamespace(layers=[layer]))
+
+    sched = DecodeBatcher(Counter(), device=torch.device("cpu"), max_rows=8)
+    try:
+
+        def req(prompt: list[int]) -> GenerateRequest:
+            return GenerateRequest(prompt_token_ids=prompt, max_tokens=6, temperature=0.0)
+
+        sched.version = 0
+        with sched.quiesce("pause"):  # all four join at the same step boundary
+            good = [sched.submit(req([i]), 6, frozenset()) for i in (0, 3)]
+            nan = sched.submit(req([13]), 6, frozenset())  # samples 14, then 15, then NaN
+            bad_seed = req([1]).model_copy(update={"seed": 2**70})  # past the lane's check
+            seeded = sched.submit(bad_seed, 6, frozenset())
+        with pytest.raises(EngineError, match="NaN logits"):
+            nan.result(timeout=30)
+        with pytest.raises(EngineError, match="generation failed"):
+            seeded.result(timeout=30)
+        assert [f.result(timeout=30).choices[0].token_ids for f in good] == [
+            [1, 2, 3, 4, 5, 6],
+            [4, 5, 6, 7, 8, 9],
+        ]
+    finally:
+        sched.close()
+
+
+def test_the_lane_refuses_a_seed_outside_int64() -> None:
+    from pydantic import ValidationError
+
+    for seed in (2**63, -(2**63) - 1):
+        with pytest.raises(ValidationError, match="seed"):
+            bounded_request([1], seed=seed)
+    assert bounded_request([1], seed=-(2**63)).seed == -(2**63)

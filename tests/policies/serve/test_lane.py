@@ -161,6 +161,31 @@ async def test_a_malformed_pointer_is_logged_and_the_replica_keeps_serving(
         await _wait_version(s, url, 1)
 
 
+async def test_odd_sampling_fields_never_fail_the_requests_beside_them(board: Board) -> None:
+    odd = [
+        bounded_request(temperature=1e-300),
+        bounded_request(top_p=1e-300),
+        bounded_request(seed=2**64),
+        bounded_request(seed=-(2**63) - 1),
+    ]
+    good = [bounded_request(seed=i, max_tokens=16, temperature=1.0) for i in range(4)]
+    answers: dict[int, tuple[int, Any]] = {}
+    async with engine(board) as url, aiohttp.ClientSession() as s:
+
+        async def send(i: int, body: dict[str, Any]) -> None:
+            status, got, _ = await _post(s, f"{url}/v1/generate", body)
+            answers[i] = (status, got)
+
+        async with anyio.create_task_group() as tg:
+            for i, body in enumerate(good + odd):
+                tg.start_soon(send, i, body)
+        assert [answers[i][0] for i in range(len(good))] == [200] * len(good)
+        assert [answers[len(good) + i][0] for i in range(len(odd))] == [200, 200, 400, 400]
+        assert {answers[len(good) + i][1]["error"]["param"] for i in (2, 3)} == {"seed"}
+        async with s.get(f"{url}/health") as r:
+            assert r.status == 200
+
+
 async def test_auth_required_except_health(board: Board) -> None:
     async with engine(board, token="s3cret") as url, aiohttp.ClientSession() as s:
         status, body, _ = await _post(s, f"{url}/v1/generate", bounded_request())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import json
 import ssl
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from policies.serve.backends.standalone import serve_sidecar
 from policies.serve.server import tls_context
 from policies.serve.sidecar import Sidecar
 from tests.support.boards import engine
+from tests.support.raw_http import raw_http, raw_post
 
 pytestmark = pytest.mark.anyio
 cryptography = pytest.importorskip("cryptography")  # a dev dependency (self-signed certs)
@@ -129,3 +131,49 @@ async def test_board_credentials_never_logged(tmp_path: Path, tiny_model_dir: Pa
     events = {e["event"] for e in logs}
     assert {"sidecar_starting", "board_unreadable"} <= events
     assert SECRET not in repr(logs)
+
+
+HOSTILE = [
+    ("/v1/generate", b'{"prompt_token_ids": [1]}', b"Bearer \xff\xfe\xc3", 401, None),
+    ("/v1/generate", b"[" * 200_000 + b"]" * 200_000, b"Bearer tok", 400, None),
+    (
+        "/v1/generate",
+        b'{"prompt_token_ids": [1], "seed": ' + b"7" * 5000 + b"}",
+        b"Bearer tok",
+        400,
+        None,
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "hi \\ud800"}], "max_tokens": 2}',
+        b"Bearer tok",
+        400,
+        "messages.0.content",
+    ),
+    ("/v1/completions", b'{"prompt": "\\udfff", "max_tokens": 2}', b"Bearer tok", 400, "prompt"),
+    (
+        "/v1/completions",
+        b'{"prompt": ["ok", "\\ud83d"], "max_tokens": 2}',
+        b"Bearer tok",
+        400,
+        "prompt.1",
+    ),
+]
+
+
+async def test_hostile_bytes_get_4xx_json_errors(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from tests.support.boards import tiny_board
+
+    board = tiny_board(tmp_path, tiny_model_dir)
+    got: list[tuple[str, int, str, str | None]] = []
+    async with engine(board, token="tok") as url:
+        for path, body, auth, _, _ in HOSTILE:
+            status, headers, raw = await raw_http(url, raw_post(path, body, auth))
+            kind = headers.get("content-type", "").split(";")[0]
+            error = json.loads(raw)["error"] if kind == "application/json" else {}
+            assert kind != "application/json" or {"type", "message"} <= set(error)
+            got.append((path, status, kind, error.get("param")))
+        body = b'{"prompt_token_ids": [1], "max_tokens": 2}'
+        status, _, raw = await raw_http(url, raw_post("/v1/generate", body))
+        assert status == 200, raw[:200]
+    assert got == [(p, s, "application/json", param) for p, _, _, s, param in HOSTILE]
