@@ -5,26 +5,38 @@ namespace has only its own loopback, so no host service, no other machine and no
 reachable; the pid namespace shows only the run's own processes; uid/gid 65534 with every
 capability dropped and no_new_privs set (setuid binaries and `sudo` cannot raise privileges);
 /usr (and the /bin, /sbin, /lib* links or binds) plus a few loader files of /etc read-only,
-a synthesized /etc/passwd and /etc/group, a fresh /proc and a minimal /dev, both read-only
-roots; the work dir /work is a tmpfs capped at `tmpfs_mb` (/tmp links to it) holding only the
-run's files; an empty environment apart from PATH, HOME, TMPDIR and LANG. Nothing else of the
-host is mounted: not /root, /home, /work of the host, /tmp, /etc/shadow or /sys.
+a synthesized /etc/passwd and /etc/group, a fresh /proc and a minimal /dev, all three
+read-only; the work dir /work is a tmpfs capped at `tmpfs_mb` (/tmp links to it) holding only
+the run's files, with the `ro_binds` mounted after it (so binds under /work and /tmp show); an
+empty environment apart from PATH, HOME, TMPDIR and LANG. Nothing else of the host is mounted:
+not /root, /home, /work of the host, /tmp, /etc/shadow or /sys.
 
 Limits: rlimits (CPU, AS, NPROC, FSIZE, NOFILE, CORE) are applied by `prlimit` inside the
-namespace, so RLIMIT_NPROC counts only this run's processes; optional cgroups (see
-`cgroups.py`) cap the whole run's memory and processes; wall time and output size are enforced
-by `process.supervise`, which also guarantees no process outlives the run. When we are root on
-the host, bwrap itself is started as uid 65534 (unprivileged user namespace), so sandboxed
-processes are nobody on the host too and RLIMIT_NPROC binds.
+namespace, so RLIMIT_NPROC counts only this run's processes; bwrap itself starts under the CPU,
+AS, FSIZE and CORE ones (`prepare.init_rlimits`), so the namespace's init has them too. Every
+process of the run, init included, is under the seccomp filter of `syscalls.py` (no ptrace,
+no keyrings, no memfd or SysV shm without a cgroup, ...), and /proc is read-only, so the init —
+same uid, dumpable — cannot be attached to or written through /proc/1/mem. Optional cgroups
+(see `cgroups.py`) cap the whole run's memory and processes; wall time and output size are
+enforced by `process.supervise`, which also guarantees no process outlives the run. When we are
+root on the host, bwrap itself is started as uid 65534 (unprivileged user namespace), so
+sandboxed processes are nobody on the host too and RLIMIT_NPROC binds.
 
-Detected at `create` and refused or reported, never silently weakened: bwrap missing or unable
-to start (error naming `sandbox.backend` / `sandbox.allow_unsandboxed`), user namespaces
-unavailable to uid 65534 (then bwrap runs as the calling user, logged), no `--size` support
-(tmpfs uncapped, only RLIMIT_FSIZE per file; logged), no `--disable-userns` (nested user
-namespaces possible; logged).
+Requests: bwrap's options travel in a memfd (`--args`), so only the command's argv counts
+against the kernel's argument limits (checked before start, `prepare.checked_argv`); a run that
+bwrap could not set up (its `--json-status-fd` never reports the command's exit) raises
+`SandboxRequestError` with bwrap's message.
 
-Not covered: kernel exploits (no seccomp filter is installed), CPU/side-channel attacks,
-resource use of the shared kernel (page cache, inode tables), and anything `ro_binds` exposes.
+Detected at `create` and refused or reported, never silently weakened: bwrap missing, too old
+(no `--json-status-fd`) or unable to start (error naming `sandbox.backend` /
+`sandbox.allow_unsandboxed`), a `ro_binds` entry missing on the host, libseccomp missing,
+user namespaces unavailable to uid 65534 (then bwrap runs as the calling user, logged), no
+`--size` support (tmpfs uncapped, only RLIMIT_FSIZE per file; logged), no `--disable-userns`
+(nested user namespaces possible; logged).
+
+Not covered: kernel exploits through the syscalls the filter allows, CPU/side-channel attacks,
+resource use of the shared kernel (page cache, inode tables, socket and pipe buffers), and
+anything `ro_binds` exposes.
 """
 
 from __future__ import annotations
@@ -43,19 +55,28 @@ from sandbox.errors import SandboxUnavailableError
 from sandbox.prepare import (
     NOBODY,
     SANDBOX_PATH,
+    checked_argv,
     checked_files,
     host_identity,
+    init_rlimits,
     parent_dirs,
     prlimit_args,
 )
 from sandbox.process import Launch, supervise
-from sandbox.types import ExecResult, FileContent, Limits, SandboxConfig
+from sandbox.syscalls import SyscallFilterError, compile_filter, denied
+from sandbox.types import (
+    ETC_ENTRIES,
+    SYSTEM_DIRS,
+    WORKDIR,
+    ExecResult,
+    FileContent,
+    Limits,
+    SandboxConfig,
+    bind_target,
+)
 
 log = structlog.get_logger(__name__)
 
-WORKDIR = "/work"
-_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-_ETC_ENTRIES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime")
 _PASSWD = f"root:x:0:0:root:/:/usr/sbin/nologin\nnobody:x:{NOBODY}:{NOBODY}:nobody:/work:/bin/sh\n"
 _GROUP = f"root:x:0:\nnogroup:x:{NOBODY}:\n"
 _PROBE_TIMEOUT_S = 30.0
@@ -73,8 +94,8 @@ class BwrapFeatures:
     prlimit: str
 
 
-def _memfd(data: bytes, name: str) -> int:
-    fd = os.memfd_create(name, 0)
+def _memfd(data: bytes) -> int:
+    fd = os.memfd_create("sprawl-sandbox")
     try:
         _write_all(fd, data)
         os.lseek(fd, 0, os.SEEK_SET)
@@ -94,15 +115,31 @@ class BwrapSandbox:
     """`Sandbox` implemented with bubblewrap. Build with `create`; `run` is concurrency-safe."""
 
     def __init__(
-        self, config: SandboxConfig, features: BwrapFeatures, cgroups: CgroupHost | None
+        self,
+        config: SandboxConfig,
+        features: BwrapFeatures,
+        cgroups: CgroupHost | None,
+        seccomp: bytes,
     ) -> None:
         self.config = config
         self.features = features
         self.cgroups = cgroups
+        self.seccomp = seccomp
+        """The compiled syscall filter every process of a run is under (`syscalls.py`)."""
+        self._work_binds = [
+            str(PurePosixPath(target).relative_to(WORKDIR))
+            for target in map(bind_target, config.ro_binds)
+            if PurePosixPath(target).is_relative_to(WORKDIR)
+        ]
 
     @classmethod
     def create(cls, config: SandboxConfig) -> BwrapSandbox:
         """Find bwrap, check it can start a sandbox here, detect cgroups; raise if unusable."""
+        for path in config.ro_binds:
+            if not os.path.exists(path):
+                raise SandboxUnavailableError(
+                    f"sandbox.ro_binds entry {path!r} does not exist on this host"
+                )
         features = _detect_features(config)
         cgroups = detect() if config.cgroups != "off" else None
         if cgroups is None and config.cgroups == "required":
@@ -110,7 +147,16 @@ class BwrapSandbox:
                 "no writable cgroup hierarchy with memory and pids controllers; "
                 'set sandbox.cgroups = "auto" to run with rlimits only'
             )
-        sandbox = cls(config, features, cgroups)
+        try:
+            seccomp = compile_filter(denied(cgroup=cgroups is not None))
+        except SyscallFilterError as exc:
+            raise SandboxUnavailableError(
+                f"the sandbox's syscall filter cannot be built: {exc}; install the Debian "
+                "package libseccomp2 (scripts/install-system-deps.sh) and the pyseccomp "
+                'package, or set sandbox.backend = "unsandboxed" with '
+                "sandbox.allow_unsandboxed = true to run without isolation"
+            ) from exc
+        sandbox = cls(config, features, cgroups, seccomp)
         sandbox._probe()
         log.info(
             "sandbox.bwrap_ready",
@@ -123,25 +169,31 @@ class BwrapSandbox:
         return sandbox
 
     def _probe(self) -> None:
-        launch, fds = self._launch(["true"], [], self.config.limits(), info_w=None, cgroup=None)
+        launch = self._launch(["true"], [], self.config.limits(), cgroup=None, status=False)
         try:
             done = subprocess.run(
                 launch.command(),
                 env=dict(launch.env),
-                pass_fds=fds,
+                pass_fds=launch.pass_fds,
                 capture_output=True,
                 timeout=_PROBE_TIMEOUT_S,
                 check=False,
             )
         finally:
-            for fd in fds:
+            for fd in launch.pass_fds:
                 os.close(fd)
         if done.returncode != 0:
+            cause = (
+                "an entry of sandbox.ro_binds may not be readable by uid 65534, or user "
+                "namespaces may be disabled"
+                if self.config.ro_binds
+                else "user namespaces may be disabled"
+            )
             raise SandboxUnavailableError(
                 f"bubblewrap at {self.features.path} cannot start a sandbox here "
                 f"(exit {done.returncode}: {done.stderr.decode(errors='replace').strip()}); "
-                "user namespaces may be disabled (sysctl kernel.unprivileged_userns_clone, "
-                "user.max_user_namespaces, AppArmor restrict_unprivileged_userns). Fix the host, "
+                f"{cause} (sysctl kernel.unprivileged_userns_clone, user.max_user_namespaces, "
+                "AppArmor restrict_unprivileged_userns). Fix the host or the config, "
                 'or set sandbox.backend = "unsandboxed" with sandbox.allow_unsandboxed = true '
                 "to run without isolation"
             )
@@ -152,65 +204,78 @@ class BwrapSandbox:
         files: list[tuple[PurePosixPath, bytes]],
         limits: Limits,
         *,
-        info_w: int | None,
         cgroup: RunCgroup | None,
-    ) -> tuple[Launch, list[int]]:
-        """The launch spec and the descriptors it consumes (caller closes them on failure)."""
+        status: bool = True,
+    ) -> Launch:
+        """The launch spec; it owns every descriptor it opened (none is left on failure).
+
+        bwrap's options travel in a memfd (`--args`), so only the command's own argv counts
+        against the kernel's argument limits."""
         feats = self.features
         fds: list[int] = []
+        status_r: int | None = None
         try:
-            args = [feats.path, "--unshare-all", "--unshare-user", "--unshare-net"]
-            args += ["--uid", str(NOBODY), "--gid", str(NOBODY), "--hostname", "sandbox"]
-            args += ["--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv"]
-            for name in _SYSTEM_DIRS:
+            opts = ["--unshare-all", "--unshare-user", "--unshare-net"]
+            opts += ["--uid", str(NOBODY), "--gid", str(NOBODY), "--hostname", "sandbox"]
+            opts += ["--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv"]
+            for name in SYSTEM_DIRS:
                 if os.path.islink(name):
-                    args += ["--symlink", os.readlink(name), name]
+                    opts += ["--symlink", os.readlink(name), name]
                 elif os.path.isdir(name):
-                    args += ["--ro-bind", name, name]
-            args += ["--dir", "/etc"]
-            for entry in _ETC_ENTRIES:
+                    opts += ["--ro-bind", name, name]
+            opts += ["--dir", "/etc"]
+            for entry in ETC_ENTRIES:
                 if os.path.exists(f"/etc/{entry}"):
-                    args += ["--ro-bind", f"/etc/{entry}", f"/etc/{entry}"]
+                    opts += ["--ro-bind", f"/etc/{entry}", f"/etc/{entry}"]
             for target, text in (("/etc/passwd", _PASSWD), ("/etc/group", _GROUP)):
-                fds.append(_memfd(text.encode(), target))
-                args += ["--ro-bind-data", str(fds[-1]), target]
-            for bind in self.config.ro_binds:
-                args += ["--ro-bind", bind, bind]
-            args += ["--proc", "/proc", "--dev", "/dev"]
+                fds.append(_memfd(text.encode()))
+                opts += ["--ro-bind-data", str(fds[-1]), target]
+            opts += ["--proc", "/proc", "--dev", "/dev"]
             if feats.perms:
-                args += ["--perms", "0700"]
+                opts += ["--perms", "0700"]
             if feats.size:
-                args += ["--size", str(limits.tmpfs_mb << 20)]
-            args += ["--tmpfs", WORKDIR, "--symlink", WORKDIR, "/tmp"]
+                opts += ["--size", str(limits.tmpfs_mb << 20)]
+            opts += ["--tmpfs", WORKDIR, "--symlink", WORKDIR, "/tmp"]
             for directory in parent_dirs([path for path, _ in files]):
-                args += ["--dir", f"{WORKDIR}/{directory}"]
+                opts += ["--dir", f"{WORKDIR}/{directory}"]
             for relative, data in files:
-                fds.append(_memfd(data, relative.name))
-                args += ["--file", str(fds[-1]), f"{WORKDIR}/{relative}"]
-            args += ["--remount-ro", "/", "--remount-ro", "/dev", "--chdir", WORKDIR]
+                fds.append(_memfd(data))
+                opts += ["--file", str(fds[-1]), f"{WORKDIR}/{relative}"]
+            # After the work-dir tmpfs, so binds under /work and /tmp are not hidden by it.
+            for bind in self.config.ro_binds:
+                opts += ["--ro-bind", bind, bind_target(bind)]
+            # /proc read-only: /proc/1/mem of the namespace's init cannot be written.
+            opts += ["--remount-ro", "/", "--remount-ro", "/dev", "--remount-ro", "/proc"]
+            opts += ["--chdir", WORKDIR]
             env = {"PATH": SANDBOX_PATH, "HOME": WORKDIR, "TMPDIR": WORKDIR, "LANG": "C.UTF-8"}
             for key, value in env.items():
-                args += ["--setenv", key, value]
+                opts += ["--setenv", key, value]
             if feats.disable_userns:
-                args += ["--disable-userns"]
-            if info_w is not None:
-                fds.append(info_w)
-                args += ["--info-fd", str(info_w)]
-            args += ["--", feats.prlimit, *prlimit_args(limits), "--", *argv]
+                opts += ["--disable-userns"]
+            fds.append(_memfd(self.seccomp))
+            opts += ["--seccomp", str(fds[-1])]
+            if status:
+                status_r, status_w = os.pipe()
+                fds.append(status_w)
+                opts += ["--json-status-fd", str(status_w)]
+            fds.append(_memfd(b"".join(os.fsencode(opt) + b"\0" for opt in opts)))
+            args = [feats.path, "--args", str(fds[-1]), "--"]
+            args += [feats.prlimit, *prlimit_args(limits), "--", *argv]
         except BaseException:
-            for fd in fds:
+            for fd in fds if status_r is None else [*fds, status_r]:
                 os.close(fd)
             raise
         uid, gid = feats.host_identity or (None, None)
-        launch = Launch(
+        return Launch(
             argv=args,
             env={"PATH": SANDBOX_PATH},
             uid=uid,
             gid=gid,
+            rlimits=init_rlimits(limits),
             pass_fds=fds,
+            status_fd=status_r,
             cgroup=cgroup,
         )
-        return launch, fds
 
     async def run(
         self,
@@ -221,20 +286,16 @@ class BwrapSandbox:
         limits: Limits | None = None,
     ) -> ExecResult:
         """Run `argv` (looked up on the sandbox's PATH) in a fresh sandbox."""
-        if not argv:
-            raise ValueError("argv must not be empty")
+        argv = checked_argv(argv)
         limits = limits or self.config.limits()
-        checked = checked_files(files, limits)
+        checked = checked_files(files, limits, binds=self._work_binds)
         cgroup = RunCgroup(self.cgroups, limits) if self.cgroups is not None else None
-        info_r, info_w = os.pipe()
         try:
-            launch, _ = self._launch(argv, checked, limits, info_w=info_w, cgroup=cgroup)
+            launch = self._launch(argv, checked, limits, cgroup=cgroup)
         except BaseException:
-            os.close(info_r)
             if cgroup is not None:
                 await cgroup.close()
             raise
-        launch.info_fd = info_r
         return await supervise(launch, limits, stdin)
 
 
@@ -279,6 +340,12 @@ def _detect_features(config: SandboxConfig) -> BwrapFeatures:
             "the sandbox; install util-linux"
         )
     helptext = _help_text(path)
+    if "--json-status-fd" not in helptext:
+        raise SandboxUnavailableError(
+            f"bubblewrap at {path} is too old (no --json-status-fd); upgrade it, "
+            'or set sandbox.backend = "unsandboxed" with sandbox.allow_unsandboxed = true to '
+            "run without isolation"
+        )
     identity = host_identity()
     if identity is not None and not _userns_as_nobody(path):
         log.warning(

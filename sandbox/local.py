@@ -28,7 +28,7 @@ import structlog
 
 from sandbox.cgroups import CgroupHost, RunCgroup, detect
 from sandbox.errors import SandboxUnavailableError
-from sandbox.prepare import SANDBOX_PATH, checked_files, host_identity, rlimits
+from sandbox.prepare import SANDBOX_PATH, checked_argv, checked_files, host_identity, rlimits
 from sandbox.process import Launch, supervise
 from sandbox.types import ExecResult, FileContent, Limits, SandboxConfig
 
@@ -67,8 +67,7 @@ class UnsandboxedSandbox:
         limits: Limits | None = None,
     ) -> ExecResult:
         """Run `argv` in a fresh temporary directory, without isolation."""
-        if not argv:
-            raise ValueError("argv must not be empty")
+        argv = checked_argv(argv)
         limits = limits or self.config.limits()
         checked = checked_files(files, limits)
         workdir = Path(await anyio.to_thread.run_sync(tempfile.mkdtemp, None, "sprawl-sbx-"))
@@ -77,7 +76,7 @@ class UnsandboxedSandbox:
             cgroup = RunCgroup(self.cgroups, limits) if self.cgroups is not None else None
             uid, gid = self.identity or (None, None)
             launch = Launch(
-                argv=list(argv),
+                argv=argv,
                 env={"PATH": SANDBOX_PATH, "HOME": str(workdir), "TMPDIR": str(workdir)}
                 | {"LANG": "C.UTF-8"},
                 cwd=str(workdir),

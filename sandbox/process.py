@@ -6,8 +6,13 @@ Guarantees for every run, whatever the command does:
 - at most `max_output_bytes` of stdout + stderr are kept; the next byte kills the run;
 - at `wall_seconds` the run is killed; so is a run whose caller is cancelled;
 - when `supervise` returns, no process of the run is left: the outer process is reaped, the
-  namespace's init (for bwrap, announced on `--info-fd`) has exited — and a pid namespace's init
-  exits only after every other process in it — and the run's cgroup, if any, is empty.
+  namespace's init (for bwrap, announced on `--json-status-fd`) has exited — and a pid
+  namespace's init exits only after every other process in it — and the run's cgroup, if any,
+  is empty;
+- a run whose command never started because bwrap could not set it up or the launcher failed
+  (for bwrap: it exited 1 or 125 and never wrote an `exit-code` on its status fd, which only
+  bwrap writes, once the command was started) raises `SandboxRequestError` with their message
+  instead of passing off their exit status as the command's.
 
 What it only attempts: telling *why* the kernel stopped a command. SIGXCPU and SIGXFSZ deaths
 map to `cpu_time` and `file_size`, a cgroup OOM kill to `memory`; a command that handles those
@@ -31,15 +36,19 @@ import anyio
 from anyio.abc import ByteReceiveStream, Process
 
 from sandbox.cgroups import RunCgroup
+from sandbox.errors import SandboxRequestError
 from sandbox.types import ExecResult, KilledReason, Limits
 
 LAUNCHER = Path(__file__).with_name("_launch.py")
 _KILL_GRACE_S = 5.0
+_SETUP_FAILED = (1, 125)
+"""Exit statuses of a run that failed before its command: bwrap's set-up errors exit 1, the
+launcher's 125 (`_launch.LAUNCH_FAILED`). A bwrap killed by a signal is the run's data."""
 
 
 @dataclass
 class Launch:
-    """Everything `supervise` needs to start one run. Owns `pass_fds` and `info_fd`."""
+    """Everything `supervise` needs to start one run. Owns `pass_fds` and `status_fd`."""
 
     argv: Sequence[str]
     env: Mapping[str, str]
@@ -48,19 +57,20 @@ class Launch:
     gid: int | None = None
     rlimits: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     pass_fds: Sequence[int] = ()
-    info_fd: int | None = None
-    """Read end of bwrap's `--info-fd` pipe; its JSON names the namespace init's host pid."""
+    status_fd: int | None = None
+    """Read end of bwrap's `--json-status-fd` pipe: JSON lines naming the namespace init's host
+    pid (`child-pid`) and, once the command was started, its `exit-code`."""
     cgroup: RunCgroup | None = None
 
     def command(self) -> list[str]:
+        """The launcher's argv: its spec, then `argv` as separate arguments."""
         spec = {
             "cgroup_procs": self.cgroup.procs_files if self.cgroup else [],
             "rlimits": {name: list(pair) for name, pair in self.rlimits.items()},
             "uid": self.uid,
             "gid": self.gid,
-            "argv": list(self.argv),
         }
-        return [sys.executable, "-I", "-S", str(LAUNCHER), json.dumps(spec)]
+        return [sys.executable, "-I", "-S", str(LAUNCHER), json.dumps(spec), *self.argv]
 
 
 class _Budget:
@@ -77,41 +87,47 @@ class _Budget:
 
 
 class _Init:
-    """The namespace init's pidfd, once bwrap has announced it."""
+    """The namespace init's pidfd, once bwrap has announced it, and whether the command ran."""
 
-    def __init__(self, info_fd: int | None) -> None:
-        self.info_fd = info_fd
+    def __init__(self, status_fd: int | None) -> None:
+        self.status_fd = status_fd
         self.pidfd: int | None = None
+        self.command_started = False
         self._buffer = b""
 
     def _consume(self, data: bytes) -> None:
-        self._buffer += data
-        with contextlib.suppress(ValueError):
-            pid = int(json.loads(self._buffer)["child-pid"])
-            with contextlib.suppress(ProcessLookupError):
-                self.pidfd = os.pidfd_open(pid)
+        *lines, self._buffer = (self._buffer + data).split(b"\n")
+        for line in lines:
+            try:
+                status = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(status, dict):
+                continue
+            if "child-pid" in status and self.pidfd is None:
+                with contextlib.suppress(ProcessLookupError):
+                    self.pidfd = os.pidfd_open(int(status["child-pid"]))
+            self.command_started |= "exit-code" in status
+
+    def _read(self) -> bytes | None:
+        """What the status fd has now (b"" at its end), or None when it would block."""
+        assert self.status_fd is not None
+        try:
+            data = os.read(self.status_fd, 4096)
+        except BlockingIOError:
+            return None
+        self._consume(data)
+        return data
 
     async def watch(self) -> None:
-        if self.info_fd is None:
-            return
-        while self.info_fd is not None and self.pidfd is None:
-            await anyio.wait_readable(self.info_fd)
-            if not self._read_some():
+        while self.status_fd is not None and self.pidfd is None:
+            await anyio.wait_readable(self.status_fd)
+            if self._read() == b"":
                 return
 
-    def _read_some(self) -> bool:
-        assert self.info_fd is not None
-        try:
-            data = os.read(self.info_fd, 4096)
-        except BlockingIOError:
-            return True
-        if data:
-            self._consume(data)
-        return bool(data)
-
     def drain(self) -> None:
-        """Read what is left without blocking (the writer is gone by now)."""
-        while self.info_fd is not None and self.pidfd is None and self._read_some():
+        """Read what is left without blocking (the writer, bwrap, is gone by now)."""
+        while self.status_fd is not None and self._read():
             pass
 
     def kill(self) -> None:
@@ -124,10 +140,10 @@ class _Init:
             await anyio.wait_readable(self.pidfd)
 
     def close(self) -> None:
-        for fd in (self.info_fd, self.pidfd):
+        for fd in (self.status_fd, self.pidfd):
             if fd is not None:
                 os.close(fd)
-        self.info_fd = self.pidfd = None
+        self.status_fd = self.pidfd = None
 
 
 def _exit_status(returncode: int) -> int:
@@ -174,9 +190,9 @@ async def _kill_everything(process: Process, init: _Init, cgroup: RunCgroup | No
 
 async def supervise(launch: Launch, limits: Limits, stdin: bytes | None) -> ExecResult:
     """Run `launch` under `limits`; see the module docstring for what is guaranteed."""
-    init = _Init(launch.info_fd)
-    if launch.info_fd is not None:
-        os.set_blocking(launch.info_fd, False)
+    init = _Init(launch.status_fd)
+    if launch.status_fd is not None:
+        os.set_blocking(launch.status_fd, False)
     started = time.monotonic()
     try:
         process = await anyio.open_process(
@@ -230,6 +246,12 @@ async def supervise(launch: Launch, limits: Limits, stdin: bytes | None) -> Exec
             if launch.cgroup is not None:
                 await launch.cgroup.close()
         init.close()
+    setup_failed = process.returncode in _SETUP_FAILED and not init.command_started
+    if reason is None and launch.status_fd is not None and setup_failed:
+        raise SandboxRequestError(
+            "the sandbox could not set up this run, so its command never started: "
+            + err.decode("utf-8", errors="replace").strip()
+        )
     exit_code: int | None = None
     if reason is None:
         assert process.returncode is not None

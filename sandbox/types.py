@@ -8,6 +8,9 @@ this module without pulling in torch or the process machinery.
   and callers override single fields with `dataclasses.replace`.
 - `ExecResult` is what every run returns. A run that hit a limit is *data*, not an exception:
   `killed_reason` says which limit, `exit_code` is `None` when the sandbox killed the command.
+- `WORKDIR`, `SANDBOX_MOUNTS` and `checked_binds` describe where the bwrap backend mounts
+  things, so a `ro_binds` entry that would be hidden, replace one of them or overlap another
+  fails when the config is loaded.
 - `Sandbox` is the backend protocol: bubblewrap and the unsandboxed fallback implement it here,
   and a remote sandbox (HTTP service, VM pool) only has to implement the same `run`.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -31,6 +35,70 @@ CgroupMode = Literal["auto", "off", "required"]
 
 FileContent = str | bytes
 """A file to place in the work dir; `str` is written as UTF-8."""
+
+WORKDIR = "/work"
+"""The run's work dir inside the bwrap sandbox (a tmpfs); `/tmp` links to it."""
+
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+"""Host directories (or links) the bwrap backend shows read-only where they exist."""
+
+ETC_ENTRIES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime")
+"""Host files of /etc the bwrap backend shows read-only (passwd and group are synthesized)."""
+
+SANDBOX_MOUNTS = (
+    *SYSTEM_DIRS,
+    *(f"/etc/{entry}" for entry in (*ETC_ENTRIES, "passwd", "group")),
+    *("/proc", "/dev", WORKDIR, "/tmp"),
+)
+"""What the bwrap backend itself mounts; a `ro_binds` entry may not replace or repeat these."""
+
+
+def bind_target(path: str) -> str:
+    """Where the bwrap backend mounts the `ro_binds` entry `path`: the same place, with `/tmp/x`
+    at `/work/x` (inside the sandbox `/tmp` is a link to the work dir)."""
+    return WORKDIR + path[len("/tmp") :] if path.startswith("/tmp/") else path
+
+
+def _within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def checked_binds(paths: Sequence[str]) -> None:
+    """Raise `ValueError` naming `sandbox.ro_binds` unless every entry can be mounted as asked:
+    absolute and normalized, not replacing or inside what the sandbox mounts itself (binds in
+    the work dir and `/tmp` are fine), and no two landing in the same place or one in another."""
+    seen: dict[str, str] = {}
+    for path in paths:
+        if "\0" in path:
+            raise ValueError(f"sandbox.ro_binds entry {path!r} contains a NUL byte")
+        if not path.startswith("/"):
+            raise ValueError(f"sandbox.ro_binds entries must be absolute paths: {path!r}")
+        if str(PurePosixPath(path)) != path or ".." in path.split("/") or path.startswith("//"):
+            raise ValueError(
+                f"sandbox.ro_binds entry {path!r} is not normalized (no trailing '/', '.', "
+                "'..' or '//'); write it as the plain absolute path"
+            )
+        target = bind_target(path)
+        for mount in SANDBOX_MOUNTS:
+            if _within(mount, target):
+                raise ValueError(
+                    f"sandbox.ro_binds entry {path!r} would replace the sandbox's own {mount}"
+                )
+            if mount not in (WORKDIR, "/tmp") and _within(target, mount):
+                where = "inside" if mount in ("/proc", "/dev") else "already visible inside"
+                raise ValueError(
+                    f"sandbox.ro_binds entry {path!r} is {where} the sandbox's own {mount}; drop it"
+                )
+        for other_target, other in seen.items():
+            if target == other_target:
+                kind = "twice" if path == other else f"in the same place as {other!r}"
+                raise ValueError(f"sandbox.ro_binds entry {path!r} is listed {kind}")
+            if _within(target, other_target) or _within(other_target, target):
+                raise ValueError(
+                    f"sandbox.ro_binds entries {other!r} and {path!r} overlap (one is inside "
+                    "the other); keep the outer one"
+                )
+        seen[target] = path
 
 
 @dataclass(frozen=True)
@@ -77,7 +145,9 @@ class SandboxConfig(BaseModel):
     python: str = "/usr/bin/python3"
     """Interpreter `run_python` uses; it must be visible inside the sandbox (see `ro_binds`)."""
     ro_binds: tuple[str, ...] = ()
-    """Extra absolute host paths bound read-only at the same place (e.g. a virtualenv)."""
+    """Extra absolute host paths bound read-only at the same place (e.g. a virtualenv; `/tmp/x`
+    appears at `/work/x`, which `/tmp` links to). Entries may not overlap each other or what
+    the sandbox mounts itself; files of a run may not lie inside one."""
     cgroups: CgroupMode = "auto"
     """`auto`: add cgroup memory and pids limits where a writable hierarchy exists; `off`;
     `required`: fail pool creation without one."""
@@ -103,9 +173,7 @@ class SandboxConfig(BaseModel):
                 'sandbox.backend = "unsandboxed" runs code with no isolation; '
                 "set sandbox.allow_unsandboxed = true to confirm"
             )
-        for path in self.ro_binds:
-            if not path.startswith("/"):
-                raise ValueError(f"sandbox.ro_binds entries must be absolute paths: {path!r}")
+        checked_binds(self.ro_binds)
         return self
 
     def limits(self) -> Limits:
