@@ -4,7 +4,8 @@
     orchestrate init-model --out DIR [--size tiny|small] [--seed N] [--sft-steps N]
                            [--chat-template FILE [--tool-parser NAME]]
     orchestrate serve (--model DIR | --board URL [--run NAME]) [--port P] [--host H]
-                      [--device cpu|cuda] [--token T]
+                      [--device cpu|cuda] [--token T] [--header-timeout S] [--idle-timeout S]
+                      [--body-timeout S] [--max-connections N]
     orchestrate versions --board URL [--run NAME] [--json]
     orchestrate materialize --board URL [--run NAME] --version N --out DIR
     orchestrate bench codec|engine|sync|sparsity|scheduler|async [...]
@@ -145,7 +146,15 @@ def _serve(argv: list[str]) -> int:
         help="exit when stdin closes (used by the local fleet)",
     )
     parser.add_argument("--log-format", choices=["auto", "pretty", "json"], default="auto")
+    from policies.serve.connections import add_limit_flags, limits_from
+
+    add_limit_flags(parser)
     args = parser.parse_args(argv)
+    limits = limits_from(parser, args)
+    if not 0 <= args.port <= 65535:
+        parser.error(f"argument --port: {args.port} is not a port (0-65535; 0 picks a free one)")
+    if not 0 < args.poll_interval < float("inf"):
+        parser.error(f"argument --poll-interval: {args.poll_interval} is not a positive number")
     configure(args.log_format)
     from policies.serve.server import serve_board, serve_model, tls_context
 
@@ -155,13 +164,13 @@ def _serve(argv: list[str]) -> int:
         if args.model is not None:
             await serve_model(
                 args.model, host=args.host, port=args.port, device=args.device,
-                token=args.token, tls=tls, task_status=task_status,
+                token=args.token, tls=tls, limits=limits, task_status=task_status,
             )  # fmt: skip
         else:
             await serve_board(
                 args.board, args.run, host=args.host, port=args.port, device=args.device,
                 token=args.token, poll_interval_s=args.poll_interval,
-                activation=args.activation, tls=tls, task_status=task_status,
+                activation=args.activation, tls=tls, limits=limits, task_status=task_status,
             )  # fmt: skip
 
     async def main() -> None:
@@ -228,6 +237,15 @@ def _delegate(module: str) -> Callable[[list[str]], int]:
 
 
 USER_ERRORS = (SprawlError,)
+PATH_ERRORS = (
+    FileNotFoundError,
+    FileExistsError,
+    IsADirectoryError,
+    NotADirectoryError,
+    PermissionError,
+)
+"""A path given on the command line (or in a config) that is missing, of the wrong kind or not
+accessible: reported in one line naming the path, like a :data:`USER_ERRORS` error."""
 
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
@@ -254,11 +272,25 @@ def main(argv: list[str] | None = None) -> int:
         return command(argv[1:]) if command else _run(argv)
     except BaseException as exc:
         leaves = _leaves(exc)
-        if not all(isinstance(e, USER_ERRORS) for e in leaves):
+        if not all(_user_error(e) for e in leaves):
             raise
         for leaf in leaves:
-            sys.stderr.write(f"orchestrate: error: {leaf}\n")
+            sys.stderr.write(f"orchestrate: error: {_describe(leaf)}\n")
         return 2
+
+
+def _user_error(exc: BaseException) -> bool:
+    return isinstance(exc, USER_ERRORS) or (
+        isinstance(exc, PATH_ERRORS) and exc.filename is not None
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    """One line: a user error's message, or ``PATH: what is wrong with it``."""
+    if isinstance(exc, PATH_ERRORS) and not isinstance(exc, USER_ERRORS):
+        other = f" → {exc.filename2}" if exc.filename2 is not None else ""
+        return f"{exc.filename}{other}: {exc.strerror or type(exc).__name__}"
+    return str(exc)
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:

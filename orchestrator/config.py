@@ -265,8 +265,9 @@ class AdminConfig(_Section):
     """Address the admin API binds."""
     port: int = Field(default=0, ge=0, le=65535)
     """Port of the admin API; 0 picks a free one (written to ``<run dir>/admin.json``)."""
-    token: str | None = None
-    """Bearer token the admin API requires (every route but /health)."""
+    token: str | None = Field(default=None, min_length=1)
+    """Bearer token the admin API requires (every route but /health); unset: a random one per
+    run. Either way it is written with the URL to ``<run dir>/admin.json`` (mode 0600)."""
 
 
 class LogConfig(_Section):

@@ -1,4 +1,9 @@
-"""``orchestrate fleet add|remove|list --orchestrator URL``: the admin API's client."""
+"""``orchestrate fleet add|remove|list --orchestrator URL|RUN_DIR``: the admin API's client.
+
+The admin API always requires its bearer token. The token sent is ``--token``, else
+``$SPRAWL_ADMIN_TOKEN``, else the one in the run directory's ``admin.json`` (when
+``--orchestrator`` names a run directory, which also gives the URL).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +31,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--orchestrator",
         required=True,
-        help="admin API URL, or a run directory (its admin.json names the URL)",
+        help="admin API URL, or a run directory (its admin.json names the URL and token)",
     )
     parser.add_argument(
         "--token",
         default=os.environ.get("SPRAWL_ADMIN_TOKEN"),
-        help="admin bearer token (default: $SPRAWL_ADMIN_TOKEN)",
+        help="admin bearer token (default: $SPRAWL_ADMIN_TOKEN, else the run dir's admin.json)",
     )
     parser.add_argument("--id", help="endpoint id (add, remove)")
     parser.add_argument("--url", help="endpoint base URL (add)")
@@ -51,8 +57,10 @@ def main(argv: list[str]) -> int:
 
 
 async def _call(args: argparse.Namespace) -> dict[str, Any]:
-    base = admin_url(args.orchestrator)
-    headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
+    address = admin_address(args.orchestrator)
+    base = address.url
+    token = args.token or address.token
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     if args.action == "list":
         method, url, body = "GET", f"{base}/v1/fleet", None
     elif args.action == "add":
@@ -69,23 +77,41 @@ async def _call(args: argparse.Namespace) -> dict[str, Any]:
         ):
             payload: dict[str, Any] = await r.json(content_type=None)
             if r.status >= 400:
+                hint = ""
+                if r.status == 401:
+                    hint = (
+                        " (pass --token or set $SPRAWL_ADMIN_TOKEN, or give --orchestrator the "
+                        "run directory, whose admin.json holds the token)"
+                    )
                 raise SprawlError(
                     f"{method} {url}: HTTP {r.status}: "
-                    f"{payload.get('error', {}).get('message', payload)}"
+                    f"{payload.get('error', {}).get('message', payload)}{hint}"
                 )
             return payload
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise SprawlError(f"cannot reach the orchestrator at {base}: {exc}") from exc
 
 
-def admin_url(target: str) -> str:
-    """The admin API URL from a URL or from a run directory's ``admin.json``."""
+@dataclass(frozen=True)
+class AdminAddress:
+    """Where the admin API listens, and its token when the run directory's file gave it."""
+
+    url: str
+    token: str | None = None
+
+
+def admin_address(target: str) -> AdminAddress:
+    """The admin API from a URL, or from a run directory's ``admin.json``."""
     if target.startswith(("http://", "https://")):
-        return target.rstrip("/")
+        return AdminAddress(target.rstrip("/"))
     path = Path(target) / "admin.json"
     try:
-        return str(json.loads(path.read_text())["url"]).rstrip("/")
-    except (FileNotFoundError, KeyError, ValueError) as exc:
+        written = json.loads(path.read_text())
+        token = written.get("token")
+        return AdminAddress(
+            str(written["url"]).rstrip("/"), str(token) if token is not None else None
+        )
+    except (OSError, KeyError, ValueError, AttributeError) as exc:
         msg = f"--orchestrator {target}: not a URL, and {path} is unreadable: {exc}"
         raise SprawlError(msg) from None
 

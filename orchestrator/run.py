@@ -15,7 +15,6 @@ its environment's staleness rule.
 
 from __future__ import annotations
 
-import json
 import shutil
 import signal
 import time
@@ -360,11 +359,11 @@ class _Loop:
                             host=cfg.admin.host,
                             port=cfg.admin.port,
                             token=cfg.admin.token,
+                            admin_file=cfg.run_dir / "admin.json",
                             metrics=metrics,
                             task_status=task_status,
                         )
                     )
-                    (cfg.run_dir / "admin.json").write_text(json.dumps({"url": url}))
                     log.info("admin_api", url=url)
                 await rl_loop(
                     self.scheduler,

@@ -22,6 +22,11 @@ class VersionCorrupt(BoardError):
     """A version's bytes do not match its manifest (torn, truncated or corrupted)."""
 
 
+class BoardFormatError(BoardError):
+    """A version was written in a manifest format this sprawl does not read (an older or a newer
+    sprawl wrote it); the message says how to proceed."""
+
+
 class PointerMalformed(BoardError):
     """A run's ``POINTER`` does not name a version (not JSON, or no integer version in range)."""
 

@@ -77,8 +77,8 @@ class ThrottledBoard(Board):
         super().__init__(url, run)
         self.link = link
 
-    def _read(self, path: str) -> bytes:
-        data = super()._read(path)
+    def _read(self, path: str, limit: int) -> bytes:
+        data = super()._read(path, limit)
         self.link.carry(len(data))
         return data
 

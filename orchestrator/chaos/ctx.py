@@ -189,10 +189,9 @@ class Ctx:
             await poll(where.exists)
         if not where.exists():
             raise ChaosError(f"the admin API did not come up within 120 s ({where})")
-        url = json.loads(where.read_text())["url"]
-        headers = (
-            {"Authorization": f"Bearer {self.cfg.admin.token}"} if self.cfg.admin.token else {}
-        )
+        written = json.loads(where.read_text())
+        url = written["url"]
+        headers = {"Authorization": f"Bearer {written['token']}"}
         try:
             async with (
                 aiohttp.ClientSession() as s,

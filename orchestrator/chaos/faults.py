@@ -22,6 +22,7 @@ from orchestrator.chaos.ctx import ChaosError, Ctx, poll
 from orchestrator.chaos.link import FaultyLink, LinkMode
 from orchestrator.record.events import read_events
 from orchestrator.record.frames import iter_records
+from policies.board.types import MAX_POINTER_BYTES
 
 Inject = Callable[[Ctx], Awaitable[None]]
 Evidence = Callable[["Seen"], str | None]
@@ -207,7 +208,7 @@ async def _dangling_pointer(ctx: Ctx) -> None:
     board = ctx.board
 
     def named() -> int | None:
-        raw = board.store.read(pointer)
+        raw = board.store.read(pointer, MAX_POINTER_BYTES)
         return int(json.loads(raw)["version"])
 
     def point(version: int) -> None:

@@ -1,7 +1,7 @@
 """The orchestrator's admin API: elastic fleet membership while a run goes on.
 
-Routes (JSON; every route but ``/health`` requires ``Authorization: Bearer <token>`` when
-``admin.token`` is set):
+Routes (JSON; every route but ``/health`` requires ``Authorization: Bearer <token>``, always:
+``admin.token``, or when that is unset a random token made for this run):
 
 - ``GET /v1/fleet`` — every endpoint: id, url, weight, applied version, health, outstanding
   calls, concurrency limit, breaker state, calls served per version;
@@ -12,16 +12,25 @@ Routes (JSON; every route but ``/health`` requires ``Authorization: Bearer <toke
   health per endpoint, trainer version, admissions, decisions — see
   :mod:`orchestrator.observe.metrics`).
 
-Every refused request gets a 4xx JSON body ``{"error": {"type", "message", "param"}}``: a wrong
-or undecodable token (401), a body that is not usable JSON (not UTF-8, nested too deep, an
-integer of more than 64 digits, a lone surrogate in a string) or a bad field (400).
+Every refused request gets a 4xx JSON body ``{"error": {"type", "message", "param"}}``: a
+missing, wrong or undecodable token (401 ``unauthorized``), a body that is not usable JSON (not
+UTF-8, nested too deep, an integer of more than 64 digits, a lone surrogate in a string) or a bad
+field (400).
 
-``orchestrate fleet add|remove|list --orchestrator URL`` is the client.
+Once it listens, :func:`serve_admin` writes ``admin.json`` (``{"url", "token"}``) into the run
+directory, readable by its owner only (mode 0600, replaced atomically): that file is how
+``orchestrate fleet add|remove|list --orchestrator RUN_DIR`` (the client,
+:mod:`orchestrator.fleet_cli`) finds the API and its token.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import secrets
+import tempfile
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 import anyio
@@ -66,13 +75,30 @@ def describe(ep: Endpoint) -> dict[str, Any]:
     }
 
 
-def _error(status: int, message: str, param: str | None = None) -> web.Response:
-    body = {"error": {"type": "invalid_request_error", "message": message, "param": param}}
-    return web.json_response(body, status=status)
+def _error(
+    status: int, message: str, param: str | None = None, type_: str = "invalid_request_error"
+) -> web.Response:
+    body = {"error": {"type": type_, "message": message, "param": param}}
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return web.json_response(body, status=status, headers=headers)
+
+
+def write_admin_file(path: Path, url: str, token: str) -> None:
+    """``{"url", "token"}`` into ``path``, mode 0600 from the start, replacing it atomically."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # created 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"url": url, "token": token}, f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 class AdminApp:
-    def __init__(self, pool: Pool, token: str | None, metrics: Exposition | None = None) -> None:
+    """The routes, behind the bearer ``token``."""
+
+    def __init__(self, pool: Pool, token: str, metrics: Exposition | None = None) -> None:
         self.pool = pool
         self.token = token
         self.metrics = metrics
@@ -90,12 +116,10 @@ class AdminApp:
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         given = request.headers.get("Authorization", "")
-        if (
-            self.token is not None
-            and request.path != "/health"
-            and not bearer_matches(given, self.token)
-        ):
-            return _error(401, "missing or wrong bearer token")
+        if request.path != "/health" and not bearer_matches(given, self.token):
+            return _error(
+                401, "missing or wrong bearer token (see admin.json)", type_="unauthorized"
+            )
         return await handler(request)
 
     async def list(self, _request: web.Request) -> web.Response:
@@ -139,17 +163,22 @@ async def serve_admin(
     host: str,
     port: int,
     token: str | None,
+    admin_file: Path,
     metrics: Exposition | None = None,
     task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the admin API until cancelled; ``started`` with its base URL."""
+    """Serve the admin API until cancelled; ``started`` with its base URL once ``admin_file``
+    names it and its token (``token``, or a random one when None)."""
+    token = token or secrets.token_urlsafe(32)
     app = AdminApp(pool, token, metrics).app
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)
         await site.start()
-        task_status.started(f"http://{host}:{runner.addresses[0][1]}")
+        url = f"http://{host}:{runner.addresses[0][1]}"
+        await anyio.to_thread.run_sync(write_admin_file, admin_file, url, token)
+        task_status.started(url)
         await anyio.sleep_forever()
     finally:
         with anyio.CancelScope(shield=True):

@@ -18,7 +18,8 @@ decision}`` (power-of-two buckets of the group's longest episode: ``0-1``, ``2``
 ``length_bias_z{axis}`` (the long-vs-short z statistic), ``length_bias{axis}`` (1 while the test
 fires; a ``length_bias`` warning is logged once per crossing) and ``groups_requeued_total``.
 
-Not covered: authentication on ``/metrics`` (bind it to a private interface).
+``/metrics`` needs the admin API's bearer token like its other routes (a Prometheus scrape job
+sets it from ``<run dir>/admin.json``).
 """
 
 from __future__ import annotations

@@ -2,9 +2,14 @@
 
     orchestrate inspect LOG [--episode ID] [--limit N] [--width W]
 
+``LOG`` is a run directory (``runs/NAME``), its ``trajectories/`` log directory, or any of the
+run's log files (``trajectories/episodes-*.jsonl.zst``, ``batches-*``, ``run.json``,
+``events/events-*.jsonl.zst``): a file stands for the log it belongs to. Anything else is a
+one-line error saying what is expected (:func:`resolve_log`).
+
 Without ``--episode``: an overview (episodes, groups kept/dropped, stop reasons, lag histogram,
 calls per endpoint and version), one row per trainer step, and the first ``--limit`` episodes;
-given a run directory, also the exactly-once accounting of its groups
+when the log belongs to a run directory, also the exactly-once accounting of its groups
 (:func:`orchestrator.record.accounting.account`) and every violation of it.
 With ``--episode ID``: that episode's header (task, reward and its components, stop reason,
 staleness decision, duration) and its chat transcript — each role, each assistant turn stamped
@@ -25,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
 from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
@@ -32,6 +38,7 @@ from rich.text import Text
 
 from orchestrator.errors import TrajlogError
 from orchestrator.record.accounting import Accounting, account
+from orchestrator.record.frames import PART_SUFFIX, parts
 from orchestrator.record.trajlog import BatchRecord, EpisodeRecord, batch_records, episode_records
 
 ROLE_STYLE = {"system": "dim", "user": "bold cyan", "assistant": "bold green", "tool": "yellow"}
@@ -203,21 +210,41 @@ def main(argv: list[str], console: Console | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="orchestrate inspect", description="Summarize a trajectory log or show one episode."
     )
-    parser.add_argument("log", type=Path, help="a trajectory log directory (or run directory)")
+    parser.add_argument("log", type=Path, help=f"what to read: {EXPECTED}")
     parser.add_argument("--episode", help="render this episode as a transcript")
-    parser.add_argument("--limit", type=int, default=20, help="episodes listed in the summary")
-    parser.add_argument("--width", type=int, default=None, help="console width")
+    parser.add_argument(
+        "--limit", type=int, default=20, help="episodes listed in the summary (≥ 0)"
+    )
+    parser.add_argument("--width", type=int, default=None, help="console width (≥ 20)")
     args = parser.parse_args(argv)
+    if args.limit < 0:
+        parser.error(f"argument --limit: {args.limit} is negative")
+    if args.width is not None and args.width < 20:
+        parser.error(f"argument --width: {args.width} is narrower than 20 columns")
     path = resolve_log(args.log)
     console = console or Console(width=args.width)
-    records = episode_records(path)
+    records, batches = read_log(path)
     if args.episode:
         render_episode(find_episode(records, args.episode), console)
     else:
-        render_summary(records, batch_records(path), console, args.limit)
-        if (args.log / "events").is_dir():  # a run directory: check the exactly-once rule too
-            render_accounting(account(args.log), console)
+        render_summary(records, batches, console, args.limit)
+        if (path.parent / "events").is_dir():  # a run directory: check the exactly-once rule
+            render_accounting(account(path.parent), console)
     return 0
+
+
+def read_log(path: Path) -> tuple[list[EpisodeRecord], list[BatchRecord]]:
+    """The episode and batch records of the log directory ``path``; a record this sprawl's
+    schema does not read is a :class:`TrajlogError` naming the log and the first field."""
+    try:
+        return episode_records(path), batch_records(path)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False, include_input=False)[0]
+        where = ".".join(map(str, first["loc"])) or "record"
+        raise TrajlogError(
+            f"{path}: not a trajectory log this sprawl reads ({exc.error_count()} problems in "
+            f"{exc.title} records, first {where}: {first['msg']})"
+        ) from None
 
 
 def render_accounting(acc: Accounting, console: Console) -> None:
@@ -232,10 +259,28 @@ def render_accounting(acc: Accounting, console: Console) -> None:
         console.print(f"  [red]{problem}[/red]")
 
 
+EXPECTED = (
+    "a run directory (e.g. runs/demo), its trajectories/ directory, or one of its log files "
+    "(trajectories/episodes-*.jsonl.zst, batches-*.jsonl.zst, run.json, events/events-*.jsonl.zst)"
+)
+
+
 def resolve_log(path: Path) -> Path:
-    """A log directory from a run directory or a log directory."""
+    """The trajectory log directory ``path`` names (see the module docstring: a run directory,
+    a log directory, or a file of either); :class:`TrajlogError` saying what is expected
+    otherwise."""
+    if path.is_file():
+        stream = path.name.split("-", 1)[0] if path.name.endswith(PART_SUFFIX) else None
+        if stream in ("episodes", "batches") or path.name == "run.json":
+            path = path.parent
+        elif stream == "events" and path.parent.name == "events":
+            path = path.parent.parent
+        else:
+            raise TrajlogError(f"{path} is not a trajectory log file: give {EXPECTED}")
     if (path / "trajectories").is_dir():
         return path / "trajectories"
     if not path.exists():
         raise TrajlogError(f"{path}: no such trajectory log")
+    if not (parts(path, "episodes") or parts(path, "batches") or (path / "run.json").exists()):
+        raise TrajlogError(f"{path} holds no trajectory log: give {EXPECTED}")
     return path

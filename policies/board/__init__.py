@@ -7,8 +7,9 @@ Public surface (lazily imported, so ``policies.board.types`` stays torch-free):
 
 Modules: :mod:`~policies.board.publish` (writing versions), :mod:`~policies.board.read`
 (reading, catch-up, materializing), :mod:`~policies.board.plan` (which patches and anchors,
-pure), :mod:`~policies.board.store` (the fsspec store), :mod:`~policies.board.types` (manifests
-and options), :mod:`~policies.board.cli` (``orchestrate versions`` / ``materialize``),
+pure), :mod:`~policies.board.manifest` (a manifest's digest, seal and base-file records),
+:mod:`~policies.board.store` (the fsspec store), :mod:`~policies.board.types` (manifests and
+options), :mod:`~policies.board.cli` (``orchestrate versions`` / ``materialize``),
 :mod:`~policies.board.failpoints` (fault injection for the chaos harness, inert by default).
 """
 

@@ -1,7 +1,7 @@
 from .publish import Board
-from .read import BASE_FILES, MANIFEST, WEIGHTS, BoardReader, anchor_payload
+from .read import MANIFEST, WEIGHTS, BoardReader, anchor_payload
 from .store import redact
-from .types import BoardOptions, CatchUp, Manifest, PatchRef, Step, TensorEntry
+from .types import BASE_FILES, BoardOptions, CatchUp, Manifest, PatchRef, Step, TensorEntry
 
 __all__ = [
     "BASE_FILES",

@@ -43,7 +43,8 @@ import gguf
 import torch
 from gguf import MODEL_ARCH, MODEL_TENSOR, TENSOR_NAMES, GGMLQuantizationType, TokenType
 
-from policies.board.read import BASE_FILES, BoardReader
+from policies.board.read import BoardReader
+from policies.board.types import BASE_FILES
 from policies.errors import ExportError
 
 MatrixDtype = Literal["f32", "bf16"]
@@ -96,17 +97,6 @@ def gguf_tensor_name(hf_name: str, n_layers: int) -> str:
 def base_files(directory: Path) -> dict[str, bytes]:
     """The base files present in ``directory`` (an HF model dir or a board's ``base/`` copy)."""
     return {n: (directory / n).read_bytes() for n in BASE_FILES if (directory / n).exists()}
-
-
-def board_base_files(board: BoardReader) -> dict[str, bytes]:
-    """The base files of ``board``'s run."""
-    out: dict[str, bytes] = {}
-    for name in BASE_FILES:
-        try:
-            out[name] = board.read_base(name)
-        except FileNotFoundError:
-            continue
-    return out
 
 
 def _json(base: Mapping[str, bytes], name: str) -> dict[str, Any]:
@@ -315,11 +305,13 @@ def export_gguf(
 def materialize_gguf(
     board: BoardReader, version: int, out: Path, *, matrix_dtype: MatrixDtype = "f32"
 ) -> Path:
-    """Write ``version`` of ``board`` (verified, anchor + patches) as the GGUF file ``out``."""
-    _, view = board.load(version)
+    """Write ``version`` of ``board`` (verified, anchor + patches, and its base files) as the
+    GGUF file ``out``."""
+    base = board.base_files()
+    _, view = board.load(version)  # refused unless it records these base files
     return export_gguf(
         view,
-        board_base_files(board),
+        base,
         out,
         matrix_dtype=matrix_dtype,
         name=gguf_name(board.run, version),

@@ -15,7 +15,9 @@ would pass ``anchor_fraction`` of a full view, or the publisher does not hold th
 an anchor version also stores its patches, so replicas one version behind never fetch it whole.
 The publisher keeps the views it will patch from in memory (at most ``catchup_levels + 1``; it
 holds references, so callers must not modify a view after publishing it) and never re-reads the
-board to publish.
+board to publish (only ``base/``, once, when :meth:`Board.create` was not called). Every
+manifest records the run's base files (size and checksum) and is sealed: a digest over all its
+fields (:func:`~policies.board.manifest.manifest_seal`), patch names and sizes included.
 
 Guarantees:
 
@@ -25,7 +27,11 @@ Guarantees:
 - the pointer only moves forward, and readers see only versions at or below it
   (:meth:`versions`, :meth:`load` refuse newer ones), so no reader observes a half-written
   version; a reader verifies what it reads anyway: every anchor tensor's xxh3-128 checksum, every
-  patch's frame checksum, base digest and written-tensor checksums, and the target digest;
+  patch's frame checksum, base digest and written-tensor checksums, and the target digest,
+  each manifest's seal, and (once it has read them) that a version records the base files it
+  serves (:meth:`BoardReader.base_files`); no read goes past the size the manifest records, and
+  patch names outside the version's directory are refused;
+- a version written by another sprawl's manifest format raises :class:`BoardFormatError`;
 - a patch names its base's digest and is refused against any other (:class:`PatchBaseMismatch`);
 - damaged, truncated or missing files raise :class:`VersionCorrupt` (a :class:`BoardError`)
   naming the version and file; storage failures raise :class:`BoardError` with the URL's
@@ -41,31 +47,29 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import structlog
 import torch
 
 from policies.board import plan as board_plan
-from policies.board.read import (
-    BASE_FILES,
-    MANIFEST,
-    WEIGHTS,
-    BoardReader,
-    anchor_payload,
-    manifest_digest,
-)
+from policies.board.manifest import file_entries, manifest_digest, manifest_seal
+from policies.board.read import MANIFEST, WEIGHTS, BoardReader, anchor_payload
 from policies.board.types import (
+    BASE_FILES,
+    BOARD_FORMAT,
     MAX_VERSION,
     BoardOptions,
     Manifest,
     PatchRef,
     Pointer,
     TensorEntry,
+    patch_file,
 )
 from policies.codec import CODEC, encode_patch, read_patch_header
 from policies.codec.digests import checksums, storage_key
-from policies.errors import BoardError, PointerMalformed, VersionCorrupt
+from policies.errors import BoardError, BoardFormatError, PointerMalformed, VersionCorrupt
 
 log = structlog.get_logger(__name__)
 
@@ -98,11 +102,19 @@ class Board(BoardReader):
 
     # -- writing ---------------------------------------------------------------------------------
     def create(self, model_dir: Path) -> None:
-        """Copy the static model files (config, tokenizer) into ``base/``; idempotent."""
+        """Make ``base/`` hold exactly the static model files (config, tokenizer) of
+        ``model_dir`` (a base file it lacks is removed from ``base/``); idempotent. Versions
+        published from here on record these files."""
+        from policies.board.gguf import base_files  # the one reader of a model dir's base files
+
+        files = base_files(model_dir)
         for name in BASE_FILES:
-            src = model_dir / name
-            if src.exists():
-                self._write(f"{self.root}/base/{name}", src.read_bytes())
+            path = f"{self.root}/base/{name}"
+            if name in files:
+                self._write(path, files[name])
+            elif self.store.call(f"checking {path}", partial(self.fs.exists, path)):
+                self.store.call(f"deleting {path}", partial(self.fs.rm, path))
+        self._base = files
 
     def publish(
         self, version: int, view: Mapping[str, torch.Tensor], *, view_name: str
@@ -134,7 +146,7 @@ class Board(BoardReader):
             )  # fmt: skip
             hdr = read_patch_header(data)
             ref = PatchRef(
-                base=b, file=f"from-{b:08d}.patch", bytes=len(data), changed=hdr.changed,
+                base=b, file=patch_file(b), bytes=len(data), changed=hdr.changed,
                 units=hdr.units, base_digest=hdr.base_digest,
             )  # fmt: skip
             patches[b] = (data, ref)
@@ -171,7 +183,10 @@ class Board(BoardReader):
             if is_anchor or delta is None or head is None
             else head.chain_bytes + delta[1].bytes,
             full_bytes=full_bytes,
+            format=BOARD_FORMAT,
+            base_files=file_entries(self.base_files()),
         )
+        manifest = manifest.model_copy(update={"seal": manifest_seal(manifest)})
         self._write(f"{vdir}/{MANIFEST}", manifest.model_dump_json(indent=1).encode())
         pointer = Pointer(version=version, digest=digest)
         self._write(f"{self.root}/POINTER", pointer.model_dump_json().encode())
@@ -201,7 +216,7 @@ class Board(BoardReader):
         try:
             self.manifest(latest)
             return latest
-        except VersionCorrupt:
+        except (VersionCorrupt, BoardFormatError):
             raise
         except BoardError:
             newest = self._newest_manifest()

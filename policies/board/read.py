@@ -19,18 +19,22 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from policies.board import plan as board_plan
+from policies.board.manifest import file_entries, one_line, parse_manifest
 from policies.board.store import Store
 from policies.board.types import (
+    BASE_FILES,
+    MAX_BASE_FILE_BYTES,
+    MAX_MANIFEST_BYTES,
+    MAX_POINTER_BYTES,
     BoardOptions,
     CatchUp,
     Manifest,
     Pointer,
     Step,
-    TensorEntry,
     check_run_name,
 )
 from policies.codec import apply_patch, read_patch_header
-from policies.codec.digests import checksums, digest_of, storage_key, tensor_checksum
+from policies.codec.digests import checksums, storage_key, tensor_checksum
 from policies.errors import (
     BoardError,
     PatchBaseMismatch,
@@ -41,22 +45,8 @@ from policies.errors import (
 
 log = structlog.get_logger(__name__)
 
-BASE_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-)
 WEIGHTS = "model.safetensors"
 MANIFEST = "manifest.json"
-
-
-def manifest_digest(entries: Mapping[str, TensorEntry]) -> str:
-    """Digest of a version from its manifest entries: names, dtypes, shapes and checksums — the
-    same string as :func:`policies.codec.digests.state_digest` of the tensors."""
-    return digest_of((k, e.dtype, e.shape, e.checksum) for k, e in entries.items())
 
 
 def anchor_payload(view: Mapping[str, torch.Tensor]) -> tuple[bytes, dict[str, str]]:
@@ -107,13 +97,15 @@ class BoardReader:
         self._manifests: dict[int, Manifest] = {}
         self._seen_latest: int | None = None
         self._bad_patches: set[tuple[int, str]] = set()
+        self._base: dict[str, bytes] | None = None  # the base files this reader serves
 
     # -- storage edge ----------------------------------------------------------------------------
     def _vdir(self, version: int) -> str:
         return f"{self.root}/versions/{version:08d}"
 
-    def _read(self, path: str) -> bytes:
-        return self.store.read(path)
+    def _read(self, path: str, limit: int) -> bytes:
+        """At most ``limit + 1`` bytes of ``path`` (more than ``limit``: the object is larger)."""
+        return self.store.read(path, limit)
 
     def latest(self) -> int | None:
         """The version the pointer names, or None before the first publish.
@@ -123,19 +115,16 @@ class BoardReader:
         has, and the next publish repairs it.
         """
         try:
-            raw = self._read(f"{self.root}/POINTER")
+            raw = self._read(f"{self.root}/POINTER", MAX_POINTER_BYTES)
         except FileNotFoundError:
             return None
+        where = f"{self.safe_url}/{self.run}/POINTER"
+        if len(raw) > MAX_POINTER_BYTES:
+            raise PointerMalformed(f"{where} is malformed (larger than {MAX_POINTER_BYTES} bytes)")
         try:
             latest = Pointer.model_validate_json(raw).version
         except ValidationError as exc:
-            why = "; ".join(
-                f"{'.'.join(map(str, e['loc'])) or 'pointer'}: {e['msg']}"
-                for e in exc.errors(include_url=False, include_input=False)[:3]
-            )
-            raise PointerMalformed(
-                f"{self.safe_url}/{self.run}/POINTER is malformed ({why})"
-            ) from None
+            raise PointerMalformed(f"{where} is malformed ({one_line(exc, 'pointer')})") from None
         self._seen_latest = latest
         return latest
 
@@ -156,17 +145,16 @@ class BoardReader:
         if cached is not None:
             return cached
         try:
-            raw = self._read(f"{self._vdir(version)}/{MANIFEST}")
+            raw = self._read(f"{self._vdir(version)}/{MANIFEST}", MAX_MANIFEST_BYTES)
         except FileNotFoundError:
             raise BoardError(
                 f"version {version} is not on the board {self.safe_url}/{self.run}"
             ) from None
-        try:
-            m = Manifest.model_validate_json(raw)
-        except ValueError as exc:
-            raise VersionCorrupt(f"version {version}: manifest unreadable: {exc}") from None
-        if m.version != version or manifest_digest(m.tensors) != m.digest:
-            raise VersionCorrupt(f"version {version}: manifest does not match its own digest")
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise VersionCorrupt(
+                f"version {version}: {MANIFEST} is larger than {MAX_MANIFEST_BYTES} bytes"
+            )
+        m = parse_manifest(raw, version, f"{self.safe_url}/{self.run}")
         if self._seen_latest is not None and version <= self._seen_latest:
             self._manifests[version] = m
         return m
@@ -186,6 +174,7 @@ class BoardReader:
             )
         if have == want:
             return CatchUp(have=have, want=want, anchor=None, steps=[])
+        self.manifest(want)  # a version the pointer names without a manifest: say so
         horizon = 4 << self.options.catchup_levels
         direct = have is not None and have < want and want - have <= horizon
         manifests: dict[int, Manifest] = {}
@@ -216,11 +205,19 @@ class BoardReader:
         return m.model_copy(update={"patches": [p for p in m.patches if p not in bad]})
 
     def read_patch(self, step: Step) -> bytes:
-        """The bytes of one planned patch (verify them by applying with :meth:`advance`)."""
+        """The bytes of one planned patch (verify them by applying with :meth:`advance`); no
+        more than the manifest's size of it is read."""
         try:
-            return self._read(f"{self._vdir(step.version)}/{step.file}")
+            data = self._read(f"{self._vdir(step.version)}/{step.file}", step.bytes)
         except FileNotFoundError:
             raise VersionCorrupt(f"version {step.version}: {step.file} is missing") from None
+        if len(data) != step.bytes:
+            held = f"more than {step.bytes}" if len(data) > step.bytes else str(len(data))
+            raise VersionCorrupt(
+                f"version {step.version}: {step.file} holds {held} bytes, its manifest records "
+                f"{step.bytes} (damaged or truncated)"
+            )
+        return data
 
     def advance(
         self,
@@ -237,6 +234,7 @@ class BoardReader:
         If this raises, ``view`` may be partly advanced: reload it (``have=None``).
         """
         plan = self.catch_up(have, want)
+        self._check_base(self.manifest(plan.want))
         digest: str | None = None
         if plan.anchor is not None:
             fresh = self._read_anchor(self.manifest(plan.anchor))
@@ -299,9 +297,15 @@ class BoardReader:
 
     def _read_anchor(self, m: Manifest) -> dict[str, torch.Tensor]:
         try:
-            payload = self._read(f"{self._vdir(m.version)}/{WEIGHTS}")
+            payload = self._read(f"{self._vdir(m.version)}/{WEIGHTS}", m.bytes)
         except FileNotFoundError:
             raise VersionCorrupt(f"version {m.version}: {WEIGHTS} is missing") from None
+        if len(payload) != m.bytes:
+            held = f"more than {m.bytes}" if len(payload) > m.bytes else str(len(payload))
+            raise VersionCorrupt(
+                f"version {m.version}: weights unreadable: {WEIGHTS} holds {held} bytes, its "
+                f"manifest records {m.bytes}"
+            )
         try:
             tensors = st_load(payload)
         except Exception as exc:  # safetensors raises its own untyped errors on torn files
@@ -322,8 +326,51 @@ class BoardReader:
         view: dict[str, torch.Tensor] = {}
         return self.advance(view, None, version), view
 
-    def read_base(self, name: str) -> bytes:
-        return self._read(f"{self.root}/base/{name}")
+    def base_files(self) -> dict[str, bytes]:
+        """The run's base files (config, tokenizer: :data:`BASE_FILES` present in ``base/``),
+        read once per reader; what a replica writes next to the weights it serves.
+
+        From then on every version this reader loads or advances to must record exactly these
+        files (names, sizes, checksums) in its manifest: :meth:`advance` refuses any other with
+        :class:`VersionCorrupt` naming the file, so a replica never serves weights under base
+        files that were not published with them. A file larger than ``MAX_BASE_FILE_BYTES`` is
+        a :class:`BoardError` naming it.
+        """
+        if self._base is None:
+            files: dict[str, bytes] = {}
+            for name in BASE_FILES:
+                try:
+                    data = self._read(f"{self.root}/base/{name}", MAX_BASE_FILE_BYTES)
+                except FileNotFoundError:
+                    continue
+                if len(data) > MAX_BASE_FILE_BYTES:
+                    raise BoardError(
+                        f"base/{name} on {self.safe_url}/{self.run} is larger than "
+                        f"{MAX_BASE_FILE_BYTES} bytes"
+                    )
+                files[name] = data
+            self._base = files
+        return dict(self._base)
+
+    def _check_base(self, m: Manifest) -> None:
+        """Refuse ``m`` unless it records the base files this reader read (if it read any)."""
+        if self._base is None:
+            return
+        held = file_entries(self._base)
+        for name in sorted(set(held) | set(m.base_files)):
+            recorded, have = m.base_files.get(name), held.get(name)
+            if recorded == have:
+                continue
+            if recorded is None:
+                why = "is not recorded in its manifest (written after the version was published)"
+            elif have is None:
+                why = "is recorded in its manifest but missing from the board"
+            else:
+                why = (
+                    f"does not match its manifest ({have.bytes} bytes, checksum {have.checksum}; "
+                    f"the manifest records {recorded.bytes} bytes, checksum {recorded.checksum})"
+                )
+            raise VersionCorrupt(f"version {m.version}: base file base/{name} {why}")
 
     def materialize(self, version: int, out: Path) -> Path:
         """Write an HF checkpoint dir of ``version``, bit-identical to an anchor of it.
@@ -335,16 +382,16 @@ class BoardReader:
         """
         if out.exists() and not out.is_dir():
             raise BoardError(f"{out} exists and is not a directory")
-        out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
-        tmp.mkdir()
         try:
-            for name in BASE_FILES:
-                try:
-                    (tmp / name).write_bytes(self.read_base(name))
-                except FileNotFoundError:
-                    continue
-            _, tensors = self.load(version)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
+        except OSError as exc:
+            raise BoardError(f"cannot write {out}: {exc.strerror or exc}") from None
+        try:
+            for name, data in self.base_files().items():
+                (tmp / name).write_bytes(data)
+            _, tensors = self.load(version)  # refused unless it records these base files
             (tmp / WEIGHTS).write_bytes(anchor_payload(tensors)[0])
             if not out.exists():
                 tmp.rename(out)

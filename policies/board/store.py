@@ -2,7 +2,8 @@
 
 Guarantees: :meth:`Store.write` makes an object appear whole or not at all (local: temp file in
 the same directory + fsync + rename + directory fsync; object stores: one PUT); :meth:`Store.read`
-returns the object's bytes as stored (``FileNotFoundError`` if absent); every other storage
+returns the object's bytes as stored, never more than the caller's limit plus one
+(``FileNotFoundError`` if absent); every other storage
 failure becomes :class:`BoardError` whose message has the URL's credentials, configured secrets
 and ``AWS_*`` credentials from the environment removed, and which does not chain the original
 exception (tracebacks cannot leak it either).
@@ -80,8 +81,13 @@ class Store:
                 msg = msg.replace(s, "***")
             raise BoardError(f"board {self.safe_url}: {what} failed: {msg}") from None
 
-    def read(self, path: str) -> bytes:
-        data: bytes = self.call(f"reading {path}", lambda: self.fs.cat_file(path))
+    def read(self, path: str, limit: int) -> bytes:
+        """The object's bytes, at most ``limit + 1`` of them: a result longer than ``limit``
+        means the object is larger (the caller refuses it), and a file that never ends
+        (``/dev/zero`` behind a symlink) costs no more than that."""
+        data: bytes = self.call(
+            f"reading {path}", lambda: self.fs.cat_file(path, start=0, end=limit + 1)
+        )
         self.bytes_read += len(data)
         return data
 

@@ -10,12 +10,35 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from policies.errors import BoardError
 
 MAX_VERSION = 2**63 - 1
 """The largest version a board holds (an int64: engines and logs carry versions as int64)."""
+
+BOARD_FORMAT = 2
+"""The manifest format this sprawl writes and reads. Format 2 seals the whole manifest (base
+files, patch names and sizes included); format 1 (manifests without a ``format`` field, from
+earlier sprawl) covered only the tensors and is refused (:class:`policies.errors.BoardFormatError`
+says how to proceed)."""
+
+BASE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+"""The static model files a run's ``base/`` may hold (``Board.create`` copies them)."""
+
+MAX_BASE_FILE_BYTES = 256 * 2**20
+"""Largest base file a reader accepts (tokenizers of big vocabularies are tens of MiB)."""
+MAX_MANIFEST_BYTES = 64 * 2**20
+"""Largest manifest a reader accepts (about 200 bytes per tensor)."""
+MAX_POINTER_BYTES = 4096
+"""Largest ``POINTER`` a reader accepts."""
 
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 """A run's name: one path segment of the board, so it can name neither a parent nor a subtree."""
@@ -70,16 +93,42 @@ class TensorEntry(BaseModel):
     checksum: str
 
 
-class PatchRef(BaseModel):
-    """One patch stored in a version directory: ``base`` → this version."""
+class FileEntry(BaseModel):
+    """One base file as a version's manifest records it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    base: int
+    bytes: int = Field(ge=0, le=MAX_BASE_FILE_BYTES)
+    checksum: str
+    """xxh3-128 of the file's bytes (:func:`policies.codec.digests.bytes_checksum`)."""
+
+
+def patch_file(base: int) -> str:
+    """The name of the patch ``base`` → v inside version v's directory."""
+    return f"from-{base:08d}.patch"
+
+
+class PatchRef(BaseModel):
+    """One patch stored in a version directory: ``base`` → this version, in the file
+    :func:`patch_file` names (any other name, e.g. a path out of the directory, is refused)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    base: int = Field(ge=0, le=MAX_VERSION)
     file: str
-    bytes: int
+    bytes: int = Field(ge=0)
+    """The file's exact size: a reader reads no more than this."""
     changed: int
     units: int
     base_digest: str
+
+    @model_validator(mode="after")
+    def _file_is_the_layouts(self) -> PatchRef:
+        if self.file != patch_file(self.base):
+            shown = repr(self.file) if len(self.file) <= 80 else f"{self.file[:77]!r}…"
+            raise ValueError(
+                f"patch file name {shown} is not valid: the patch from version {self.base} is "
+                f"{patch_file(self.base)!r} in the version's own directory"
+            )
+        return self
 
     @property
     def density(self) -> float:
@@ -111,6 +160,21 @@ class Manifest(BaseModel):
     """Delta bytes published since ``anchor`` (this version's included)."""
     full_bytes: int = 0
     """Bytes of the view's tensors (what an anchor of it stores)."""
+    format: int = 1
+    """The manifest format (:data:`BOARD_FORMAT`); absent in manifests of format 1."""
+    base_files: dict[str, FileEntry] = Field(default_factory=dict)
+    """Every file in the run's ``base/`` when the version was published, by name."""
+    seal: str = ""
+    """xxh3-128 of every other field (``policies.board.manifest.manifest_seal``): a changed patch
+    name, size or base file record is caught like a changed tensor checksum."""
+
+    @field_validator("base_files")
+    @classmethod
+    def _base_names(cls, v: dict[str, FileEntry]) -> dict[str, FileEntry]:
+        unknown = sorted(set(v) - set(BASE_FILES))
+        if unknown:
+            raise ValueError(f"{unknown} are not base file names ({', '.join(BASE_FILES)})")
+        return v
 
     @property
     def density(self) -> float | None:

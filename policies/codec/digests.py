@@ -1,4 +1,5 @@
-"""Checksums and digests of served views (xxh3-128), shared by the patch codec and the board.
+"""Checksums and digests of served views (xxh3-128), shared by the patch codec and the board
+(which also checksums its base files and manifests with :func:`bytes_checksum`).
 
 ``tensor_checksum`` hashes a tensor's raw bytes in contiguous native order; ``state_digest``
 hashes ``name|dtype|shape|checksum`` lines in name order, so a board manifest's digest and a
@@ -28,9 +29,14 @@ def raw_bytes(t: torch.Tensor) -> npt.NDArray[np.uint8]:
     return flat.view(torch.uint8).numpy()
 
 
+def bytes_checksum(data: bytes | memoryview) -> str:
+    """xxh3-128 (hex) of ``data``: the checksum of a file's bytes (a board's base files)."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
 def tensor_checksum(t: torch.Tensor) -> str:
     """xxh3-128 (hex) of the tensor's raw bytes in contiguous native order."""
-    return xxhash.xxh3_128_hexdigest(raw_bytes(t).data)
+    return bytes_checksum(raw_bytes(t).data)
 
 
 StorageKey = tuple[int, int, tuple[int, ...], tuple[int, ...], str]

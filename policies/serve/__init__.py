@@ -1,12 +1,14 @@
 """Serving: the reference engine, the sidecar that makes any engine version-aware, the lane.
 
 Public surface (lazily imported): :class:`Engine`, :class:`DecodeBatcher`, :class:`Sidecar`,
-:class:`LaneServer`, :func:`serve_board`, :func:`serve_model`, :func:`run_lane`.
+:class:`LaneServer`, :class:`LaneLimits`, :func:`serve_board`, :func:`serve_model`,
+:func:`run_lane`.
 
 Modules: :mod:`~policies.serve.engine` (the reference engine: a transformers model, weights
 patched in place), :mod:`~policies.serve.decode` (its continuous decode batcher),
 :mod:`~policies.serve.sidecar` (stage → activate → stamp, 409 outside the bounds),
-:mod:`~policies.serve.server` (the lane over aiohttp), :mod:`~policies.serve.http_body`
+:mod:`~policies.serve.server` (the lane over aiohttp), :mod:`~policies.serve.connections`
+(its header, idle and body deadlines and connection cap), :mod:`~policies.serve.http_body`
 (bearer tokens and JSON bodies read safely), :mod:`~policies.serve.openai_routes`
 (chat and completions), :mod:`policies.serve.backends` (reference, vLLM, SGLang, frozen OpenAI,
 and the standalone sidecar command).

@@ -1,3 +1,4 @@
+from .connections import LaneLimits
 from .decode import DecodeBatcher
 from .engine import Engine
 from .server import LaneServer, run_lane, serve_board, serve_model
@@ -6,6 +7,7 @@ from .sidecar import Sidecar
 __all__ = [
     "DecodeBatcher",
     "Engine",
+    "LaneLimits",
     "LaneServer",
     "Sidecar",
     "run_lane",

@@ -16,7 +16,11 @@ boundary:
 3. **leave** — rows that hit a stop token or their token budget (or whose caller went away) are
    removed from the cache, and leading columns that only hold padding are dropped.
 
-A request's future resolves when all its rows have left.
+A request's future resolves when all its rows have left. Cancelling the future (what the lane
+does when its client disconnects) is the abandon signal: at the next step boundary the request
+leaves the queue, or its rows leave the batch and their KV cache is freed; each such request is
+logged once (``generation_cancelled``, with the rows freed and the tokens they had sampled) and
+counted in :attr:`DecodeBatcher.cancelled`.
 
 Guarantees:
 
@@ -48,7 +52,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -121,6 +125,7 @@ class DecodeBatcher:
         self.max_rows = max_rows
         self.version: int | None = None
         self.steps = 0
+        self.cancelled = 0  # requests whose caller went away before they finished
         self._cv = threading.Condition()
         self._waiting: deque[_Job] = deque()
         self._rows: list[_Row] = []
@@ -206,6 +211,7 @@ class DecodeBatcher:
                         self._cv.notify_all()
                         self._cv.wait()
                     self._parked = False
+                    self._drop_cancelled_waiting()
                     joining: list[_Job] = []
                     while self._waiting and not self._gates and self._room_for(self._waiting[0]):
                         joining.append(self._waiting.popleft())
@@ -220,8 +226,7 @@ class DecodeBatcher:
                     log.exception("batch_step_failed", rows=len(self._rows))
                     error = EngineError(f"generation failed: {exc}")
                     for job in joining:  # jobs taken from the queue but not yet rows
-                        if not job.future.done():
-                            job.future.set_exception(error)
+                        _fail(job, error)
                     self._fail_all(error)
 
     def _room_for(self, job: _Job) -> bool:
@@ -233,8 +238,7 @@ class DecodeBatcher:
             rows = self._prefill(job)
         except Exception as exc:  # this request's failure: the batch is untouched so far
             log.exception("request_join_failed", rows=job.req.n)
-            if not job.future.done():
-                job.future.set_exception(EngineError(f"generation failed: {exc}"))
+            _fail(job, EngineError(f"generation failed: {exc}"))
             return
         if rows is not None:
             live, kv, mask = rows
@@ -244,9 +248,10 @@ class DecodeBatcher:
     def _prefill(self, job: _Job) -> tuple[list[_Row], KV, torch.Tensor] | None:
         """The rows of ``job`` still to decode, with their KV cache and mask; None if none."""
         if job.future.cancelled():
+            self._count_cancelled(job, [])
             return None
         if self.version is not None and not job.req.policy_version.admits(self.version):
-            job.future.set_exception(OutOfBounds(self.version))
+            _fail(job, OutOfBounds(self.version))
             return None
         job.start = self.version
         req = job.req
@@ -313,16 +318,36 @@ class DecodeBatcher:
 
     def _fail_job(self, job: _Job, exc: Exception) -> None:
         log.warning("request_failed", error=str(exc), rows=job.req.n)
-        if not job.future.done():
-            job.future.set_exception(EngineError(f"generation failed: {exc}"))
+        _fail(job, EngineError(f"generation failed: {exc}"))
         for r in self._rows:
             if r.job is job and r.finish is None:
                 r.finish = "abort"  # leaves at the next boundary; the failed future stays
 
+    def _drop_cancelled_waiting(self) -> None:
+        """Forget queued requests whose caller went away (under the lock)."""
+        gone = [j for j in self._waiting if j.future.cancelled()]
+        if gone:
+            self._waiting = deque(j for j in self._waiting if not j.future.cancelled())
+            for job in gone:
+                self._count_cancelled(job, [])
+
+    def _count_cancelled(self, job: _Job, rows: list[_Row]) -> None:
+        self.cancelled += 1
+        log.info(
+            "generation_cancelled",
+            rows=len(rows),
+            tokens=sum(len(r.tokens) for r in rows),
+            max_tokens=job.max_tokens,
+        )
+
     def _drop_finished(self) -> None:
+        abandoned: dict[_Job, list[_Row]] = {}
         for r in self._rows:
             if r.finish is None and r.job.future.cancelled():
                 r.finish = "abort"
+                abandoned.setdefault(r.job, []).append(r)
+        for job, rows in abandoned.items():
+            self._count_cancelled(job, rows)
         keep = [i for i, r in enumerate(self._rows) if r.finish is None]
         if len(keep) == len(self._rows):
             return
@@ -349,9 +374,9 @@ class DecodeBatcher:
             index=row.index, token_ids=row.tokens, logprobs=row.logprobs, finish_reason=row.finish
         )
         job.end = self.version
-        if len(job.choices) == job.req.n and not job.future.done():
+        if len(job.choices) == job.req.n:
             choices = [job.choices[i] for i in range(job.req.n)]
-            job.future.set_result(Generation(choices, job.start, job.end))
+            _resolve(job, Generation(choices, job.start, job.end))
 
     def _fail_all(self, exc: EngineError) -> None:
         jobs = {id(r.job): r.job for r in self._rows}
@@ -359,8 +384,20 @@ class DecodeBatcher:
         self._rows, self._kv = [], []
         self._waiting.clear()
         for job in jobs.values():
-            if not job.future.done():
-                job.future.set_exception(exc)
+            _fail(job, exc)
+
+
+def _resolve(job: _Job, result: Generation) -> None:
+    """Deliver ``result`` unless the caller has gone (its future cancelled, maybe just now, from
+    another thread: checking ``done()`` first would race with that)."""
+    with suppress(concurrent.futures.InvalidStateError):
+        job.future.set_result(result)
+
+
+def _fail(job: _Job, exc: Exception) -> None:
+    """Fail ``job`` unless it is already finished or its caller has gone (see :func:`_resolve`)."""
+    with suppress(concurrent.futures.InvalidStateError):
+        job.future.set_exception(exc)
 
 
 def _pad_left(kv: KV, mask: torch.Tensor, pad: int) -> tuple[KV, torch.Tensor]:

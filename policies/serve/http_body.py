@@ -7,7 +7,8 @@ charset) or not JSON, nests deeper than Python's recursion limit, holds an integ
 :data:`MAX_INT_DIGITS` digits, or holds a string (or key) with a lone surrogate (``"\\ud800"``:
 valid JSON, but no Unicode text, which tokenizers and headers cannot encode). The lane and the
 orchestrator's admin API answer it as a 400 JSON error, so a hostile body never becomes a
-plain-text 500.
+plain-text 500. The body is read on the event loop and parsed in a worker thread: parsing a
+megabyte takes a tenth of a second or more, which the loop's other requests need not wait for.
 
 Not covered: size limits (aiohttp's ``client_max_size``) and the shape of the body (each route's
 pydantic model).
@@ -17,14 +18,18 @@ from __future__ import annotations
 
 import hmac
 import json
-from functools import partial
+import re
 
+import anyio
 from aiohttp import web
 
 from policies.errors import BadRequest
 
 MAX_INT_DIGITS = 64
 """Digits an integer in a body may have (a token id, a seed or a version needs at most 20)."""
+_MAY_HOLD_SURROGATE = re.compile("\\\\u[dD][89a-fA-F]|[\ud800-\udfff]")
+"""JSON's escape of a surrogate, or one in the text itself (a charset such as
+``raw_unicode_escape`` decodes to it): a body without either holds no lone surrogate."""
 
 
 def bearer_matches(header: str, token: str) -> bool:
@@ -43,12 +48,21 @@ def _int(text: str) -> int:
 
 async def read_json(request: web.Request) -> object:
     """The request's JSON body; :class:`BadRequest` if it is not one a route can use."""
+    body = await request.read()
+    return await anyio.to_thread.run_sync(parse_json, body, request.charset or "utf-8")
+
+
+def parse_json(body: bytes, charset: str = "utf-8") -> object:
+    """``body`` parsed (see :func:`read_json`); :class:`BadRequest` naming what is wrong."""
     try:
-        payload: object = await request.json(loads=partial(json.loads, parse_int=_int))
+        text = body.decode(charset)
+        payload: object = json.loads(text, parse_int=_int)
     except RecursionError:
         raise BadRequest("body is not JSON a server can read: nested too deeply") from None
     except (ValueError, LookupError) as exc:  # not UTF-8 / unknown charset / not JSON / long int
         raise BadRequest(f"body is not JSON: {exc}") from None
+    if _MAY_HOLD_SURROGATE.search(text) is None:
+        return payload
     where = _lone_surrogate(payload)
     if where is not None:
         raise BadRequest(

@@ -21,6 +21,11 @@ was sampled from.
 Completions: ``prompt`` is text (encoded without special tokens) or a list of token ids;
 ``logprobs: 0|1`` returns the legacy ``{"tokens", "token_logprobs", "text_offset"}`` object.
 
+Tokenizing the prompt (chat template, encoding, stop strings) and decoding the reply run in
+worker threads (at most :data:`TOKENIZER_THREADS` at once, apart from anyio's default pool that
+activations use), never on the event loop: a prompt of a megabyte takes about a second to encode,
+and ``/health`` and every other request go on meanwhile.
+
 Errors: every invalid request raises :class:`BadRequest` naming the field. ``stop`` strings must
 each be a single token of the vocabulary (they become stop token ids, so generation really
 stops there); multi-token stop strings are refused, not approximated.
@@ -34,9 +39,11 @@ import json
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
+import anyio
 from pydantic import BaseModel, ValidationError
 from transformers import PreTrainedTokenizerBase
 
@@ -63,7 +70,10 @@ from policies.wire.lane import (
 from policies.wire.toolcalls import THINK_CLOSE, THINK_OPEN, to_openai_message
 
 DEFAULT_MAX_TOKENS = 256
+TOKENIZER_THREADS = 4
+"""Requests tokenized (or decoded) at once; more wait their turn, off the event loop."""
 M = TypeVar("M", bound=BaseModel)
+R = TypeVar("R")
 
 
 _TYPE_TAGS = ("str", "int", "float", "bool", "none")
@@ -119,6 +129,11 @@ class OpenAIRoutes:
             for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items()
             if tok.special and tok.content in kept
         }
+        self._threads = anyio.CapacityLimiter(TOKENIZER_THREADS)
+
+    async def _off_loop(self, fn: Callable[..., R], *args: Any) -> R:
+        """``fn(*args)`` in a tokenizer thread (the event loop keeps serving)."""
+        return await anyio.to_thread.run_sync(partial(fn, *args), limiter=self._threads)
 
     # -- shared ---------------------------------------------------------------------------------
     def _stop_ids(self, stops: list[str]) -> list[int]:
@@ -208,9 +223,17 @@ class OpenAIRoutes:
         return [int(i) for i in ids], prefill
 
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse:
-        prompt, prefill = self.chat_prompt(req)
-        lane = self._lane(req, prompt, req.max_completion_tokens or req.max_tokens)
+        prompt, prefill, lane = await self._off_loop(self._chat_request, req)
         gen = await self.sidecar.run_request(lane)
+        return await self._off_loop(self._chat_answer, req, prompt, prefill, gen)
+
+    def _chat_request(self, req: ChatCompletionRequest) -> tuple[list[int], str, GenerateRequest]:
+        prompt, prefill = self.chat_prompt(req)
+        return prompt, prefill, self._lane(req, prompt, req.max_completion_tokens or req.max_tokens)
+
+    def _chat_answer(
+        self, req: ChatCompletionRequest, prompt: list[int], prefill: str, gen: Generation
+    ) -> ChatCompletionResponse:
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         choices = []
         for c in gen.choices:
@@ -240,18 +263,26 @@ class OpenAIRoutes:
 
     # -- completions ----------------------------------------------------------------------------
     async def complete(self, req: CompletionRequest) -> CompletionResponse:
+        prompt, lane = await self._off_loop(self._completion_request, req)
+        try:
+            gen = await self.sidecar.run_request(lane)
+        except BadRequest as exc:
+            param = "prompt" if exc.param == "prompt_token_ids" else exc.param
+            raise BadRequest(str(exc), param) from None
+        return await self._off_loop(self._completion_answer, req, prompt, gen)
+
+    def _completion_request(self, req: CompletionRequest) -> tuple[list[int], GenerateRequest]:
         if isinstance(req.prompt, str):
             prompt = [int(i) for i in self.tokenizer.encode(req.prompt, add_special_tokens=False)]
             if not prompt:
                 raise BadRequest("prompt encodes to no tokens", "prompt")
         else:
             prompt = list(req.prompt)
-        lane = self._lane(req, prompt, req.max_tokens)
-        try:
-            gen = await self.sidecar.run_request(lane)
-        except BadRequest as exc:
-            param = "prompt" if exc.param == "prompt_token_ids" else exc.param
-            raise BadRequest(str(exc), param) from None
+        return prompt, self._lane(req, prompt, req.max_tokens)
+
+    def _completion_answer(
+        self, req: CompletionRequest, prompt: list[int], gen: Generation
+    ) -> CompletionResponse:
         choices = []
         for c in gen.choices:
             logprobs = None

@@ -11,6 +11,17 @@ unknown field, an over-long prompt, an invalid tool schema) gets a 4xx JSON erro
 conflicts get 409 ``policy_version_unavailable`` with ``Retry-After``. TLS is optional
 (:func:`tls_context` from a PEM certificate and key).
 
+Abandoned work is cancelled: when a client disconnects before its answer, aiohttp cancels the
+request's handler (``handler_cancellation``), which cancels the generation: the reference engine
+drops its rows and their KV cache at the next decode-step boundary, and the sidecar's HTTP
+backends close their engine request, which vLLM, SGLang and llama.cpp abort when the connection
+goes. Each such request is counted (``sprawl_lane_abandoned_total{route}``) and logged
+(``request_abandoned``). Handlers hold no state that a cancellation could leave half-changed:
+activations run in the sidecar's own task, never in a request's.
+
+Slow and idle clients are bounded by :class:`~policies.serve.connections.LaneLimits` (header,
+idle and body deadlines, a cap on open connections; :mod:`policies.serve.connections`).
+
 :func:`serve_board` follows a board; :func:`serve_model` serves a plain model dir as the fixed
 version 0. The same server fronts the standalone sidecar (``policies.serve.backends``):
 :func:`run_lane` serves any :class:`Sidecar` whose backend is an external engine.
@@ -37,9 +48,10 @@ from pydantic import BaseModel
 from safetensors.torch import load_file
 from transformers import PreTrainedTokenizerBase
 
-from policies.board import BASE_FILES, Board
-from policies.errors import BadRequest, EngineError
+from policies.board import Board
+from policies.errors import BadRequest, BoardError, EngineError
 from policies.serve.backends.reference import ReferenceBackend
+from policies.serve.connections import ConnectionLimiter, LaneLimits, LaneSite
 from policies.serve.decode import QuiesceMode
 from policies.serve.engine import Engine
 from policies.serve.http_body import bearer_matches, read_json
@@ -76,7 +88,12 @@ def tls_context(cert: Path, key: Path) -> ssl.SSLContext:
     """A server TLS context (TLS 1.2+) from PEM files."""
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(cert, key)
+    try:
+        ctx.load_cert_chain(cert, key)
+    except OSError as exc:  # a missing file, or not a PEM certificate and key (ssl.SSLError)
+        raise EngineError(
+            f"TLS certificate {cert} with key {key} cannot be loaded: {exc.strerror or exc}"
+        ) from None
     return ctx
 
 
@@ -90,10 +107,13 @@ class LaneServer:
         token: str | None,
         registry: CollectorRegistry,
         tokenizer: PreTrainedTokenizerBase | None = None,
+        limits: LaneLimits | None = None,
     ):
         self.sidecar = sidecar
         self.token = token
         self.registry = registry
+        self.limits = limits or LaneLimits()
+        self.connections = ConnectionLimiter(self.limits, registry)
         self.openai = OpenAIRoutes(sidecar, tokenizer) if tokenizer is not None else None
         self.requests = Counter(
             "sprawl_lane_requests",
@@ -101,8 +121,16 @@ class LaneServer:
             ["route", "status"],
             registry=registry,
         )
+        self.abandoned = Counter(
+            "sprawl_lane_abandoned",
+            "Requests whose client went away before the answer (their generation is cancelled)",
+            ["route"],
+            registry=registry,
+        )
         self.inflight = Gauge("sprawl_lane_inflight", "Requests being served", registry=registry)
-        self.app = web.Application(middlewares=[self._auth, self._count])
+        self.app = web.Application(
+            middlewares=[self.connections.middleware, self._auth, self._count]
+        )
         routes = [
             web.post("/v1/generate", self.generate),
             web.get("/v1/models", self.models),
@@ -138,6 +166,10 @@ class LaneServer:
         except web.HTTPException as exc:
             self.requests.labels(label, str(exc.status)).inc()
             raise
+        except anyio.get_cancelled_exc_class():  # the client went away (or the server stops)
+            self.abandoned.labels(label).inc()
+            log.info("request_abandoned", route=label)
+            raise
         self.requests.labels(label, str(resp.status)).inc()
         return resp
 
@@ -146,9 +178,17 @@ class LaneServer:
     ) -> web.Response:
         """Parse JSON, serve it, and map every failure to its JSON error."""
         try:
-            payload = await read_json(request)
+            with anyio.fail_after(self.limits.body_timeout_s):
+                payload = await read_json(request)
         except BadRequest as exc:
             return error_response(400, "invalid_request_error", str(exc), param=exc.param)
+        except TimeoutError:
+            message = (
+                f"request body not received within {self.limits.body_timeout_s} s (--body-timeout)"
+            )
+            late = error_response(408, "request_timeout", message)
+            late.force_close()  # no keep-alive: the rest of this body may never come
+            return late
         self.inflight.inc()
         try:
             answer = await serve(payload)
@@ -238,15 +278,23 @@ async def run_lane(
     tokenizer: PreTrainedTokenizerBase | None,
     tls: ssl.SSLContext | None = None,
     wait_for_version: bool = True,
+    limits: LaneLimits | None = None,
     task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Reconcile ``sidecar`` and serve its lane until cancelled; ``started`` with the port.
 
     ``wait_for_version``: bind only once a version is applied (the reference engine's fleet
     waits for that); otherwise bind at once, and until the first activation ``/health`` and
-    ``GET /v1/policy`` answer (state ``starting``) and requests get 409 with ``Retry-After``."""
-    server = LaneServer(sidecar, token=token, registry=registry, tokenizer=tokenizer)
-    runner = web.AppRunner(server.app, access_log=None, shutdown_timeout=2.0)
+    ``GET /v1/policy`` answer (state ``starting``) and requests get 409 with ``Retry-After``.
+    ``limits``: the connection deadlines and cap (:class:`LaneLimits`; its defaults if None)."""
+    server = LaneServer(sidecar, token=token, registry=registry, tokenizer=tokenizer, limits=limits)
+    runner = web.AppRunner(
+        server.app,
+        access_log=None,
+        shutdown_timeout=2.0,
+        handler_cancellation=True,  # a client that goes away cancels its generation
+        keepalive_timeout=server.limits.idle_timeout_s,
+    )
     await runner.setup()
     try:
         async with anyio.create_task_group() as tg:
@@ -254,7 +302,7 @@ async def run_lane(
                 await tg.start(sidecar.run)
             else:
                 tg.start_soon(sidecar.run)
-            site = web.TCPSite(runner, host, port, ssl_context=tls)
+            site = LaneSite(runner, host, port, server.connections, ssl_context=tls)
             await site.start()
             bound = int(runner.addresses[0][1])
             log.info(
@@ -263,6 +311,7 @@ async def run_lane(
                 version=sidecar.applied_version,
                 tls=tls is not None,
                 auth=token is not None,
+                **server.limits.model_dump(),
             )
             task_status.started(bound)
     finally:
@@ -282,6 +331,7 @@ async def serve_board(
     poll_interval_s: float,
     activation: QuiesceMode = "wait",
     tls: ssl.SSLContext | None = None,
+    limits: LaneLimits | None = None,
     task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the board's newest version until cancelled; ``started`` with the bound port."""
@@ -290,16 +340,14 @@ async def serve_board(
         model_dir = Path(tmp) / run
         model_dir.mkdir()
         latest = await _wait_for_board(board)
-        for name in BASE_FILES:
-            try:
-                (model_dir / name).write_bytes(board.read_base(name))
-            except FileNotFoundError:
-                continue
-        dtype = _served_dtype(board, latest)
+        base = await anyio.to_thread.run_sync(board.base_files)  # every version must record them
+        for name, data in base.items():
+            (model_dir / name).write_bytes(data)
+        dtype = await anyio.to_thread.run_sync(_served_dtype, board, latest)
         engine = await anyio.to_thread.run_sync(
             lambda: Engine(model_dir, device=device, dtype=dtype)
         )
-        registry = CollectorRegistry()
+        registry = engine_registry(engine)
         sidecar = Sidecar(
             ReferenceBackend(engine),
             board,
@@ -315,6 +363,7 @@ async def serve_board(
             registry=registry,
             tokenizer=engine.tokenizer,
             tls=tls,
+            limits=limits,
             task_status=task_status,
         )
 
@@ -327,6 +376,7 @@ async def serve_model(
     device: str,
     token: str | None,
     tls: ssl.SSLContext | None = None,
+    limits: LaneLimits | None = None,
     task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve a plain HF model dir as the fixed version 0 (no board) until cancelled.
@@ -353,7 +403,7 @@ async def serve_model(
 
     engine = await anyio.to_thread.run_sync(load)
     with tempfile.TemporaryDirectory(prefix="sprawl-fixed-") as tmp:
-        registry = CollectorRegistry()
+        registry = engine_registry(engine)
         sidecar = Sidecar(
             ReferenceBackend(engine),
             Board(tmp, _run_name_of(model_dir)),
@@ -369,8 +419,25 @@ async def serve_model(
             registry=registry,
             tokenizer=engine.tokenizer,
             tls=tls,
+            limits=limits,
             task_status=task_status,
         )
+
+
+def engine_registry(engine: Engine) -> CollectorRegistry:
+    """A metrics registry holding the reference engine's batch gauges."""
+    registry = CollectorRegistry()
+    rows = Gauge(
+        "sprawl_engine_active_rows",
+        "Sequences decoding in the batch (one per choice of each running request)",
+        registry=registry,
+    )
+    rows.set_function(lambda: engine.batcher.active_rows)
+    queued = Gauge(
+        "sprawl_engine_queued_requests", "Requests waiting to join the batch", registry=registry
+    )
+    queued.set_function(lambda: engine.batcher.queued)
+    return registry
 
 
 def _run_name_of(model_dir: Path) -> str:
@@ -380,14 +447,30 @@ def _run_name_of(model_dir: Path) -> str:
 
 
 async def _wait_for_board(board: Board) -> int:
+    """The pointer's version, once there is one (a malformed pointer is logged and waited out:
+    the next publish repairs it)."""
     while True:
-        latest = await anyio.to_thread.run_sync(board.latest)
+        try:
+            latest = await anyio.to_thread.run_sync(board.latest)
+        except BoardError as exc:
+            log.warning("board_unreadable", error=str(exc))
+            latest = None
         if latest is not None:
             return latest
         await anyio.sleep(0.2)
 
 
-def _served_dtype(board: Board, version: int) -> torch.dtype:
-    dtypes = {e.dtype for e in board.manifest(version).tensors.values()}
+def _served_dtype(board: Board, latest: int) -> torch.dtype:
+    """The engine's dtype: that of the newest version whose manifest reads (the sidecar starts
+    on the newest version that verifies, at or below ``latest``)."""
+    dtypes: set[str] = set()
+    for version in reversed(board.versions()):
+        if version > latest:
+            continue
+        try:
+            dtypes = {e.dtype for e in board.manifest(version).tensors.values()}
+        except BoardError:
+            continue
+        break
     floats = [d for d in dtypes if d in ("bfloat16", "float16", "float32")]
     return getattr(torch, floats[0]) if len(floats) == 1 else torch.float32

@@ -21,7 +21,9 @@ Guarantees:
   never served;
 - every response carries the versions applied at its start and its end;
 - a version that fails verification is never activated: the old one keeps serving, the failure is
-  logged and counted, and the sidecar moves on to the next newer version when one appears; an
+  logged and counted, and the sidecar moves on to the next newer version when one appears; a
+  replica serving nothing yet starts on the newest version that verifies (each newer one it
+  skips is logged as ``version_skipped`` with the reason) and keeps following the board; an
   activation the engine fails (e.g. an external engine briefly unreachable) is logged, counted
   and retried with exponential backoff (``poll_interval_s`` × 2^n, at most 60 s), the old version
   serving meanwhile (state ``failed`` while none is); a version the pointer names but that cannot be
@@ -50,7 +52,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from policies.board import Board
 from policies.board.store import redact
-from policies.errors import BoardError, EngineError, PatchError, PolicyError, VersionCorrupt
+from policies.errors import (
+    BoardError,
+    BoardFormatError,
+    EngineError,
+    PatchError,
+    PolicyError,
+    VersionCorrupt,
+)
 from policies.serve.backends.reference import ReferenceBackend
 from policies.serve.decode import Generation, OutOfBounds, QuiesceMode
 from policies.serve.engine import Engine
@@ -200,35 +209,17 @@ class Sidecar:
         except BoardError as exc:
             log.warning("board_unreadable", error=redact(str(exc)))
             return
-        if target is None or target in self._refused:
+        if target is None:
             return
-        if self.applied_version is not None and target <= self.applied_version:
+        if self.applied_version is not None and (
+            target <= self.applied_version or target in self._refused
+        ):
             return
         if anyio.current_time() < self._retry_at:  # backing off after a failed activation
             return
-        self.state = "staging" if self.applied_version is not None else "catching_up"
-        self.staged_version = target
         before = self.board.store.bytes_read
-        try:
-            await self.backend.stage(self.board, target)
-        except PolicyError as exc:
-            if not isinstance(exc, (VersionCorrupt, PatchError)):
-                # not on the board (yet), or no route to it: nothing failed verification, so
-                # it is tried again at the next reconcile rather than refused for good
-                log.warning("version_unavailable", version=target, error=redact(str(exc)))
-                self.staged_version = None
-                self.state = "serving" if self.applied_version is not None else "starting"
-                return
-            self._refused.add(target)
-            self.metrics.failures.inc()
-            log.error(
-                "version_refused",
-                version=target,
-                error=redact(str(exc)),
-                serving=self.applied_version,
-            )
-            self.staged_version = None
-            self.state = "serving" if self.applied_version is not None else "starting"
+        target = await self._stage_newest_good(target)
+        if target is None:
             return
         bytes_read = self.board.store.bytes_read - before
         self.metrics.board_bytes.inc(bytes_read)
@@ -268,6 +259,56 @@ class Sidecar:
             mode=self.activation,
             board_bytes_read=bytes_read,
         )
+
+    async def _stage_newest_good(self, target: int) -> int | None:
+        """Stage ``target``; a replica serving nothing yet falls back to the newest older version
+        that stages (each one skipped is logged as ``version_skipped`` with why), so a damaged
+        newest version never keeps it from serving. The version staged, or None."""
+        candidates = [target]
+        if self.applied_version is None:
+            candidates += reversed(await anyio.to_thread.run_sync(self._published_below, target))
+        candidates = [v for v in candidates if v not in self._refused]
+        for i, version in enumerate(candidates):
+            error = await self._stage(version)
+            if error is None:
+                return version
+            if self.applied_version is None and i + 1 < len(candidates):
+                log.warning(
+                    "version_skipped",
+                    version=version,
+                    error=error,
+                    trying=candidates[i + 1],
+                )
+        return None
+
+    def _published_below(self, target: int) -> list[int]:
+        try:
+            return [v for v in self.board.versions() if v < target]
+        except BoardError as exc:
+            log.warning("board_unreadable", error=redact(str(exc)))
+            return []
+
+    async def _stage(self, version: int) -> str | None:
+        """Stage ``version``; None when staged, else why not (a version that failed
+        verification is refused for good; one not reachable yet is tried again later)."""
+        self.state = "staging" if self.applied_version is not None else "catching_up"
+        self.staged_version = version
+        try:
+            await self.backend.stage(self.board, version)
+        except PolicyError as exc:
+            error = redact(str(exc))
+            self.staged_version = None
+            self.state = "serving" if self.applied_version is not None else "starting"
+            if not isinstance(exc, (VersionCorrupt, PatchError, BoardFormatError)):
+                # not on the board (yet), or no route to it: nothing failed verification, so
+                # it is tried again at the next reconcile rather than refused for good
+                log.warning("version_unavailable", version=version, error=error)
+                return error
+            self._refused.add(version)
+            self.metrics.failures.inc()
+            log.error("version_refused", version=version, error=error, serving=self.applied_version)
+            return error
+        return None
 
     def _digest(self, version: int) -> str | None:
         """The board's digest of ``version`` (what the activated view was verified against)."""

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from policies.board import Board
+from policies.serve.connections import LaneLimits
 from policies.serve.decode import QuiesceMode
 from policies.serve.server import serve_board
 
@@ -42,6 +43,7 @@ async def engine(
     poll_interval_s: float = 0.05,
     activation: QuiesceMode = "wait",
     tls: ssl.SSLContext | None = None,
+    limits: LaneLimits | None = None,
 ) -> AsyncIterator[str]:
     """A reference engine with its sidecar serving ``board`` on loopback; its base URL
     (``https`` with ``tls``)."""
@@ -57,6 +59,7 @@ async def engine(
                 poll_interval_s=poll_interval_s,
                 activation=activation,
                 tls=tls,
+                limits=limits,
                 task_status=task_status,
             )
         )

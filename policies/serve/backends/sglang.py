@@ -63,7 +63,7 @@ import torch
 import xxhash
 from safetensors.torch import save as st_save
 
-from policies.board import BASE_FILES, Board
+from policies.board import Board
 from policies.codec.digests import storage_key
 from policies.errors import EngineError
 from policies.serve.backends.base import EngineUnavailable, HttpBackend
@@ -223,11 +223,8 @@ class SGLangBackend(HttpBackend):
         d = self.materialize_dir
         d.mkdir(parents=True, exist_ok=True)
         if not self._base_written:
-            for name in BASE_FILES:
-                try:
-                    write_atomic(d / name, board.read_base(name))
-                except FileNotFoundError:
-                    continue
+            for name, data in board.base_files().items():
+                write_atomic(d / name, data)
             # files left by an earlier process may be torn: this process trusts only its own
             for old in d.glob(WEIGHT_GLOB):
                 old.unlink()

@@ -4,6 +4,7 @@
         [--run NAME] [--port P] [--host H] [--token T] [--engine-api-key K]
         [--activation wait|pause] [--materialize-dir DIR] [--version N] [--model NAME]
         [--tls-cert PEM --tls-key PEM] [--parent-stdin]
+        [--header-timeout S] [--idle-timeout S] [--body-timeout S] [--max-connections N]
     orchestrate sidecar --engine-kind llamacpp --board URL [--llama-server PATH]
         [--llama-ctx N] [--llama-arg ARG ...] [--llama-startup-timeout S] [--llama-restart]
 
@@ -18,7 +19,10 @@ orchestrator.
 The board's ``base/`` files give the tokenizer (for ``/v1/chat/completions`` and
 ``/v1/completions``) and the context length. ``--token`` (default ``$SPRAWL_TOKEN``) guards the
 sidecar's routes; ``--engine-api-key`` (default ``$SPRAWL_ENGINE_API_KEY``) is sent to the
-engine. The board URL is logged with its credentials removed.
+engine. The board URL is logged with its credentials removed. A lane client that disconnects
+cancels its engine request (the sidecar closes that connection; vLLM, SGLang and llama.cpp abort
+a request whose connection closes). The connection limits (``--header-timeout`` …) are
+:class:`~policies.serve.connections.LaneLimits`.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from anyio.abc import TaskStatus
 from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from policies.board import BASE_FILES, Board
+from policies.board import Board
 from policies.board.store import redact
 from policies.errors import BoardError
 from policies.serve.backends.base import HttpBackend
@@ -46,6 +50,7 @@ from policies.serve.backends.llamacpp_wire import LlamaOptions
 from policies.serve.backends.openai import OpenAIBackend
 from policies.serve.backends.sglang import SGLangBackend
 from policies.serve.backends.vllm import VLLMBackend
+from policies.serve.connections import LaneLimits, add_limit_flags, limits_from
 from policies.serve.decode import QuiesceMode
 from policies.serve.server import run_lane, tls_context
 from policies.serve.sidecar import Sidecar
@@ -56,11 +61,9 @@ KINDS = ("vllm", "sglang", "openai", "llamacpp")
 
 
 def _load_base(board: Board, into: Path) -> tuple[PreTrainedTokenizerBase | None, int]:
-    for name in BASE_FILES:
-        try:
-            (into / name).write_bytes(board.read_base(name))
-        except FileNotFoundError:
-            continue
+    # every version the sidecar stages from here on must record these base files
+    for name, data in board.base_files().items():
+        (into / name).write_bytes(data)
     config = into / "config.json"
     max_context = 4096
     if config.exists():
@@ -126,6 +129,7 @@ async def serve_sidecar(
     model: str | None = None,
     tls: ssl.SSLContext | None = None,
     llama: LlamaOptions | None = None,
+    limits: LaneLimits | None = None,
     task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the sidecar until cancelled; ``started`` with the bound port."""
@@ -170,6 +174,7 @@ async def serve_sidecar(
             tokenizer=tokenizer,
             tls=tls,
             wait_for_version=False,
+            limits=limits,
             task_status=task_status,
         )
 
@@ -212,13 +217,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="stop the old llama-server before starting the new version's (half the memory)",
     )
+    add_limit_flags(p)
     return p
 
 
 def main(argv: list[str]) -> int:
     from policies.wire.logs import configure
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    limits = limits_from(parser, args)
     configure(args.log_format)
     if (args.tls_cert is None) != (args.tls_key is None):
         sys.stderr.write("orchestrate sidecar: --tls-cert and --tls-key go together\n")
@@ -265,6 +273,7 @@ def main(argv: list[str]) -> int:
                     model=args.model,
                     tls=tls,
                     llama=llama,
+                    limits=limits,
                     task_status=task_status,
                 )
             )

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import json
+import stat
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import aiohttp
 import anyio
 import pytest
 
 from orchestrator.errors import SprawlError
-from orchestrator.fleet_cli import _call, admin_url
+from orchestrator.fleet_cli import AdminAddress, _call, admin_address
 from orchestrator.loop.admin import serve_admin
 from orchestrator.loop.pool import Pool
 from orchestrator.types import EndpointRef
@@ -22,11 +25,17 @@ pytestmark = pytest.mark.anyio
 
 
 @asynccontextmanager
-async def admin(pool: Pool, token: str | None = None) -> AsyncIterator[str]:
+async def admin(pool: Pool, run_dir: Path, token: str | None = None) -> AsyncIterator[str]:
+    """The admin API, its ``admin.json`` in ``run_dir``; its URL."""
     async with anyio.create_task_group() as tg:
         url = await tg.start(
             lambda task_status: serve_admin(
-                pool, host="127.0.0.1", port=0, token=token, task_status=task_status
+                pool,
+                host="127.0.0.1",
+                port=0,
+                token=token,
+                admin_file=run_dir / "admin.json",
+                task_status=task_status,
             )
         )
         yield url
@@ -41,12 +50,13 @@ def _args(admin_url: str, action: str, **kw: object) -> argparse.Namespace:
     return argparse.Namespace(action=action, **base)
 
 
-async def test_add_list_remove_while_serving() -> None:
+async def test_add_list_remove_while_serving(tmp_path: Path) -> None:
     t = ScriptedTransport({"a": 0, "b": 3})
     pool = Pool(t, version_wait_s=5.0, poll_interval_s=1.0)
     pool.add(EndpointRef(id="a", url="http://a"))
     await pool.refresh_all()
-    async with admin(pool) as url:
+    async with admin(pool, tmp_path):
+        url = str(tmp_path)  # the run directory: its admin.json gives the URL and the token
         added = await _call(_args(url, "add", id="b", url="http://b/", weight=2.0))
         assert (added["id"], added["applied_version"], added["healthy"]) == ("b", 3, True)
         listed = await _call(_args(url, "list"))
@@ -64,23 +74,54 @@ async def test_add_list_remove_while_serving() -> None:
             await _call(_args(url, "add", id="c", url="ftp://c"))
 
 
-async def test_admin_requires_its_token() -> None:
+async def test_admin_requires_its_token(tmp_path: Path) -> None:
     pool = Pool(ScriptedTransport({}), version_wait_s=5.0, poll_interval_s=1.0)
-    async with admin(pool, token="t0k") as url:
-        with pytest.raises(SprawlError, match="HTTP 401"):
+    async with admin(pool, tmp_path, token="t0k") as url:
+        with pytest.raises(SprawlError, match=r"HTTP 401.*--token"):
             await _call(_args(url, "list"))
         assert await _call(_args(url, "list", token="t0k")) == {"endpoints": []}
+        # the configured token is the one admin.json gives the fleet commands
+        assert await _call(_args(str(tmp_path), "list")) == {"endpoints": []}
 
 
-def test_run_dir_names_the_admin_url(tmp_path: Path) -> None:
-    (tmp_path / "admin.json").write_text('{"url": "http://127.0.0.1:9/"}')
-    assert admin_url(str(tmp_path)) == "http://127.0.0.1:9"
-    assert admin_url("https://h:1/") == "https://h:1"
+async def test_without_a_configured_token_one_is_made_and_written_owner_only(
+    tmp_path: Path,
+) -> None:
+    pool = Pool(ScriptedTransport({"b": 0}), version_wait_s=5.0, poll_interval_s=1.0)
+    async with admin(pool, tmp_path) as url:
+        written = json.loads((tmp_path / "admin.json").read_text())
+        assert stat.S_IMODE((tmp_path / "admin.json").stat().st_mode) == 0o600
+        assert written["url"] == url
+        assert len(written["token"]) >= 32
+        async with aiohttp.ClientSession() as s:
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                for method, path in (("GET", "/v1/fleet"), ("DELETE", "/v1/fleet/a")):
+                    async with s.request(method, f"{url}{path}", headers=headers) as r:
+                        assert r.status == 401
+                        assert (await r.json())["error"]["type"] == "unauthorized"
+                async with s.post(
+                    f"{url}/v1/fleet", json={"id": "x", "url": "http://x"}, headers=headers
+                ) as r:
+                    assert r.status == 401
+            async with s.get(f"{url}/health") as r:
+                assert r.status == 200  # health checks need no token
+        assert pool.live() == []  # nothing was added without the token
+        # the documented command, given the run directory, finds URL and token itself
+        added = await _call(_args(str(tmp_path), "add", id="b", url="http://b"))
+        assert added["id"] == "b"
+        with pytest.raises(SprawlError, match="HTTP 401"):
+            await _call(_args(str(tmp_path), "list", token="wrong"))  # --token wins
+
+
+def test_run_dir_names_the_admin_url_and_token(tmp_path: Path) -> None:
+    (tmp_path / "admin.json").write_text('{"url": "http://127.0.0.1:9/", "token": "t"}')
+    assert admin_address(str(tmp_path)) == AdminAddress("http://127.0.0.1:9", "t")
+    assert admin_address("https://h:1/") == AdminAddress("https://h:1")
     with pytest.raises(SprawlError, match=r"admin\.json is unreadable"):
-        admin_url(str(tmp_path / "nope"))
+        admin_address(str(tmp_path / "nope"))
 
 
-async def test_hostile_bodies_and_headers_get_4xx_json_errors() -> None:
+async def test_hostile_bodies_and_headers_get_4xx_json_errors(tmp_path: Path) -> None:
     import json
 
     from tests.support.raw_http import raw_http, raw_post
@@ -99,7 +140,7 @@ async def test_hostile_bodies_and_headers_get_4xx_json_errors() -> None:
         (b'{"id": "a", "url": "http://a\\udfff"}', b"Bearer tok", 400, "url"),
     ]
     got = []
-    async with admin(pool, token="tok") as url:
+    async with admin(pool, tmp_path, token="tok") as url:
         for body, auth, _, _ in hostile:
             status, headers, raw = await raw_http(url, raw_post("/v1/fleet", body, auth))
             kind = headers.get("content-type", "").split(";")[0]

@@ -62,13 +62,16 @@ async def test_metrics_endpoint_serves_prometheus_text() -> None:
         "decide", group_id="g1", trainer_version=3, decision="dropped", max_lag=5, reason=""
     )
     pool = Pool(ScriptedTransport({}), version_wait_s=1.0, poll_interval_s=1.0)
-    runner = web.AppRunner(AdminApp(pool, token=None, metrics=metrics).app)  # the admin API
+    runner = web.AppRunner(AdminApp(pool, token="t0k", metrics=metrics).app)  # the admin API
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     try:
         port = runner.addresses[0][1]
-        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/metrics") as r:
+        async with (
+            aiohttp.ClientSession(headers={"Authorization": "Bearer t0k"}) as s,
+            s.get(f"http://127.0.0.1:{port}/metrics") as r,
+        ):
             assert r.status == 200
             assert r.headers["Content-Type"].startswith("text/plain")
             samples = _samples(await r.text())

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import threading
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,50 +19,10 @@ from orchestrator.bench.sparsity import train_states
 from policies.board import WEIGHTS, Board, anchor_payload, redact
 from policies.errors import BoardError, PatchBaseMismatch, PointerMalformed, VersionCorrupt
 from tests.support.boards import adam_like_step
+from tests.support.s3 import KEY, SECRET, s3_options
 
 State = dict[str, torch.Tensor]
 MakeBoard = Callable[..., Board]
-KEY, SECRET = "AKIDSPRAWLTEST0001", "sprawl-test-secret-do-not-log-1234"
-
-
-@pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
-
-    old = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
-    os.environ.update(AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
-def _s3_options(endpoint: str) -> dict[str, object]:
-    # every Board gets its own filesystem object and caches, as in separate processes
-    return {
-        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
-        "skip_instance_cache": True,
-    }
-
-
-@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.slow)])
-def make_board(request: pytest.FixtureRequest, tmp_path: Path) -> MakeBoard:
-    if request.param == "local":
-        return lambda run="run", **kw: Board(str(tmp_path / "board"), run, **kw)
-    endpoint = request.getfixturevalue("s3_endpoint")
-    bucket = f"sprawl-{uuid.uuid4().hex[:12]}"
-    import boto3  # type: ignore[import-untyped]
-
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
-    return lambda run="run", **kw: Board(
-        f"s3://{bucket}/boards", run, storage_options=_s3_options(endpoint), **kw
-    )
 
 
 def _model(seed: int) -> State:
@@ -355,7 +313,7 @@ def test_a_misplaced_patch_is_refused_and_routed_around(make_board: MakeBoard) -
     other = board.fs.cat_file(f"{board.root}/versions/00000002/from-00000001.patch")
     _flip(board, "versions/00000003/from-00000002.patch", lambda _: other)  # reordered
     reader = make_board()
-    with pytest.raises(VersionCorrupt, match="makes"):
+    with pytest.raises(VersionCorrupt, match=r"version 3: from-00000002\.patch"):
         reader.advance({n: t.clone() for n, t in states[2].items()}, 2, 3)
     assert _same(reader.load(3)[1], states[3])
 
@@ -484,7 +442,7 @@ def test_materialize_after_20_trainer_steps_is_bit_identical_to_a_full_publish(
 
 
 def test_credentials_never_reach_errors_or_logs(s3_endpoint: str) -> None:
-    opts = {"key": KEY, "secret": SECRET, **_s3_options(s3_endpoint)}
+    opts = {"key": KEY, "secret": SECRET, **s3_options(s3_endpoint)}
     board = Board("s3://no-such-bucket-sprawl/p", "run", storage_options=opts)
     with capture_logs() as logs, pytest.raises(BoardError) as info:
         board.publish(0, _model(0), view_name="bfloat16")

@@ -81,6 +81,7 @@ def test_tokenizer_metadata(
     assert isinstance(types, list)
     assert types[:3] == [TokenType.CONTROL] * 3  # <|endoftext|>, <|im_start|>, <|im_end|>
     tool = tokenizer.convert_tokens_to_ids("<tool_call>")
+    assert isinstance(tool, int)
     assert types[tool] == TokenType.USER_DEFINED
     assert types[100] == TokenType.NORMAL
     assert _field(reader, "tokenizer.ggml.eos_token_id") == 2

@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
+from structlog.testing import capture_logs
 
 from policies.codec import apply_patch, encode_patch
 from policies.serve.decode import OutOfBounds, sample_token
@@ -121,6 +122,33 @@ def test_cancelled_request_leaves_the_batch(engine: Engine) -> None:
     while engine.batcher.active_rows:
         assert time.monotonic() < deadline
         time.sleep(0.005)
+
+
+def _until(check: Any) -> None:
+    deadline = time.monotonic() + 30
+    while not check():
+        assert time.monotonic() < deadline, "engine made no progress"
+        time.sleep(0.002)
+
+
+def test_a_cancelled_request_frees_its_rows_or_its_queue_place_at_once(engine: Engine) -> None:
+    batcher = engine.batcher
+    before = batcher.cancelled
+    with capture_logs() as logs:
+        big = _submit(engine, bounded_request(PROMPTS[0], n=60, max_tokens=2000, seed=1))
+        _until(lambda: batcher.active_rows == 60)
+        queued = _submit(engine, bounded_request(PROMPTS[1], n=10, seed=2))  # 60 + 10 > 64 rows
+        _wait_steps(engine, 2)
+        assert batcher.queued == 1
+        assert queued.cancel()
+        _until(lambda: batcher.queued == 0)  # it leaves the queue while the big one decodes
+        assert batcher.active_rows == 60
+        assert big.cancel()
+        _until(lambda: batcher.active_rows == 0)
+    assert batcher.cancelled == before + 2
+    cancelled = [e for e in logs if e["event"] == "generation_cancelled"]
+    assert [e["rows"] for e in cancelled] == [0, 60]
+    assert 60 <= cancelled[1]["tokens"] < 60 * 2000
 
 
 def test_pause_mode_resumes_in_flight_on_new_weights(engine: Engine) -> None:

@@ -1,0 +1,284 @@
+"""Connection limits of the lane's HTTP server: a header deadline, an idle deadline, a cap.
+
+aiohttp, which serves the lane, waits for a request's headers as long as a client likes and
+accepts every connection the kernel hands it, so a few hundred idle or slow sockets hold the
+server's file descriptors forever. :class:`LaneLimits` bounds them; :class:`LaneSite` (an aiohttp
+site) applies them to every connection, plain or TLS, and :meth:`ConnectionLimiter.middleware`
+tells it when a connection's first request has arrived.
+
+Guarantees, with the flags that set each limit (:func:`add_limit_flags`):
+
+- a connection that has not delivered the headers of its first request within
+  ``header_timeout_s`` (``--header-timeout``) of being opened gets ``408`` with a JSON error and
+  is closed; a TLS handshake, before that, must finish within the same time;
+- a keep-alive connection with no request in progress for ``idle_timeout_s``
+  (``--idle-timeout``) is closed (aiohttp's keep-alive timer, which starts when a response has
+  been sent, so it also bounds how long the headers of a later request on the connection take);
+- at most ``max_connections`` (``--max-connections``) connections are open at once: one more is
+  answered ``503`` ``too_many_connections`` with ``Retry-After`` and closed, never served;
+- the server exports ``sprawl_lane_connections`` (open now) and
+  ``sprawl_lane_connections_refused_total{reason}`` (``header_timeout``, ``max_connections``), and
+  logs ``lane_connection_refused`` for every header timeout and for the first connection refused
+  at the cap (the rest of a flood is counted, not logged, until a connection is admitted again).
+
+The request body's deadline (``body_timeout_s``, ``--body-timeout``) is the route's to keep
+(:mod:`policies.serve.server` answers ``408`` when it passes).
+
+Not covered: limits per client address (a proxy's job), a client that is slow to *read* a
+response (the kernel's send buffer and TCP keep-alive bound it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import ssl
+from collections.abc import Awaitable, Callable
+from typing import Literal
+
+import structlog
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+log = structlog.get_logger(__name__)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Refusal = Literal["header_timeout", "max_connections"]
+LINGER_S = 2.0
+"""How long a refused connection stays open to drop what its client sends (so that closing it
+does not reset the connection before the client has read the answer)."""
+
+
+class LaneLimits(BaseModel):
+    """How long a lane client may take, and how many may be connected at once."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    """Seconds from a connection's opening to the end of its first request's headers (a TLS
+    handshake, before that, has as long again)."""
+    idle_timeout_s: float = Field(default=60.0, gt=0)
+    """Seconds a keep-alive connection may wait for its next request."""
+    body_timeout_s: float = Field(default=60.0, gt=0)
+    """Seconds a request's body may take to arrive once its headers have."""
+    max_connections: int = Field(default=512, ge=1)
+    """Connections open at once; one more is answered 503."""
+
+
+FLAGS = {
+    "header_timeout_s": "--header-timeout",
+    "idle_timeout_s": "--idle-timeout",
+    "body_timeout_s": "--body-timeout",
+    "max_connections": "--max-connections",
+}
+"""The command-line flag of each :class:`LaneLimits` field (``orchestrate serve``, ``sidecar``)."""
+
+
+def add_limit_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of :class:`LaneLimits` (defaults from the model) on a serving command."""
+    defaults = LaneLimits()
+    for key, flag in FLAGS.items():
+        info = LaneLimits.model_fields[key]
+        whole = key == "max_connections"
+        parser.add_argument(
+            flag,
+            dest=key,
+            type=int if whole else float,
+            metavar="N" if whole else "S",
+            default=getattr(defaults, key),
+            help=f"{info.description} (default: {getattr(defaults, key)})",
+        )
+
+
+def limits_from(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LaneLimits:
+    """The :class:`LaneLimits` the flags give; a bad value exits through ``parser.error``."""
+    try:
+        return LaneLimits(**{key: getattr(args, key) for key in FLAGS})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = str(err["loc"][0])
+        parser.error(f"argument {FLAGS[key]}: {err['input']} is out of range ({err['msg']})")
+
+
+def _answer(status: int, reason: str, type_: str, message: str) -> bytes:
+    """A whole HTTP/1.1 answer with a lane JSON error that closes the connection."""
+    body = json.dumps({"error": {"type": type_, "message": message}}).encode()
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n"
+    )
+    if status == 503:
+        head += "Retry-After: 1\r\n"
+    return (head + "\r\n").encode() + body
+
+
+def _send_and_close(transport: asyncio.Transport, answer: bytes) -> None:
+    transport.write(answer)
+    if transport.can_write_eof():
+        transport.write_eof()  # the client reads the answer, then closes; we close on its EOF
+    asyncio.get_running_loop().call_later(LINGER_S, transport.abort)
+
+
+class ConnectionLimiter:
+    """Counts the lane's connections and keeps each one's header deadline (module docstring)."""
+
+    def __init__(self, limits: LaneLimits, registry: CollectorRegistry) -> None:
+        self.limits = limits
+        self._open: dict[object, _Guarded] = {}  # by aiohttp's protocol (``request.protocol``)
+        self._full = False  # refusing at the cap since the last connection admitted
+        gauge = Gauge("sprawl_lane_connections", "Lane connections open now", registry=registry)
+        gauge.set_function(lambda: len(self._open))
+        self._refused = Counter(
+            "sprawl_lane_connections_refused",
+            "Lane connections closed unserved, by reason (header_timeout, max_connections)",
+            ["reason"],
+            registry=registry,
+        )
+
+    @property
+    def open(self) -> int:
+        """Connections being served now."""
+        return len(self._open)
+
+    def factory(self, server: web.Server) -> Callable[[], asyncio.Protocol]:
+        """The protocol factory for ``loop.create_server``: ``server``'s, behind the limits."""
+        return lambda: _Guarded(self, server)
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Marks the connection's first request as arrived (its header deadline is met)."""
+        guarded = self._open.get(request.protocol)
+        if guarded is not None:
+            guarded.request_arrived()
+        return await handler(request)
+
+    def admit(self, guarded: _Guarded, inner: object) -> None:
+        self._open[inner] = guarded
+        self._full = False
+
+    def release(self, inner: object) -> None:
+        self._open.pop(inner, None)
+
+    def refuse(self, reason: Refusal, transport: asyncio.Transport) -> None:
+        self._refused.labels(reason).inc()
+        if reason == "max_connections":
+            if self._full:  # logged when the cap was reached; a flood is counted, not logged
+                return
+            self._full = True
+        log.warning(
+            "lane_connection_refused",
+            reason=reason,
+            peer=transport.get_extra_info("peername"),
+            open=self.open,
+        )
+
+
+class _Guarded(asyncio.Protocol):
+    """One connection: aiohttp's protocol behind the cap and the header deadline. Once refused
+    (``inner`` None) it only drops what the client still sends, until the client closes."""
+
+    def __init__(self, limiter: ConnectionLimiter, server: web.Server) -> None:
+        self.limiter = limiter
+        self.server = server
+        self.inner: asyncio.Protocol | None = None
+        self.transport: asyncio.Transport | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        limits = self.limiter.limits
+        if self.limiter.open >= limits.max_connections:
+            self.limiter.refuse("max_connections", transport)
+            message = (
+                f"the server already holds {limits.max_connections} connections "
+                "(--max-connections); retry later"
+            )
+            _send_and_close(
+                transport, _answer(503, "Service Unavailable", "too_many_connections", message)
+            )
+            return
+        self.inner = self.server()
+        self.limiter.admit(self, self.inner)
+        self.inner.connection_made(transport)
+        self._deadline = asyncio.get_running_loop().call_later(
+            limits.header_timeout_s, self._headers_late
+        )
+
+    def request_arrived(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _headers_late(self) -> None:
+        self._deadline = None
+        assert self.transport is not None
+        self.limiter.refuse("header_timeout", self.transport)
+        message = (
+            f"request headers not received within {self.limiter.limits.header_timeout_s} s "
+            "(--header-timeout)"
+        )
+        self.transport.write(_answer(408, "Request Timeout", "request_timeout", message))
+        self._detach(TimeoutError(message))
+        self.transport.close()  # once the answer is flushed
+
+    def _detach(self, exc: Exception | None) -> None:
+        """aiohttp's protocol is done with this connection (what comes after is dropped)."""
+        inner, self.inner = self.inner, None
+        if inner is not None:
+            self.limiter.release(inner)
+            inner.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.inner is not None:
+            self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received() if self.inner is not None else None
+
+    def pause_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.request_arrived()  # no deadline left to keep
+        self._detach(exc)
+
+
+class LaneSite(web.BaseSite):
+    """A TCP site (like ``web.TCPSite``) whose connections pass a :class:`ConnectionLimiter`."""
+
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        host: str,
+        port: int,
+        limiter: ConnectionLimiter,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        super().__init__(runner, ssl_context=ssl_context)
+        self.host, self.port, self.limiter = host, port, limiter
+
+    @property
+    def name(self) -> str:
+        return f"{'https' if self._ssl_context else 'http'}://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        await super().start()
+        server = self._runner.server
+        assert server is not None
+        loop = asyncio.get_running_loop()
+        tls = self._ssl_context
+        self._server = await loop.create_server(
+            self.limiter.factory(server),
+            self.host,
+            self.port,
+            ssl=tls,
+            ssl_handshake_timeout=self.limiter.limits.header_timeout_s if tls else None,
+        )
