@@ -1,9 +1,10 @@
-"""Load an environment class by import path (``module:Class``) and validate its arguments."""
+"""Load an environment: a class by import path (``module:Class``), its arguments validated by
+its ``Config``; or a verifiers environment by id (:mod:`environments.verifiers_adapter`)."""
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
@@ -11,9 +12,20 @@ from environments.base import Environment
 from environments.errors import EnvironmentLoadError
 
 
-def load_environment(path: str, args: dict[str, Any], *, key: str = "environment") -> Environment:
+def load_environment(
+    path: str,
+    args: dict[str, Any],
+    *,
+    key: str = "environment",
+    kind: Literal["class", "verifiers"] = "class",
+) -> Environment:
     """Import ``path`` and build it with ``args`` validated by its ``Config`` model; errors name
-    the config table ``key`` (``environments[0]`` in a mixture)."""
+    the config table ``key`` (``environments[0]`` in a mixture). ``kind = "verifiers"``:
+    ``path`` is a verifiers environment's id, built by its ``load_environment(**args)``."""
+    if kind == "verifiers":
+        from environments.verifiers_adapter import load_verifiers_environment
+
+        return load_verifiers_environment(path, args, key=key)
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise EnvironmentLoadError(f"{key}.cls: expected 'module:Class', got {path!r}")

@@ -27,6 +27,7 @@ import anyio
 import structlog
 
 from environments.loader import load_environment
+from environments.verifiers_adapter import VerifiersEnvironment
 from orchestrator.config import Config
 from orchestrator.errors import ConfigError
 from orchestrator.loop.admin import serve_admin
@@ -46,6 +47,7 @@ from orchestrator.loop.train_sink import (
     board_version_above,
     build_trainer,
 )
+from orchestrator.loop.verifiers_episode import VerifiersRunner
 from orchestrator.observe.live import LiveView
 from orchestrator.observe.live import wanted as live_wanted
 from orchestrator.observe.metrics import RunMetrics, Tee
@@ -266,11 +268,13 @@ def _load_environments(cfg: Config) -> list[_Env]:
     """The ``[[environments]]`` of a mixture, or the one ``[environment]``."""
     if not cfg.environments:
         one = cfg.environment
-        envs = [_Env(load_environment(one.cls, one.args), None, 1.0, one.max_turns)]
+        envs = [
+            _Env(load_environment(one.target(), one.args, kind=one.kind), None, 1.0, one.max_turns)
+        ]
     else:
         envs = [
             _Env(
-                load_environment(e.cls, e.args, key=f"environments[{i}]"),
+                load_environment(e.target(), e.args, key=f"environments[{i}]", kind=e.kind),
                 e.name,
                 e.weight,
                 e.max_turns,
@@ -307,7 +311,10 @@ class _Loop:
         )
         sources = []
         for e, chat in zip(envs, chats, strict=True):
-            runner = EpisodeRunner(
+            # a verifiers environment runs its own rollout loop, with the pool as its model
+            verifiers = isinstance(e.env, VerifiersEnvironment)
+            runner_cls = VerifiersRunner if verifiers else EpisodeRunner
+            runner = runner_cls(
                 e.env,
                 chat.chat,
                 chat.parser,

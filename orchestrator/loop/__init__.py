@@ -3,6 +3,7 @@
 - :mod:`~orchestrator.loop.pool` — the endpoints, routing by version, breakers, failover;
 - :mod:`~orchestrator.loop.client` — the HTTP transport of the request lane;
 - :mod:`~orchestrator.loop.episode` — one multi-turn episode (``EpisodeRunner``);
+  :mod:`~orchestrator.loop.verifiers_episode` — one episode of a verifiers environment;
 - :mod:`~orchestrator.loop.scheduler` — admission under the lag budget (``Scheduler``);
 - :mod:`~orchestrator.loop.batcher` — the staleness decision per group, batches of groups;
 - :mod:`~orchestrator.loop.train_sink` — the trainer in this process or behind batch files;

@@ -36,7 +36,7 @@ from orchestrator.types import (
     ToolCallRecord,
 )
 from policies.wire.chat_tokens import ChatTokens
-from policies.wire.lane import GenerateRequest, VersionBounds
+from policies.wire.lane import GenerateChoice, GenerateRequest, VersionBounds
 from policies.wire.tool_parsers import ToolParser
 from policies.wire.toolcalls import to_openai_message
 
@@ -150,7 +150,7 @@ class EpisodeRunner:
                 ],
                 stop_reason=stop,
                 error=error,
-                history_rewritten=self.chat.history_rewritten(state.messages),
+                history_rewritten=self._history_rewritten(state),
                 finished_at=time.time(),
             )
             log.debug("episode_done", stop=stop, reward=episode.reward, turns=len(episode.segments))
@@ -167,46 +167,11 @@ class EpisodeRunner:
         state.messages = list(self.env.initial_messages(task))
         ids = self.chat.initial(state.messages)
         rec["token_ids"], rec["prompt_len"] = ids, len(ids)
-        segments: list[Segment] = rec["segments"]
-        affinity: str | None = None
         for turn in range(self.max_turns):
             state.turn = turn
-            engines = self.pool.max_context()
-            limit = self.max_context if engines is None else min(self.max_context, engines)
-            room = limit - len(ids)
-            if room <= 1:
+            choice = await self._call(ids, rec, bounds, seed)
+            if choice is None:
                 return "context"
-            req = GenerateRequest(
-                prompt_token_ids=list(ids),
-                max_tokens=min(self.sampling.max_tokens, room),
-                temperature=self.sampling.temperature,
-                top_p=self.sampling.top_p,
-                top_k=self.sampling.top_k,
-                seed=None if seed is None else seed + turn,
-                policy_version=bounds(),
-            )
-            t0 = time.perf_counter()
-            resp, endpoint, attempts = await self.pool.generate(
-                req, affinity, priority=rec["started_at"]
-            )
-            affinity = endpoint.id
-            choice = resp.choices[0]
-            segments.append(
-                Segment(
-                    turn=turn,
-                    prompt_len=len(ids),
-                    token_ids=choice.token_ids,
-                    logprobs=choice.logprobs,
-                    finish_reason=choice.finish_reason,
-                    policy_version=resp.policy_version,
-                    bounds=req.policy_version,
-                    endpoint=endpoint.id,
-                    latency_s=time.perf_counter() - t0,
-                    attempts=attempts,
-                    sampling=self.sampling.model_copy(update={"seed": req.seed}),
-                )
-            )
-            ids.extend(choice.token_ids)
             parsed = self.parser.parse(
                 self.chat.assistant_text(choice.token_ids, self.parser.markers),
                 first_id=sum(len(m.get("tool_calls") or []) for m in state.messages),
@@ -219,3 +184,58 @@ class EpisodeRunner:
                 return "done"
             ids.extend(self.chat.continuation(choice.token_ids, reply.messages))
         return "max_turns"
+
+    async def _call(
+        self,
+        ids: list[int],
+        rec: dict[str, Any],
+        bounds: Callable[[], VersionBounds],
+        seed: int | None,
+    ) -> GenerateChoice | None:
+        """One model call on the sequence ``ids`` under ``bounds()``: recorded as the next
+        segment of ``rec``, its sampled tokens appended to ``ids``; None when the sequence has
+        reached the context limit (no call is made)."""
+        engines = self.pool.max_context()
+        limit = self.max_context if engines is None else min(self.max_context, engines)
+        room = limit - len(ids)
+        if room <= 1:
+            return None
+        segments: list[Segment] = rec["segments"]
+        turn = len(segments)
+        req = GenerateRequest(
+            prompt_token_ids=list(ids),
+            max_tokens=min(self.sampling.max_tokens, room),
+            temperature=self.sampling.temperature,
+            top_p=self.sampling.top_p,
+            top_k=self.sampling.top_k,
+            seed=None if seed is None else seed + turn,
+            policy_version=bounds(),
+        )
+        affinity = segments[-1].endpoint if segments else None
+        t0 = time.perf_counter()
+        resp, endpoint, attempts = await self.pool.generate(
+            req, affinity, priority=rec["started_at"]
+        )
+        choice = resp.choices[0]
+        segments.append(
+            Segment(
+                turn=turn,
+                prompt_len=len(ids),
+                token_ids=choice.token_ids,
+                logprobs=choice.logprobs,
+                finish_reason=choice.finish_reason,
+                policy_version=resp.policy_version,
+                bounds=req.policy_version,
+                endpoint=endpoint.id,
+                latency_s=time.perf_counter() - t0,
+                attempts=attempts,
+                sampling=self.sampling.model_copy(update={"seed": req.seed}),
+            )
+        )
+        ids.extend(choice.token_ids)
+        return choice
+
+    def _history_rewritten(self, state: EpisodeState) -> bool:
+        """Whether the template would re-render the episode's earlier turns differently from
+        the tokens the model saw (:meth:`ChatTokens.history_rewritten`)."""
+        return self.chat.history_rewritten(state.messages)

@@ -159,11 +159,12 @@ async def run_scripted(
     *,
     parser: str = "hermes",
     engine_context: int | None = None,
+    runner_cls: type[EpisodeRunner] = EpisodeRunner,
 ) -> tuple[Episode, ScriptedPool]:
-    """One episode of ``task`` through the real :class:`EpisodeRunner`, the model's turns being
-    ``texts``; the episode and the pool (its recorded requests)."""
+    """One episode of ``task`` through the real :class:`EpisodeRunner` (or ``runner_cls``), the
+    model's turns being ``texts``; the episode and the pool (its recorded requests)."""
     pool = ScriptedPool(tokenizer, texts, engine_context)
-    runner = EpisodeRunner(
+    runner = runner_cls(
         env,
         ChatTokens(tokenizer, env.tool_schemas()),
         tool_parser(parser),
