@@ -10,7 +10,7 @@ BIN     := $(VENV)/bin
 .PHONY: demo test lint install engines
 
 demo: $(STAMP)
-	$(BIN)/orchestrate --config configs/demo.toml
+	$(BIN)/orchestrate --config configs/demo.toml --run.name demo-$$(date +%Y%m%d-%H%M%S)
 
 test: $(STAMP) lint engines
 	$(BIN)/pytest -q

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from datasets import Dataset
+from pydantic import Field
 
 from environments.base import EnvConfig, Environment, EpisodeState, Message, reward, tool
 
@@ -28,8 +29,10 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 class CalculatorConfig(EnvConfig):
-    max_operand: int = 99
-    """Largest operand in generated problems."""
+    max_operand: int = Field(default=99, ge=2)
+    """Largest operand in generated problems (operands are drawn from 2..max_operand)."""
+    ops: str = Field(default="+-*", pattern=r"^[+\-*]+$")
+    """The operators generated problems draw from: any of ``+``, ``-``, ``*``."""
 
 
 def evaluate(expression: str) -> float:
@@ -59,7 +62,7 @@ class Calculator(Environment):
         rows = []
         for i in range(self.config.num_tasks):
             a, b = rng.randint(2, self.config.max_operand), rng.randint(2, self.config.max_operand)
-            op = rng.choice("+-*")
+            op = rng.choice(self.config.ops)
             rows.append(
                 {
                     "id": f"calc-{i}",

@@ -66,6 +66,10 @@ def _run(argv: list[str]) -> int:
     from orchestrator.run import run
 
     summary = anyio.run(run, cfg)
+    if cfg.run.report:
+        from orchestrator.offline.report import write_run_report
+
+        summary.report = write_run_report(summary.run_dir)
     sys.stdout.write(summary.render() + "\n")
     return 130 if summary.interrupted else 0
 

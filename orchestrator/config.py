@@ -45,8 +45,11 @@ class RunConfig(_Section):
     """Directory under which run directories are created."""
     seed: int = Field(default=0, ge=0)
     """Seed for the trainer, task order and sampling."""
-    overwrite: bool = True
-    """Start from scratch when the run directory exists (False: refuse to start)."""
+    overwrite: bool = False
+    """Replace the run directory when it exists (its logs, board and checkpoints are deleted);
+    False: refuse to start, naming the run it would replace."""
+    report: bool = True
+    """Write ``<run dir>/report.html`` (``orchestrate report``) when the run ends."""
     resume: bool = False
     """Continue the run in the existing run directory after a crash or a stop (SIGKILL, Ctrl-C)
     instead of starting from scratch: the trainer resumes from its checkpoint (needs
@@ -63,17 +66,39 @@ class RunConfig(_Section):
             raise ValueError(str(exc)) from None
 
 
+class WarmStartConfig(_Section):
+    """SFT on ideal calculator episodes before RL (:mod:`policies.train.sft`), for a model
+    sprawl builds (``model.init``): a random model almost never writes a tool call, so RL on it
+    has nothing to reinforce. The recipe is :func:`policies.train.sft.sft_phases`."""
+
+    steps: int = Field(default=1800, ge=0)
+    """SFT steps on operands 2..99: the tool-call format and copying numbers."""
+    focus_steps: int = Field(default=100, ge=0)
+    """Then SFT steps on the run's own range (the calculator's ``max_operand``)."""
+    eval_episodes: int = Field(default=32, ge=0)
+    """Episodes sampled before and after the last phase to score it (``<model>/sft.json``)."""
+
+
 class ModelConfig(_Section):
     path: Path = Path("runs/models/tiny")
     """HF causal-LM directory (safetensors) the trainer starts from."""
     init: Literal["tiny", "small"] | None = "tiny"
     """Build sprawl's own model of this size at ``path`` if it is missing (None: require it)."""
+    warm_start: WarmStartConfig | None = None
+    """Warm-start the model sprawl builds at ``path`` by SFT (``[model.warm_start]``); the model
+    is built once and reused by later runs while its ``sft.json`` records the same recipe."""
     tool_parser: str | None = None
     """How the model writes tool calls (``hermes``, ``llama3_json``, ``mistral``,
     ``qwen3_coder``); None: from ``<path>/sprawl.json``, else detected from the chat template."""
     max_context: int | None = Field(default=None, ge=64)
     """Tokens an episode's sequence may reach; None: the model's ``max_position_embeddings``
     (engines that serve less bound it further)."""
+
+    @model_validator(mode="after")
+    def _warm_start_builds(self) -> ModelConfig:
+        if self.warm_start is not None and self.init is None:
+            raise ValueError("model.warm_start needs model.init (the size of the model to build)")
+        return self
 
     @field_validator("tool_parser")
     @classmethod

@@ -18,7 +18,7 @@ from __future__ import annotations
 import shutil
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,10 +48,12 @@ from orchestrator.loop.train_sink import (
     build_trainer,
 )
 from orchestrator.loop.verifiers_episode import VerifiersRunner
+from orchestrator.models import ensure_model
 from orchestrator.observe.live import LiveView
 from orchestrator.observe.live import wanted as live_wanted
 from orchestrator.observe.metrics import RunMetrics, Tee
 from orchestrator.observe.scalars import Scalars
+from orchestrator.observe.summary import RunSummary
 from orchestrator.record import resume
 from orchestrator.record.events import EventLog
 from orchestrator.record.trajlog import TrajectoryLog
@@ -64,86 +66,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 
-@dataclass
-class RunSummary:
-    """What a run did, printed when it ends. A resumed run's steps, episodes, dropped groups and
-    rewards are the whole run's, read from its logs (:meth:`cover`); ``served`` and ``seconds``
-    are always this process's."""
-
-    run_dir: Path
-    steps: int = 0
-    episodes: int = 0
-    dropped_groups: int = 0
-    rewards: list[float] = field(default_factory=list)
-    served: dict[str, dict[int, int]] = field(default_factory=dict)
-    interrupted: bool = False
-    seconds: float = 0.0
-    resumed_at: list[int] = field(default_factory=list)
-    """The step (trainer version) each restart continued from; empty for a run never resumed."""
-    by_environment: dict[str, list[int]] = field(default_factory=dict)
-    """Environment → [groups decided, groups dropped]; shown for a mixture."""
-
-    def cover(self, logged: resume.LoggedRun) -> None:
-        """Count the whole run its logs describe (every process's records) instead of this
-        process's share, so a resumed run's summary reads as one run from step 0."""
-        self.steps = logged.steps
-        self.episodes = logged.episodes
-        self.dropped_groups = logged.dropped_groups
-        self.rewards = list(logged.rewards)
-        self.resumed_at = list(logged.resumed_at)
-        self.by_environment = {}
-        for group, decision in logged.groups.values():
-            self.count(group, decision)
-
-    def count(self, group: Group, decision: GroupDecision) -> None:
-        """Count a decided group under its environment."""
-        env = group.episodes[0].environment if group.episodes else "?"
-        counts = self.by_environment.setdefault(env, [0, 0])
-        counts[0] += 1
-        counts[1] += decision.decision == "dropped"
-
-    def render(self) -> str:
-        lines = [
-            f"run dir:   {self.run_dir}",
-            f"status:    {'interrupted' if self.interrupted else 'finished'} "
-            f"in {self.seconds:.1f}s",
-        ]
-        if self.resumed_at:
-            at = ", ".join(str(v) for v in self.resumed_at)
-            lines.append(
-                f"resumed:   at step{'s' * (len(self.resumed_at) > 1)} {at} "
-                "(counts: the whole run; time and calls served: since the restart)"
-            )
-        lines += [
-            f"steps:     {self.steps}",
-            f"episodes:  {self.episodes} ({self.dropped_groups} groups dropped)",
-            "reward:    " + (" → ".join(f"{r:.3f}" for r in self.rewards) or "n/a"),
-        ]
-        if len(self.by_environment) > 1:
-            for env, (decided, dropped) in sorted(self.by_environment.items()):
-                lines.append(f"env {env}: {decided} groups ({dropped} dropped)")
-        for ep, versions in sorted(self.served.items()):
-            served = ", ".join(f"v{v}×{n}" for v, n in sorted(versions.items()))
-            lines.append(f"{ep}: {served or 'no calls'}")
-        return "\n".join(lines)
-
-
-def ensure_model(cfg: Config) -> Path:
-    """The model directory, built with sprawl's own generator when configured and missing."""
-    path = cfg.model.path
-    if (path / "config.json").exists():
-        return path
-    if cfg.model.init is None:
-        raise ConfigError(
-            f"model.path: {path} is not an HF model directory (and model.init "
-            "is unset, so sprawl will not build one)"
-        )
-    from policies.model.build import init_model
-
-    log.info("building_model", path=str(path), size=cfg.model.init)
-    return init_model(path, cfg.model.init, seed=cfg.run.seed)
-
-
 def prepare_run_dir(cfg: Config) -> Path:
     """A fresh run directory (with ``config.json``), or the existing one with ``run.resume``."""
     if cfg.run.resume:
@@ -151,11 +73,23 @@ def prepare_run_dir(cfg: Config) -> Path:
     run_dir = cfg.run_dir
     if run_dir.exists():
         if not cfg.run.overwrite:
-            raise ConfigError(f"run.overwrite is false and {run_dir} exists")
+            raise ConfigError(
+                f"run.name: {run_dir} holds an earlier run ({_started(run_dir)}); keep it and "
+                "start another with --run.name NAME, continue it with --run.resume true, or "
+                "replace it (deleting its logs, board and checkpoints) with --run.overwrite true"
+            )
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     return run_dir
+
+
+def _started(run_dir: Path) -> str:
+    config = run_dir / "config.json"
+    if not config.exists():
+        return "no config.json: not a complete run directory"
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(config.stat().st_mtime))
+    return f"started {when}"
 
 
 async def run(cfg: Config) -> RunSummary:

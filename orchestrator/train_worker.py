@@ -25,7 +25,7 @@ import structlog
 from orchestrator.config import load_config, parse_overrides
 from orchestrator.errors import ConfigError
 from orchestrator.loop.train_sink import build_trainer
-from orchestrator.run import ensure_model
+from orchestrator.models import ensure_model
 from policies.wire.batches import BatchFile, read_batch
 from policies.wire.logs import configure
 

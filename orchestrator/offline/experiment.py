@@ -12,9 +12,9 @@ Everything else comes from ``--config`` plus any ``--section.key VALUE`` overrid
 ``scheduler.max_concurrent_episodes`` is raised to what the lag budget can admit, so that rollout
 really runs ahead of the trainer in the lag arms. Outputs in ``--out``:
 
-- ``model/`` — the warm-started model (:func:`sft_phases`: SFT on operands 2..99, then on the
-  run's ``environment.args.max_operand``), built once and reused while ``model/sft.json``
-  records the same phases;
+- ``model/`` — the warm-started model (:func:`policies.train.sft.sft_phases`: SFT on operands
+  2..99, then on the run's ``environment.args.max_operand``), built once and reused while
+  ``model/sft.json`` records the same phases;
 - ``runs/<arm>/`` — each arm's run directory (trajectory log, board, checkpoints);
 - ``rewards.csv`` — ``step,<arm>…`` mean episode reward per trainer step;
 - ``rewards.png`` — the curves (raw and a moving average);
@@ -47,7 +47,8 @@ import anyio
 import structlog
 
 from orchestrator.config import Config, load_config, parse_overrides
-from orchestrator.errors import ConfigError
+from orchestrator.models import calculator_max_operand
+from orchestrator.observe.trend import halves, mean_se
 from orchestrator.record.frames import iter_records
 
 log = structlog.get_logger(__name__)
@@ -98,6 +99,7 @@ def arm_config(
         "run.overwrite": True,
         "model.path": str(model_dir),
         "model.init": None,
+        "model.warm_start": None,  # the experiment warm-starts its model itself
         "trainer.max_steps": steps,
         "scheduler.max_lag": arm.max_lag,
         "scheduler.max_concurrent_episodes": max(base.scheduler.max_concurrent_episodes, in_flight),
@@ -124,29 +126,16 @@ def lag_histogram(log_dir: Path) -> dict[int, int]:
     return dict(sorted(hist.items()))
 
 
-def _mean_se(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and standard error of the mean (0 for fewer than two values)."""
-    values = list(values) or [0.0]
-    mean = sum(values) / len(values)
-    if len(values) < 2:
-        return mean, 0.0
-    var = sum((r - mean) ** 2 for r in values) / (len(values) - 1)
-    return mean, math.sqrt(var / len(values))
-
-
 def _tail_stats(rewards: Sequence[float]) -> tuple[float, float]:
     """Mean and standard error of the second half of ``rewards``."""
-    return _mean_se(rewards[len(rewards) // 2 :])
+    return mean_se(rewards[len(rewards) // 2 :])
 
 
 def _rise(rewards: Sequence[float]) -> str:
     """Did reward rise? Second-half minus first-half mean, judged against 2·(combined SE)."""
-    half = len(rewards) // 2
-    first, first_se = _mean_se(rewards[:half])
-    second, second_se = _mean_se(rewards[half:])
-    delta, noise = second - first, 2 * math.hypot(first_se, second_se)
-    judged = "within noise" if abs(delta) <= noise else ("rose" if delta > 0 else "fell")
-    return f"{first:.3f}→{second:.3f} ({judged}, Δ={delta:+.3f}, 2σ={noise:.3f})"
+    c = halves(rewards)
+    judged = c.judged or "too few steps"
+    return f"{c.before:.3f}→{c.after:.3f} ({judged}, Δ={c.delta:+.3f}, 2σ={c.noise:.3f})"
 
 
 def verdict(results: Sequence[ArmResult]) -> str:
@@ -209,78 +198,6 @@ def write_png(results: Sequence[ArmResult], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def sft_phases(sft_steps: int, focus_steps: int, max_operand: int) -> list[tuple[int, float, int]]:
-    """The SFT curriculum as ``(steps, lr, max_operand)`` phases (phases of 0 steps left out).
-
-    ``sft_steps`` on the full operand range (2..99: the format, and copying numbers from the
-    question into the call and from the tool's output into the answer), the first 5/9 at lr 6e-3,
-    the rest at 4e-3; then ``focus_steps`` at lr 3e-3 on the experiment's own range
-    (``max_operand``). The tiny model learns copying on the full range in ~1800 steps; a direct SFT
-    on single-digit operands had not learnt it after 2500 (see docs/benchmarks.md).
-    """
-    first = math.ceil(sft_steps * 5 / 9)
-    phases = [(first, 6e-3, 99), (sft_steps - first, 4e-3, 99), (focus_steps, 3e-3, max_operand)]
-    return [p for p in phases if p[0] > 0]
-
-
-def build_model(
-    out: Path,
-    *,
-    size: str,
-    sft_steps: int,
-    seed: int,
-    sft_eval_episodes: int = 32,
-    focus_steps: int = 0,
-    max_operand: int = 99,
-) -> Path:
-    """The warm-started model every arm starts from, built once (see :func:`sft_phases`).
-
-    Reused when ``model/sft.json`` (written only after the last phase) records the same phases;
-    a model warm-started otherwise is refused rather than silently reused. Only the last phase
-    scores the model before and after (``sft_eval_episodes``)."""
-    from policies.model.build import init_model
-    from policies.train.sft import warm_start
-
-    model_dir = out / "model"
-    phases = sft_phases(sft_steps, focus_steps, max_operand)
-    if (model_dir / "sft.json").exists():
-        recorded = json.loads((model_dir / "sft.json").read_text()).get("phases", [])
-        got = [(p.get("steps"), p.get("lr"), p.get("max_operand")) for p in recorded]
-        if got != phases:
-            raise ConfigError(
-                f"{model_dir} was warm-started with SFT phases {got or 'of an older recipe'}, "
-                f"not {phases} (--sft-steps, --sft-focus-steps, environment.args.max_operand): "
-                "remove it or pick another --out"
-            )
-        log.info("experiment_model_reused", path=str(model_dir))
-        return model_dir
-    if not (model_dir / "config.json").exists():
-        init_model(model_dir, "small" if size == "small" else "tiny", seed=seed)
-    done = []
-    for i, (steps, lr, operand) in enumerate(phases):
-        last = i == len(phases) - 1
-        result = warm_start(
-            model_dir,
-            steps=steps,
-            lr=lr,
-            seed=seed,
-            max_operand=operand,
-            eval_episodes=sft_eval_episodes if last else 0,
-        )
-        done.append({"max_operand": operand, "lr": lr, **asdict(result)})
-    (model_dir / "sft.json").write_text(json.dumps({"phases": done}, indent=1) + "\n")
-    return model_dir
-
-
-def calculator_max_operand(cfg: Config) -> int:
-    """The run's calculator difficulty (``environment.args.max_operand``); 99 for others."""
-    from environments.calculator import Calculator, CalculatorConfig
-
-    if cfg.environment.cls != f"{Calculator.__module__}:{Calculator.__name__}":
-        return CalculatorConfig().max_operand
-    return CalculatorConfig(**cfg.environment.args).max_operand
-
-
 def run_lag_experiment(
     config: Path | None,
     out: Path,
@@ -298,18 +215,17 @@ def run_lag_experiment(
 
     ``steps`` defaults to the config's ``trainer.max_steps``."""
     from orchestrator.run import run
+    from policies.train.sft import sft_phases, warm_model
 
     out.mkdir(parents=True, exist_ok=True)
     base = load_config(config, overrides)
     steps = base.trainer.max_steps if steps is None else steps
-    model_dir = build_model(
-        out,
-        size=size,
-        sft_steps=sft_steps,
+    model_dir = warm_model(
+        out / "model",
+        size="small" if size == "small" else "tiny",
         seed=seed,
-        sft_eval_episodes=sft_eval_episodes,
-        focus_steps=focus_steps,
-        max_operand=calculator_max_operand(base),
+        phases=sft_phases(sft_steps, focus_steps, calculator_max_operand(base) or 99),
+        eval_episodes=sft_eval_episodes,
     )
     results = []
     for arm in arms:

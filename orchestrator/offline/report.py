@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import structlog
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -48,6 +49,8 @@ from orchestrator.record.trajlog import (
 )
 from staleness.config import LengthBiasConfig
 from staleness.length_bias import AXES, Axis, LengthBias
+
+log = structlog.get_logger(__name__)
 
 Series = list[tuple[float, float]]
 
@@ -336,6 +339,24 @@ def _length_section(lb: LengthBias | None) -> str:
     )
 
 
+def write_report(run_dir: Path, out: Path) -> Path:
+    """Render ``run_dir``'s report into ``out`` (written whole: temp file + rename)."""
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(render_html(report_data(run_dir)), encoding="utf-8")
+    tmp.replace(out)
+    return out
+
+
+def write_run_report(run_dir: Path) -> Path | None:
+    """``<run dir>/report.html`` at the end of a run (``run.report``); None if it failed, which
+    is logged: the run itself is done and its logs are intact, ``orchestrate report`` retries."""
+    try:
+        return write_report(run_dir, run_dir / "report.html")
+    except Exception as exc:  # a plot must not turn a finished run into a failed one
+        log.warning("report_failed", run_dir=str(run_dir), error=f"{type(exc).__name__}: {exc}")
+        return None
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="orchestrate report", description="Write a self-contained HTML report of a run."
@@ -343,7 +364,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("run_dir", type=Path, help="a run directory (holds trajectories/)")
     parser.add_argument("--out", type=Path, help="output file (default RUN_DIR/report.html)")
     args = parser.parse_args(argv)
-    out = args.out or args.run_dir / "report.html"
-    out.write_text(render_html(report_data(args.run_dir)), encoding="utf-8")
+    out = write_report(args.run_dir, args.out or args.run_dir / "report.html")
     sys.stdout.write(f"{out}\n")
     return 0

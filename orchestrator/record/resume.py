@@ -26,7 +26,7 @@ Engines are fresh subprocesses (the old ones exit with their parent); ``admin.js
 rewritten. The accounting rule (``docs/trajectory-schema.md``) holds across the restart:
 :func:`orchestrator.record.accounting.account`. When the resumed process ends, its summary counts
 the whole run: :func:`read_run` again, on the closed logs
-(:meth:`orchestrator.run.RunSummary.cover`).
+(:meth:`orchestrator.observe.summary.RunSummary.cover`).
 """
 
 from __future__ import annotations

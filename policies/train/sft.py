@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import random
 import re
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -46,6 +48,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from environments.base import Environment
 from environments.loader import load_environment
 from environments.types import EpisodeState
+from policies.errors import ModelBuildError
+from policies.model.build import ModelSize, init_model
 from policies.serve.engine import Engine
 from policies.wire.chat_tokens import ChatTokens
 from policies.wire.lane import GenerateRequest
@@ -298,3 +302,86 @@ def format_score(
         correct=sum(c for _, _, c in rows) / n,
         reward_mean=sum(r for _, r, _ in rows) / n,
     )
+
+
+Phase = tuple[int, float, int]
+"""One SFT phase of the warm-start recipe: ``(steps, lr, max_operand)``."""
+
+
+def sft_phases(sft_steps: int, focus_steps: int, max_operand: int) -> list[Phase]:
+    """The SFT curriculum as ``(steps, lr, max_operand)`` phases (phases of 0 steps left out).
+
+    ``sft_steps`` on the full operand range (2..99: the format, and copying numbers from the
+    question into the call and from the tool's output into the answer), the first 5/9 at lr 6e-3,
+    the rest at 4e-3; then ``focus_steps`` at lr 3e-3 on the run's own range (``max_operand``).
+    The tiny model learns copying on the full range in ~1800 steps; a direct SFT on single-digit
+    operands had not learnt it after 2500 (see docs/benchmarks.md).
+    """
+    first = math.ceil(sft_steps * 5 / 9)
+    phases = [(first, 6e-3, 99), (sft_steps - first, 4e-3, 99), (focus_steps, 3e-3, max_operand)]
+    return [p for p in phases if p[0] > 0]
+
+
+def recorded_phases(model_dir: Path) -> list[Phase] | None:
+    """The phases ``model_dir/sft.json`` records (None: no ``sft.json``; [] for the
+    single-phase record :func:`warm_start` alone writes)."""
+    path = model_dir / "sft.json"
+    if not path.exists():
+        return None
+    recorded = json.loads(path.read_text()).get("phases", [])
+    return [(p.get("steps"), p.get("lr"), p.get("max_operand")) for p in recorded]
+
+
+def warm_model(
+    model_dir: Path,
+    *,
+    size: ModelSize,
+    seed: int,
+    phases: list[Phase],
+    eval_episodes: int = 32,
+) -> Path:
+    """A model of ``size`` built by :func:`~policies.model.build.init_model` and warm-started by
+    ``phases`` (:func:`sft_phases`) in ``model_dir``; reused when it is already there.
+
+    Built in a sibling temp directory and renamed into place when the last phase is done, so a
+    directory at ``model_dir`` is always a finished model (a crash leaves only the temp dir,
+    removed by the next build). Reused when its ``sft.json`` records the same phases; a model
+    at ``model_dir`` built otherwise raises :class:`ModelBuildError` rather than being reused or
+    overwritten. Only the last phase scores the model before and after (``eval_episodes``)."""
+    if model_dir.exists():
+        got = recorded_phases(model_dir)
+        if got != phases:
+            how = "with SFT phases " + str(got or "of an older recipe")
+            if got is None:
+                how = "without an SFT warm start"
+            raise ModelBuildError(
+                f"{model_dir} holds a model built {how}, not the warm start asked for "
+                f"({phases}): remove it or choose another model directory"
+            )
+        log.info("warm_model_reused", path=str(model_dir))
+        return model_dir
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    for stale in model_dir.parent.glob(f".{model_dir.name}.building-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    staging = model_dir.parent / f".{model_dir.name}.building-{os.getpid()}"
+    init_model(staging, size, seed=seed)
+    done = []
+    for i, (steps, lr, operand) in enumerate(phases):
+        last = i == len(phases) - 1
+        result = warm_start(
+            staging,
+            steps=steps,
+            lr=lr,
+            seed=seed,
+            max_operand=operand,
+            eval_episodes=eval_episodes if last else 0,
+        )
+        done.append({"max_operand": operand, "lr": lr, **asdict(result)})
+    (staging / "sft.json").write_text(json.dumps({"phases": done}, indent=1) + "\n")
+    try:
+        os.rename(staging, model_dir)
+    except OSError:  # another process finished the same model first
+        shutil.rmtree(staging, ignore_errors=True)
+        if recorded_phases(model_dir) != phases:
+            raise
+    return model_dir

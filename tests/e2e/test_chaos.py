@@ -19,7 +19,7 @@ from sandbox.errors import SandboxUnavailableError
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
+CONFIG = Path(__file__).resolve().parents[2] / "tests" / "support" / "loop.toml"
 
 
 @pytest.mark.parametrize("name", [n for n in FAULTS if n != "none"])

@@ -176,7 +176,7 @@ def test_a_resumed_run_s_summary_counts_the_whole_run(tmp_path: Path, tiny_model
     assert acc.ok, acc.problems
     counts = acc.counts()
     recorded = counts["trained"] + counts["dropped"] + counts["unbatched"]
-    group_size = load_config(Path("configs/demo.toml"), {}).scheduler.group_size
+    group_size = load_config(Path("tests/support/loop.toml"), {}).scheduler.group_size
     episodes = {r.episode.id for r in episode_records(run_dir / "trajectories")}
     assert whole["steps"] == counts["batches"] == 4
     assert whole["episodes"] == len(episodes) == group_size * recorded

@@ -77,3 +77,17 @@ def test_tool_schema_comes_from_type_hints_and_docstring() -> None:
     assert fn["description"].startswith("Evaluate an arithmetic expression")
     assert fn["parameters"]["properties"]["expression"]["type"] == "string"
     assert fn["parameters"]["required"] == ["expression"]
+
+
+def test_problems_draw_from_the_configured_operators_and_range() -> None:
+    env = load_environment(
+        "environments.calculator:Calculator", {"num_tasks": 40, "max_operand": 9, "ops": "+"}
+    )
+    for task in env.tasks():
+        a, op, b = str(task["question"]).removeprefix("What is ").removesuffix("?").split()
+        assert op == "+"
+        assert 2 <= int(a) <= 9
+        assert 2 <= int(b) <= 9
+        assert task["answer"] == int(a) + int(b)
+    with pytest.raises(EnvironmentLoadError, match=r"environment\.args\.ops"):
+        load_environment("environments.calculator:Calculator", {"ops": "/"})

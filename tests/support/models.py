@@ -21,6 +21,7 @@ import torch
 import transformers
 
 from policies.model.build import ModelSize, init_model
+from policies.train.sft import Phase, warm_model
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = (
@@ -58,5 +59,23 @@ def model_copy(
         with contextlib.suppress(OSError):  # another session built it first: theirs is the same
             (tmp / "model").rename(cached)  # whole or not at all
         shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(cached, into)
+    return into
+
+
+WARM_SOURCES = (*SOURCES, "policies/train/sft.py", "environments/calculator.py")
+
+
+def warm_model_copy(into: Path, phases: list[Phase], seed: int = 0) -> Path:
+    """A copy of the tiny model warm-started by ``phases`` (``policies.train.sft.warm_model``,
+    the model ``[model.warm_start]`` builds), cached like :func:`model_copy`: SFT on CPU is
+    deterministic for a (model, phases, seed)."""
+    root = Path(os.environ.get("SPRAWL_MODEL_CACHE", Path.home() / ".cache" / "sprawl" / "models"))
+    h = hashlib.sha256(f"{_key('tiny', seed, None)}|{phases}".encode())
+    for source in WARM_SOURCES:
+        h.update((REPO / source).read_bytes())
+    cached = warm_model(
+        root / f"tiny-warm-{seed}-{h.hexdigest()[:16]}", size="tiny", seed=seed, phases=phases
+    )
     shutil.copytree(cached, into)
     return into

@@ -11,14 +11,15 @@ from pathlib import Path
 def orchestrate_cmd(
     tmp_path: Path, model_dir: Path, *extra: str, command: str | None = None
 ) -> list[str]:
-    """``orchestrate [command] --config configs/demo.toml`` on the tiny model under ``tmp_path``."""
+    """``orchestrate [command] --config tests/support/loop.toml`` on the tiny model in ``tmp_path``
+    (the run directory is ``tmp_path / "demo"``)."""
     return [
         sys.executable,
         "-m",
         "orchestrator.cli",
         *([command] if command else []),
         "--config",
-        "configs/demo.toml",
+        "tests/support/loop.toml",
         "--run.root",
         str(tmp_path),
         "--model.path",

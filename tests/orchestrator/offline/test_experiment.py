@@ -4,27 +4,26 @@ from __future__ import annotations
 
 import csv
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
 from orchestrator.cli import main as cli_main
 from orchestrator.config import load_config
-from orchestrator.errors import ConfigError
 from orchestrator.offline.experiment import (
     ARMS,
     ArmResult,
     arm_config,
-    build_model,
     calculator_max_operand,
     lag_histogram,
-    sft_phases,
     verdict,
 )
 from orchestrator.record.frames import FrameWriter
+from policies.errors import ModelBuildError
+from policies.train.sft import sft_phases, warm_model
 
 DEMO = Path("configs/demo.toml")
+LOOP = Path("tests/support/loop.toml")  # the small loop most e2e tests run
 EXPERIMENT = Path("configs/experiment-lag.toml")
 
 
@@ -97,17 +96,14 @@ def test_verdict_reports_noise_and_gaps() -> None:
 
 
 @pytest.mark.slow
-def test_experiment_command_runs_at_reduced_size(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_experiment_command_runs_at_reduced_size(tmp_path: Path) -> None:
     out = tmp_path / "exp"
-    (out / "model").mkdir(parents=True)
-    for f in tiny_model_dir.iterdir():
-        shutil.copy(f, out / "model" / f.name)
     code = cli_main(
         [
             "experiment",
             "lag",
             "--config",
-            str(DEMO),
+            str(LOOP),
             "--steps",
             "2",
             "--out",
@@ -158,13 +154,23 @@ def test_sft_curriculum_ends_on_the_runs_difficulty() -> None:
     assert sft_phases(1800, 100, 9) == [(1000, 6e-3, 99), (800, 4e-3, 99), (100, 3e-3, 9)]
     assert sft_phases(0, 0, 9) == []
     assert calculator_max_operand(load_config(EXPERIMENT)) == 9
-    assert calculator_max_operand(load_config(DEMO)) == 99
-    assert calculator_max_operand(load_config(Path("configs/guess.toml"))) == 99
+    assert calculator_max_operand(load_config(DEMO)) == 9
+    assert calculator_max_operand(load_config(LOOP)) == 99
+    assert calculator_max_operand(load_config(Path("configs/guess.toml"))) is None
 
 
 def test_a_model_warm_started_otherwise_is_refused_not_reused(tmp_path: Path) -> None:
     model = tmp_path / "model"
     model.mkdir()
     (model / "sft.json").write_text(json.dumps({"steps": 1000}))  # the single-phase recipe
-    with pytest.raises(ConfigError, match=r"SFT phases of an older recipe, not \[\(1000"):
-        build_model(tmp_path, size="tiny", sft_steps=1800, seed=0, focus_steps=100, max_operand=9)
+    with pytest.raises(ModelBuildError, match=r"of an older recipe, not the warm start .*\[\(1000"):
+        warm_model(model, size="tiny", seed=0, phases=sft_phases(1800, 100, 9))
+
+
+def test_a_model_built_without_warm_start_is_not_fine_tuned_in_place(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with pytest.raises(ModelBuildError, match="without an SFT warm start"):
+        warm_model(model, size="tiny", seed=0, phases=sft_phases(10, 0, 9))
+    assert sorted(p.name for p in model.iterdir()) == ["config.json"]

@@ -10,6 +10,7 @@ import pytest
 
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError, TrajlogError
+from orchestrator.observe.summary import RunSummary
 from orchestrator.record.accounting import account
 from orchestrator.record.events import EventLog, read_events
 from orchestrator.record.resume import (
@@ -22,7 +23,6 @@ from orchestrator.record.resume import (
     start,
 )
 from orchestrator.record.trajlog import TrajectoryLog, batch_records
-from orchestrator.run import RunSummary
 from orchestrator.types import Batch, GroupDecision
 from tests.support.trajectories import make_group
 
