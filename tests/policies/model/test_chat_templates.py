@@ -4,14 +4,12 @@ and the family behaviour each template reproduces."""
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-import structlog
 from safetensors import safe_open
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -192,17 +190,6 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Built]:
         return models[name]
 
     return get
-
-
-@pytest.fixture
-def cli_logging() -> Iterator[None]:
-    """The command line configures logging onto the captured stderr; put it back afterwards."""
-    root = logging.getLogger()
-    handlers, level, config = root.handlers[:], root.level, structlog.get_config()
-    yield
-    structlog.configure(**config)
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 def render(tokenizer: PreTrainedTokenizerBase, messages: list[Any], **kwargs: Any) -> str:
