@@ -6,13 +6,13 @@ where its loss mask says."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from orchestrator.record.frames import read_log
 from tests.support.models import model_copy
+from tests.support.processes import orchestrate_cmd
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,11 +23,7 @@ FAMILIES = ("qwen3_like", "llama3_like", "mistral_like", "r1_like", "gptoss_like
 def test_guess_runs_on_each_familys_template(tmp_path: Path, family: str) -> None:
     template = ROOT / "examples" / "chat_templates" / f"{family}.jinja"
     model = model_copy("tiny", tmp_path / "model", chat_template=template)
-    cmd = [
-        sys.executable, "-m", "orchestrator.cli", "--config", "configs/guess.toml",
-        "--model.path", str(model), "--run.root", str(tmp_path), "--log-format", "json",
-        "--trainer.max_steps", "1",
-    ]  # fmt: skip
+    cmd = orchestrate_cmd(tmp_path, model, "--trainer.max_steps", "1", config="configs/guess.toml")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "steps:     1" in proc.stdout

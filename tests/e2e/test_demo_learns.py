@@ -13,7 +13,6 @@ docs/benchmarks.md ("The demo learns") lists the margins measured per seed.
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from orchestrator.observe.trend import quarters
 from orchestrator.record.frames import read_log
 from policies.train.sft import sft_phases
 from tests.support.models import warm_model_copy
+from tests.support.processes import orchestrate_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -41,19 +41,7 @@ def test_the_demo_reward_rises_beyond_noise(tmp_path: Path) -> None:
         tmp_path / "model", sft_phases(warm.steps, warm.focus_steps, operand), cfg.run.seed
     )
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "orchestrator.cli",
-            "--config",
-            str(DEMO),
-            "--run.root",
-            str(tmp_path),
-            "--model.path",
-            str(model),
-            "--log-format",
-            "json",
-        ],
+        orchestrate_cmd(tmp_path, model, config=DEMO),
         capture_output=True,
         text=True,
         timeout=1500,

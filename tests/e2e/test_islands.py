@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 
 from orchestrator.record.frames import read_log
 from tests.support.models import model_copy
+from tests.support.processes import orchestrate_cmd
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,10 +61,7 @@ def _run(
     """Run configs/islands.toml to the end, SIGTERM it once ``stop_when()`` holds, or SIGKILL it
     once ``kill_when`` has been logged as often as there are islands; every descendant it ever
     had, engines' own children included, and their command lines."""
-    cmd = [
-        sys.executable, "-m", "orchestrator.cli", "--config", "configs/islands.toml",
-        "--run.root", str(tmp_path), "--model.path", str(model), "--log-format", "json", *extra,
-    ]  # fmt: skip
+    cmd = orchestrate_cmd(tmp_path, model, *extra, config="configs/islands.toml")
     seen: dict[int, psutil.Process] = {}
     deadline = time.monotonic() + STOP_WITHIN_S
     cmdlines: list[str] = []

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ import pytest
 from orchestrator.offline.resimulate import resimulate
 from orchestrator.record.events import STOP_REASONS, read_events
 from orchestrator.record.frames import read_log
+from tests.support.processes import orchestrate_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -18,21 +18,9 @@ pytestmark = pytest.mark.slow
 def test_both_environments_run_under_their_own_drop_rules(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "orchestrator.cli",
-        "--config",
-        "configs/mixture.toml",
-        "--run.root",
-        str(tmp_path),
-        "--model.path",
-        str(tiny_model_dir),
-        "--log-format",
-        "json",
-        "--trainer.max_steps",
-        "1",
-    ]
+    cmd = orchestrate_cmd(
+        tmp_path, tiny_model_dir, "--trainer.max_steps", "1", config="configs/mixture.toml"
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "steps:     1" in proc.stdout

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from orchestrator.offline.resimulate import resimulate
 from orchestrator.record.events import read_events
 from orchestrator.record.frames import read_log
 from tests.support import vf_feedback, vf_reverse, vf_tools
+from tests.support.processes import orchestrate_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -71,19 +71,7 @@ max_steps = 2
 def test_verifiers_environments_run_under_the_loop(tmp_path: Path, tiny_model_dir: Path) -> None:
     config = tmp_path / "vf.toml"
     config.write_text(CONFIG)
-    cmd = [
-        sys.executable,
-        "-m",
-        "orchestrator.cli",
-        "--config",
-        str(config),
-        "--run.root",
-        str(tmp_path),
-        "--model.path",
-        str(tiny_model_dir),
-        "--log-format",
-        "json",
-    ]
+    cmd = orchestrate_cmd(tmp_path, tiny_model_dir, config=config)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "steps:     2" in proc.stdout

@@ -7,19 +7,26 @@ import os
 import sys
 from pathlib import Path
 
+LOOP = "tests/support/loop.toml"
+"""The small random-init loop most end-to-end tests run (run name ``demo``)."""
+
 
 def orchestrate_cmd(
-    tmp_path: Path, model_dir: Path, *extra: str, command: str | None = None
+    tmp_path: Path,
+    model_dir: Path,
+    *extra: str,
+    command: str | None = None,
+    config: str | Path = LOOP,
 ) -> list[str]:
-    """``orchestrate [command] --config tests/support/loop.toml`` on the tiny model in ``tmp_path``
-    (the run directory is ``tmp_path / "demo"``)."""
+    """``orchestrate [command] --config CONFIG`` on ``model_dir``, its run directory under
+    ``tmp_path``, JSON logs; ``extra`` are more arguments (``--section.key VALUE``)."""
     return [
         sys.executable,
         "-m",
         "orchestrator.cli",
         *([command] if command else []),
         "--config",
-        "tests/support/loop.toml",
+        str(config),
         "--run.root",
         str(tmp_path),
         "--model.path",
