@@ -17,6 +17,8 @@ It provides:
   ``on_answer(state, reply)``, whose default records the final answer and ends the episode. An
   environment that talks back (feedback, the next question) overrides ``on_answer`` and returns
   ``Reply.user(...)``; returning ``done=True`` ends the episode;
+- ``metadata(state)`` — facts to keep on the episode's record (``Episode.metadata``), e.g. the
+  environment's own bookkeeping in ``state.data``;
 - a ``Config`` pydantic model (a subclass of :class:`EnvConfig`) validating ``[environment.args]``.
 
 Bad model output never raises. Malformed tool-call JSON, an unknown tool, arguments of the wrong
@@ -181,6 +183,13 @@ class Environment:
     def reward_weights(self) -> dict[str, float]:
         """The weight of every component, penalties included."""
         return {name: w for name, _, w in self._rewards}
+
+    def metadata(self, state: EpisodeState) -> dict[str, Any]:
+        """What to keep on the episode's record besides its trajectory and rewards
+        (``Episode.metadata``), read once the episode is scored; none by default. Values are
+        stored as JSON: pydantic models, dataclasses and containers as their JSON form, other
+        objects as ``"<unserializable TYPE>"``."""
+        return {}
 
     async def _run(self, call: ToolCall) -> ToolOutcome:
         spec = self._tools.get(call.name)

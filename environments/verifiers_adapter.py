@@ -26,7 +26,8 @@ Guarantees:
   ``malformed_call`` tool call with its error and counted in ``state.bad_calls`` (the
   environment sees the message without it, as from an OpenAI server);
 - a model-call failure of sprawl's (an endpoint error, the turn or context limit) reaches the
-  runner as itself, not as the ``ModelError`` verifiers wraps it in.
+  runner as itself, not as the ``ModelError`` verifiers wraps it in;
+- state → episode metadata: the rest of the rollout's state (:meth:`VerifiersEnvironment.metadata`).
 
 Not covered: group-level reward functions and rubrics that compute advantages (refused when the
 environment loads), per-call sampling arguments (sampling is the run's ``[sampling]``), tool
@@ -64,6 +65,15 @@ SUPPORTED = ((0, 3, 1), (0, 4))
 MODEL_NAME = "sprawl-policy"
 """The ``model`` a verifiers environment's calls name (the run's policy answers them)."""
 _STATE = "verifiers_state"  # EpisodeState.data key of the verifiers rollout state
+RECORDED_ELSEWHERE = frozenset(
+    {
+        "input", "task", "prompt", "completion", "responses", "trajectory", "final_env_response",
+        "tool_defs", "metrics", "reward", "advantage", "error", "client", "model",
+        "sampling_args", "usage_tracker",
+    }
+)  # fmt: skip
+"""Keys of a verifiers state that are not ``Episode.metadata``: the episode records them as its
+messages, segments, rewards and error, or they are the rollout's machinery (client, model)."""
 _reward_errors: ContextVar[list[str] | None] = ContextVar("_reward_errors", default=None)
 StopKind = Literal["done", "max_turns", "context", "episode_timeout"]
 # verifiers' stop conditions that are not the environment's own decision
@@ -342,6 +352,18 @@ class VerifiersEnvironment(Environment):
     def total_reward(self, components: dict[str, float]) -> float:
         """The rubric's weighted sum of ``components``."""
         return sum(components[n] * w for n, w in self._weights.items() if n in components)
+
+    def metadata(self, state: EpisodeState) -> dict[str, Any]:
+        """The verifiers state of the rollout, less what the episode records otherwise
+        (:data:`RECORDED_ELSEWHERE`): the task's ``answer``, ``info`` and ``example_id``,
+        ``stop_condition``, ``timing``, ``usage`` and every key the environment set itself."""
+        vf_state = state.data.get(_STATE)
+        if vf_state is None:
+            return {}
+        out = {k: v for k, v in dict(vf_state).items() if k not in RECORDED_ELSEWHERE}
+        task = vf_state.get("input") or {}
+        out.update({k: task[k] for k in ("answer", "info", "example_id") if k in task})
+        return out
 
     def reward_weights(self) -> dict[str, float]:
         return dict(self._weights)

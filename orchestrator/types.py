@@ -107,6 +107,11 @@ class Episode(_Record):
         description="the chat template re-renders earlier turns differently from the tokens "
         "the model saw (their reasoning is left out); the tokens are what is trained on",
     )
+    metadata: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the environment's own facts about the episode (Environment.metadata), "
+        "as JSON values",
+    )
     admitted_at_version: int = Field(description="trainer version when the group was admitted")
     started_at: float
     finished_at: float

@@ -11,18 +11,21 @@ Guarantees:
   that failed on every endpoint, the whole-episode timeout (``timeouts.episode_s``) and
   cancellation of the run all end the episode with a stop reason and the partial trajectory
   (a cancelled episode lands in :attr:`EpisodeRunner.interrupted`, since cancellation must
-  propagate).
+  propagate);
+- the environment's :meth:`~environments.base.Environment.metadata` of a finished episode is kept
+  on it as JSON values (an exception there is the episode's error, like a reward function's).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import anyio
 import structlog
+from pydantic_core import to_jsonable_python
 
 from environments.base import Environment, EpisodeState
 from orchestrator.errors import EndpointError
@@ -41,6 +44,21 @@ from policies.wire.tool_parsers import ToolParser
 from policies.wire.toolcalls import to_openai_message
 
 log = structlog.get_logger(__name__)
+
+
+def _jsonable(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """An environment's metadata as JSON values (:meth:`Environment.metadata`)."""
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"returned {type(metadata).__name__}, not a dict")
+
+    def fallback(value: object) -> object:
+        if isinstance(value, Mapping):
+            return dict(value)
+        return f"<unserializable {type(value).__name__}>"
+
+    out = to_jsonable_python(dict(metadata), fallback=fallback, bytes_mode="base64")
+    assert isinstance(out, dict)
+    return out
 
 
 class EpisodeRunner:
@@ -139,10 +157,24 @@ class EpisodeRunner:
                             where="environment", type=type(exc).__name__, message=f"reward: {exc}"
                         ),
                     )
+            metadata: dict[str, Any] = {}
+            try:
+                metadata = _jsonable(self.env.metadata(state))
+            except Exception as exc:  # user code, like a reward function
+                if error is None:
+                    stop, error = (
+                        "env_error",
+                        ErrorRecord(
+                            where="environment",
+                            type=type(exc).__name__,
+                            message=f"metadata: {exc}",
+                        ),
+                    )
             episode = Episode(
                 **rec,
                 messages=state.messages,
                 rewards=rewards,
+                metadata=metadata,
                 reward=self.env.total_reward(rewards) if rewards else 0.0,
                 tool_calls=[
                     ToolCallRecord(name=c.name, arguments=c.arguments, result=r, error=e)

@@ -134,6 +134,9 @@ def test_verifiers_environments_run_under_the_loop(tmp_path: Path, tiny_model_di
             assert e["reward"] == pytest.approx(float(said == answer) + 0.5 * overlap)
         else:
             assert e["reward"] == float(said == answer)
+        assert e["metadata"]["answer"] == answer  # the rollout's state, in the log
+        if e["environment"] == "tools" and e["stop_reason"] == "done":  # it answered last
+            assert e["metadata"]["tool_turns"] == len(e["segments"]) - 1
         scored += 1
     assert scored > 0
     assert multi > 0, "no multi-turn episode reached the log"

@@ -8,6 +8,7 @@ the trajectory with their type and message.
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from environments.base import EpisodeState, reward
 from environments.guess import Guess, GuessConfig
 from environments.retrieval import Retrieval, RetrievalConfig
+from orchestrator.types import Episode
 from policies.wire.chat_tokens import ChatTokens
 from policies.wire.toolcalls import ParsedAssistant
 from tests.support.fakes import run_scripted
@@ -115,6 +117,33 @@ async def test_errors_in_hooks_and_rewards_are_captured(
     assert "'efficiency' raised ZeroDivisionError: division by zero" in bad.error.message
     assert bad.rewards == {}
     assert bad.reward == 0.0
+
+
+async def test_an_environments_metadata_is_kept_on_the_episode_as_json(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    class Noted(Guess):
+        def metadata(self, state: EpisodeState) -> dict[str, Any]:
+            return {"guesses": state.data["guesses"], "lock": threading.Lock(), "seen": {3}}
+
+    class BadNotes(Guess):
+        def metadata(self, state: EpisodeState) -> dict[str, Any]:
+            return state.data["notes"]  # type: ignore[no-any-return]
+
+    task = {"id": "g", "secret": 37}
+    noted, _ = await run_scripted(Noted(GuessConfig()), tokenizer, task, ["50", "37"])
+    assert noted.error is None
+    assert noted.metadata == {"guesses": [50, 37], "lock": "<unserializable lock>", "seen": [3]}
+    assert Episode.model_validate_json(noted.model_dump_json()).metadata == noted.metadata
+    plain, _ = await run_scripted(Guess(GuessConfig()), tokenizer, task, ["37"])
+    assert plain.metadata == {}
+
+    bad, _ = await run_scripted(BadNotes(GuessConfig()), tokenizer, task, ["37"])
+    assert bad.stop_reason == "env_error"  # a bug in the hook is the episode's error
+    assert bad.error is not None
+    assert (bad.error.where, bad.error.type) == ("environment", "KeyError")
+    assert bad.error.message == "metadata: 'notes'"
+    assert bad.rewards["solved"] == 1.0  # scored before the hook ran
 
 
 async def test_the_engines_context_ends_an_episode_gracefully(

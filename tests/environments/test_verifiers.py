@@ -136,6 +136,23 @@ async def test_tool_turns_extend_the_prompt_token_exactly(
     assert "add" in tokenizer.decode(pool.requests[0].prompt_token_ids)
 
 
+async def test_the_rollout_state_is_the_episodes_metadata(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    env = _env("vf_tools")
+    episode, _ = await _run(env, tokenizer, [_call("add", a=2, b=3), "5"], task=1)
+    meta = episode.metadata
+    # the environment's own keys, the task's answer and id, verifiers' bookkeeping
+    assert (meta["grader"], meta["tool_turns"]) == ("exact-match", 1)
+    assert (meta["answer"], meta["example_id"]) == ("42", 1)
+    assert meta["stop_condition"] == "no_tools_called"
+    assert meta["usage"]["output_tokens"] > 0
+    assert meta["timing"]["generation"]["duration"] >= 0
+    # what the episode records otherwise is not repeated, and all of it is JSON
+    assert not set(meta) & {"prompt", "completion", "trajectory", "metrics", "client"}
+    assert Episode.model_validate_json(episode.model_dump_json()).metadata == meta
+
+
 async def test_a_malformed_tool_call_is_recorded(tokenizer: PreTrainedTokenizerBase) -> None:
     episode, pool = await _run(_env("vf_tools"), tokenizer, ["<tool_call>\nnot json\n</tool_call>"])
     # the environment saw no tool call (as from an OpenAI server) and ended the episode

@@ -1,7 +1,8 @@
 """A tool-using multi-turn ``verifiers`` environment written as verifiers users write them: add
-two numbers with a tool, then answer. ``broken = True`` gives an environment whose code raises
-once the model has called a tool; ``rewrite = True`` one that rewrites the history (it drops
-the model's tool-call turns from the prompt it sends)."""
+two numbers with a tool, then answer; it counts its tool turns in the state (``tool_turns``).
+``broken = True`` gives an environment whose code raises once the model has called a tool;
+``rewrite = True`` one that rewrites the history (it drops the model's tool-call turns from the
+prompt it sends)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,21 @@ def add(a: int, b: int) -> int:
         b: The second integer.
     """
     return a + b
+
+
+class CountingToolEnv(vf.ToolEnv):
+    """Keeps its own bookkeeping in the rollout's state, as stateful environments do."""
+
+    async def setup_state(self, state: vf.State) -> vf.State:
+        state["grader"] = "exact-match"
+        state["tool_turns"] = 0
+        return await super().setup_state(state)
+
+    async def env_response(
+        self, messages: vf.Messages, state: vf.State, **kwargs: object
+    ) -> vf.Messages:
+        state["tool_turns"] += 1
+        return await super().env_response(messages, state, **kwargs)
 
 
 class BrokenToolEnv(vf.ToolEnv):
@@ -52,5 +68,5 @@ def load_environment(
         return float((parser.parse_answer(completion) or "").strip() == answer)
 
     rubric = vf.Rubric(funcs=[correct], parser=parser)
-    cls = BrokenToolEnv if broken else RewritingToolEnv if rewrite else vf.ToolEnv
+    cls = BrokenToolEnv if broken else RewritingToolEnv if rewrite else CountingToolEnv
     return cls(dataset=dataset, tools=[add], rubric=rubric, parser=parser, max_turns=max_turns)
