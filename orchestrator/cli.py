@@ -8,8 +8,8 @@
                       [--body-timeout S] [--max-connections N]
     orchestrate versions --board URL [--run NAME] [--json]
     orchestrate materialize --board URL [--run NAME] --version N --out DIR
-    orchestrate bench codec|engine|sync|sparsity|scheduler|async [...]
-    orchestrate fleet list|add|remove --orchestrator URL|RUN_DIR [--id ID --url URL]
+    orchestrate bench codec|engine|sync|publish|fleet|sparsity|scheduler|async [...]
+    orchestrate fleet list|add|remove|up|scale|down --orchestrator URL|RUN_DIR [...]
     orchestrate train --config X.toml [--section.key V …]   (an external reference trainer)
     orchestrate sidecar --engine-url URL --engine-kind vllm|sglang|openai --board URL [--port P]
     orchestrate experiment lag --config X.toml [--steps N] [--out DIR] [--section.key V …]
@@ -210,6 +210,8 @@ def _bench(argv: list[str]) -> int:
         "codec": "orchestrator.bench.codec",
         "engine": "orchestrator.bench.engine",
         "sync": "orchestrator.bench.sync",
+        "publish": "orchestrator.bench.publish",
+        "fleet": "orchestrator.bench.fleet",
         "sparsity": "orchestrator.bench.sparsity",
         "async": "orchestrator.bench.async_rl",
         "scheduler": "orchestrator.bench.scheduler",

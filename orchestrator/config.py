@@ -28,7 +28,7 @@ from orchestrator.errors import ConfigError
 from orchestrator.types import EndpointRef
 from policies.board.types import BoardOptions, check_run_name
 from policies.errors import BoardError
-from policies.train.config import TrainerConfig
+from policies.train.config import FLOAT_VIEWS, TrainerConfig
 from policies.wire.tool_parsers import TOOL_PARSERS
 from staleness.config import DropRule, StalenessConfig
 
@@ -171,6 +171,59 @@ class LlamaCppIslandConfig(_IslandConfig):
 IslandConfig = Annotated[VLLMIslandConfig | LlamaCppIslandConfig, Field(discriminator="kind")]
 
 
+AWS_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_ENDPOINT_URL",
+    "AWS_DEFAULT_REGION",
+)
+"""The environment variables of S3 credentials (what ``fleet.ray.env`` hands islands)."""
+
+
+class RayResourcesConfig(_Section):
+    """``[fleet.ray.resources]``: what one island asks of Ray (where it is placed)."""
+
+    num_cpus: float = Field(default=1.0, ge=0)
+    """CPUs reserved per island."""
+    num_gpus: float = Field(default=0.0, ge=0)
+    """GPUs per island (the engine sees only those Ray assigns it)."""
+    custom: dict[str, float] = Field(default_factory=dict)
+    """Ray custom resources per island, e.g. ``{"region:eu-west" = 0.01}`` for nodes started
+    with ``ray start --resources '{"region:eu-west": 1}'``: how islands are pinned to a region
+    or a provider."""
+
+
+class RayFleetConfig(_Section):
+    """``[fleet.ray]``: rollout islands as Ray actors, placed by their resources, supervised
+    by the run (:mod:`orchestrator.rayfleet`)."""
+
+    address: str = "auto"
+    """The Ray cluster (``ray.init(address=…)``): ``auto`` is the one this machine joined with
+    ``ray start``, ``ray://host:10001`` a remote one, ``local`` a one-node cluster of the run's."""
+    namespace: str | None = None
+    """Ray namespace of the run's actors; default ``sprawl-<run name>``."""
+    islands: int = Field(default=2, ge=0, le=1024)
+    """Islands started with the run (ids ``ray-<i>``); ``orchestrate fleet scale`` changes it."""
+    engine: IslandConfig | None = None
+    """The engine of each island: the reference engine when unset, else ``[fleet.ray.engine]``
+    with ``kind = "vllm"`` and the keys of a ``[[fleet.islands]]`` entry."""
+    resources: RayResourcesConfig = Field(default_factory=RayResourcesConfig)
+    work_dir: str = "/tmp/sprawl-islands"
+    """Where an island works on its node: ``<work_dir>/<run>/<id>`` (engine logs, GGUFs,
+    materialized models)."""
+    env: list[str] = Field(default_factory=lambda: list(AWS_ENV))
+    """Environment variables (those set) handed to every island's engine: the board's storage
+    credentials. They travel as actor arguments, never in Ray's ``runtime_env`` or a log."""
+    startup_timeout_s: float = Field(default=300.0, gt=0)
+    """How long an island may take from placement to serving."""
+    health_interval_s: float = Field(default=1.0, gt=0)
+    """How often each island's processes and ``/health`` are checked."""
+    drain_timeout_s: float = Field(default=60.0, ge=0)
+    """How long a removed island's calls in flight may take before it is stopped (they fail
+    over with their token prefix after that)."""
+
+
 class FleetConfig(_Section):
     local_engines: int = Field(default=2, ge=0, le=64)
     """Reference engines ``orchestrate`` launches as subprocesses on loopback."""
@@ -189,6 +242,20 @@ class FleetConfig(_Section):
     """Consecutive failed calls that open an endpoint's circuit breaker."""
     breaker_cooldown_s: float = Field(default=10.0, gt=0)
     """How long an open breaker keeps an endpoint out of rotation before one probe call."""
+    restart: bool = True
+    """Supervise the local engines and islands: one that exits, or whose health checks fail for
+    ``unhealthy_s``, is taken out of rotation at once and restarted (``false``: it stays in the
+    pool, kept out of rotation by its failed health checks and breaker, never restarted)."""
+    max_restarts: int = Field(default=5, ge=0)
+    """Restarts per local endpoint for the whole run; once spent it stays out of rotation."""
+    restart_backoff_s: float = Field(default=1.0, gt=0)
+    """Wait before an endpoint's first restart; doubled for each further one."""
+    restart_backoff_max_s: float = Field(default=60.0, gt=0)
+    """The longest wait before a restart."""
+    unhealthy_s: float = Field(default=30.0, gt=0)
+    """How long a live local endpoint's health checks may fail in a row before it is restarted."""
+    ray: RayFleetConfig | None = None
+    """Islands on a Ray cluster (``[fleet.ray]``), started and supervised with the run."""
 
     def endpoint_refs(self) -> list[EndpointRef]:
         return [
@@ -198,10 +265,21 @@ class FleetConfig(_Section):
 
     @model_validator(mode="after")
     def _has_endpoints(self) -> FleetConfig:
-        if self.local_engines == 0 and not self.endpoints and not self.islands:
+        rays = self.ray.islands if self.ray is not None else 0
+        if self.local_engines == 0 and not self.endpoints and not self.islands and not rays:
             raise ValueError(
-                "no rollout endpoints: set fleet.local_engines > 0, fleet.islands or "
-                "fleet.endpoints"
+                "no rollout endpoints: set fleet.local_engines > 0, fleet.islands, "
+                "fleet.endpoints or fleet.ray.islands"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _backoff_cap_above_start(self) -> FleetConfig:
+        if self.restart_backoff_max_s < self.restart_backoff_s:
+            raise ValueError(
+                f"fleet.restart_backoff_max_s ({self.restart_backoff_max_s}) is below "
+                f"fleet.restart_backoff_s ({self.restart_backoff_s}): the cap must be at least the "
+                "first wait"
             )
         return self
 
@@ -361,6 +439,18 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _islands_serve_float_views(self) -> Config:
+        view = self.trainer.served_view
+        if view not in FLOAT_VIEWS and self.fleet.islands:
+            kind = self.fleet.islands[0].kind
+            raise ValueError(
+                f"trainer.served_view = {view!r} is served only by the reference engines: "
+                f"fleet.islands[0] (kind {kind!r}) cannot serve quantized views here; use "
+                "trainer.served_view = 'bfloat16' or drop the islands"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _one_environment_form(self) -> Config:
         # a dump of a mixture's config carries the default [environment]: it round-trips
         given = "environment" in self.model_fields_set and self.environment != EnvironmentConfig()
@@ -377,11 +467,17 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _external_trainer_shares_a_board(self) -> Config:
-        if self.trainer.mode == "external" and self.board.url is None:
+        mode = self.trainer.mode
+        if mode in ("external", "feed") and self.board.url is None:
             raise ValueError(
-                "board.url must be set when trainer.mode is 'external' (the trainer and the "
+                f"board.url must be set when trainer.mode is {mode!r} (the trainer and the "
                 "orchestrator share it; the default lives inside the run dir, which a new run "
                 "clears)"
+            )
+        if mode == "feed" and self.run.resume:
+            raise ValueError(
+                "run.resume is not supported with trainer.mode = 'feed' (the feed holds the "
+                "batch in flight in memory only); resume a run of trainer.mode = 'external'"
             )
         return self
 

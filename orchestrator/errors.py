@@ -48,5 +48,17 @@ class TrainerError(SprawlError):
     """The trainer failed to take a step or to publish a version."""
 
 
+class FeedRefused(TrainerError):
+    """The batch feed refuses a trainer's request; ``status`` is the HTTP status it answers
+    (400 a bad request, 409 a batch that is not out for training or a version not yet published)
+    and ``type`` the error type of the JSON body."""
+
+    def __init__(self, status: int, type_: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.type = type_
+        self.param = param
+
+
 class TrajlogError(SprawlError):
     """A trajectory or event log is missing or corrupt (beyond a torn tail, which is skipped)."""

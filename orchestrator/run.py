@@ -18,9 +18,12 @@ from __future__ import annotations
 import shutil
 import signal
 import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import anyio
@@ -35,13 +38,16 @@ from orchestrator.loop.batcher import Batcher
 from orchestrator.loop.chat import ModelChat, model_chat
 from orchestrator.loop.client import HttpTransport
 from orchestrator.loop.episode import EpisodeRunner
-from orchestrator.loop.fleet import local_fleet
+from orchestrator.loop.feed import BatchFeed, serve_feed
+from orchestrator.loop.fleet import fleet_supervisor, local_fleet
 from orchestrator.loop.mixture import Source
 from orchestrator.loop.pool import Pool
 from orchestrator.loop.rl import Leftovers, rl_loop
 from orchestrator.loop.scheduler import Scheduler, VersionClock
+from orchestrator.loop.supervisor import Replica
 from orchestrator.loop.train_sink import (
     ExternalTrainer,
+    FeedTrainer,
     InProcessTrainer,
     TrainerSink,
     board_version_above,
@@ -54,6 +60,7 @@ from orchestrator.observe.live import wanted as live_wanted
 from orchestrator.observe.metrics import RunMetrics, Tee
 from orchestrator.observe.scalars import Scalars
 from orchestrator.observe.summary import RunSummary
+from orchestrator.rayfleet.scale import Scaler
 from orchestrator.record import resume
 from orchestrator.record.events import EventLog
 from orchestrator.record.trajlog import TrajectoryLog
@@ -61,6 +68,7 @@ from orchestrator.types import Batch, EventSink, Group, GroupDecision, SamplingP
 
 if TYPE_CHECKING:
     from environments.base import Environment
+    from orchestrator.rayfleet.launch import RayFleet
     from policies.board import Board
 
 log = structlog.get_logger(__name__)
@@ -158,6 +166,7 @@ async def run(cfg: Config) -> RunSummary:
                     islands=cfg.fleet.islands,
                     island_dir=run_dir / "islands",
                 ) as local,
+                _ray_islands(cfg) as rays,
             ):
                 transport = HttpTransport(
                     session, connect_s=cfg.timeouts.connect_s, call_s=cfg.timeouts.call_s
@@ -171,11 +180,31 @@ async def run(cfg: Config) -> RunSummary:
                     breaker_cooldown_s=cfg.fleet.breaker_cooldown_s,
                     events=events,
                 )
-                for ref in local + cfg.fleet.endpoint_refs():
+                on_ray = rays.replicas if rays is not None else []
+                for ref in local.refs + [r.ref for r in on_ray] + cfg.fleet.endpoint_refs():
                     pool.add(ref)
+                # fleet.restart = false: a dead local engine stays in the pool, out of rotation;
+                # Ray islands are always tended (the scaler adds and retires them), not restarted
+                tended: list[Replica] = [*(local.replicas if cfg.fleet.restart else []), *on_ray]
+                launchers = {**local.launchers, **(rays.launchers if rays is not None else {})}
+                supervise: list[Callable[[], Coroutine[Any, Any, None]]] = []
+                scaler = None
+                if tended or rays is not None:
+                    supervisor = fleet_supervisor(pool, cfg.fleet, launchers, events=events)
+                    supervise.append(partial(supervisor.run, tended))
+                if rays is not None and cfg.fleet.ray is not None:
+                    scaler = Scaler(
+                        pool,
+                        supervisor,
+                        [r.ref.id for r in on_ray],
+                        rays.launcher,
+                        drain_timeout_s=cfg.fleet.ray.drain_timeout_s,
+                        events=events,
+                    )
+                    supervise.append(scaler.run)
                 loop = _Loop(cfg, pool, envs, chats, sink, trajlog, summary, events, rec)
                 try:
-                    await loop.run(metrics, view)
+                    await loop.run(metrics, view, supervise, scaler)
                 finally:
                     summary.served = {e.id: dict(e.served) for e in pool.endpoints.values()}
         finally:
@@ -289,7 +318,15 @@ class _Loop:
         self.recorder = _RunRecorder(trajlog, summary, self.scalars)
         self.events = events
 
-    async def run(self, metrics: RunMetrics, view: LiveView | None) -> None:
+    async def run(
+        self,
+        metrics: RunMetrics,
+        view: LiveView | None,
+        supervise: Sequence[Callable[[], Coroutine[Any, Any, None]]] = (),
+        islands: Scaler | None = None,
+    ) -> None:
+        """Run the loop with the admin API (scaling ``islands``), the batch feed, the pool's
+        health watch, the live view and ``supervise`` (the fleet's supervisor) beside it."""
         cfg = self.cfg
         try:
             async with anyio.create_task_group() as tg:
@@ -302,10 +339,24 @@ class _Loop:
                             token=cfg.admin.token,
                             admin_file=cfg.run_dir / "admin.json",
                             metrics=metrics,
+                            islands=islands,
                             task_status=task_status,
                         )
                     )
                     log.info("admin_api", url=url)
+                if isinstance(self.sink, FeedTrainer):
+                    feed = self.sink.feed
+                    url = await tg.start(
+                        lambda task_status: serve_feed(
+                            feed,
+                            host=cfg.trainer.feed.host,
+                            port=cfg.trainer.feed.port,
+                            token=cfg.trainer.feed.token,
+                            feed_file=cfg.run_dir / "feed.json",
+                            task_status=task_status,
+                        )
+                    )
+                    log.info("batch_feed", url=url)
                 await rl_loop(
                     self.scheduler,
                     self.batcher,
@@ -313,7 +364,11 @@ class _Loop:
                     self.recorder,
                     max_steps=cfg.trainer.max_steps,
                     on_version=self.pool.notify_all,
-                    beside=[self.pool.watch, *([view.run] if view is not None else [])],
+                    beside=[
+                        self.pool.watch,
+                        *supervise,
+                        *([view.run] if view is not None else []),
+                    ],
                     on_stop=self.stopped,
                 )
                 tg.cancel_scope.cancel()
@@ -366,8 +421,18 @@ async def _trainer_sink(
     cfg: Config, run_dir: Path, model_dir: Path, board: Board, logged: resume.LoggedRun | None
 ) -> TrainerSink:
     """The in-process reference trainer (publishes version 0 now, or resumes from its
-    checkpoint), or an external trainer reached through batch files (waits for it to publish
-    version 0, or the version a resumed run continues from)."""
+    checkpoint), or an external trainer reached through batch files or the batch feed (waits for
+    it to publish version 0, or the version a resumed run continues from)."""
+    if cfg.trainer.mode == "feed":  # run.resume is refused in this mode: version 0 first
+        log.info("waiting_for_external_trainer", feed=str(run_dir / "feed.json"), version=0)
+        with anyio.fail_after(cfg.timeouts.trainer_step_s):
+            latest = await board_version_above(board, -1, cfg.board.poll_interval_s)
+        return FeedTrainer(
+            BatchFeed(version=latest, board_latest=board.latest),
+            group_size=cfg.scheduler.group_size,
+            staleness=cfg.staleness,
+            step_timeout_s=cfg.timeouts.trainer_step_s,
+        )
     if cfg.trainer.mode == "external":
         batch_dir = cfg.trainer.batch_dir or run_dir / "batches"
         wanted = resume.external_version(batch_dir, logged) if logged else 0
@@ -381,6 +446,7 @@ async def _trainer_sink(
             poll_interval_s=cfg.board.poll_interval_s,
             step_timeout_s=cfg.timeouts.trainer_step_s,
             version=latest,
+            staleness=cfg.staleness,
         )
     ckpt = run_dir / "trainer" / "ckpt" if cfg.trainer.checkpoint else None
     trainer = await anyio.to_thread.run_sync(
@@ -390,6 +456,24 @@ async def _trainer_sink(
     # written first); ensure_published refuses a board ahead of it
     await anyio.to_thread.run_sync(trainer.ensure_published if cfg.run.resume else trainer.publish)
     return InProcessTrainer(trainer)
+
+
+@asynccontextmanager
+async def _ray_islands(cfg: Config) -> AsyncIterator[RayFleet | None]:
+    """The run's Ray islands (``[fleet.ray]``), or None."""
+    if cfg.fleet.ray is None:
+        yield None
+        return
+    from orchestrator.rayfleet.launch import ray_fleet
+
+    async with ray_fleet(
+        cfg.fleet.ray,
+        board_url=cfg.board_url,
+        run=cfg.run.name,
+        device=cfg.fleet.device,
+        poll_interval_s=cfg.board.poll_interval_s,
+    ) as rays:
+        yield rays
 
 
 async def _cancel_on_signal(scope: anyio.CancelScope, summary: RunSummary) -> None:

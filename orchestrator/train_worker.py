@@ -4,43 +4,57 @@ It speaks the batch protocol (:mod:`policies.wire.batches`) exactly as any exter
 publish version 0 on the board if it is empty, then for each version ``v`` wait for
 ``batch-<v>.json``, take the step, and publish ``v + 1``. Run the orchestrator with the same
 config and ``trainer.mode = "external"``; the two share ``board.url`` and ``trainer.batch_dir``.
+With ``trainer.mode = "feed"`` in the config it pulls batch ``v`` from the orchestrator's batch
+feed instead (:class:`policies.wire.feed.FeedClient`, found through ``$SPRAWL_FEED_URL`` /
+``$SPRAWL_FEED_TOKEN`` or ``<run dir>/feed.json``, waited for while the orchestrator starts) and
+acknowledges it, with the step's metrics, once ``v + 1`` is published.
 
 Restart after a crash: with ``trainer.checkpoint`` (the default) every step is checkpointed into
 ``<run dir>/trainer/ckpt`` before it is published. A trainer started on a board that already has
 versions resumes from that checkpoint, republishes its version if the crash came between the
-checkpoint and the publish, and continues with the batch file of its version: batch files stay on
-disk, so a step the crash interrupted is taken once, on restart (it had published nothing). A
-board ahead of the checkpoint (another run's, or no checkpoint) is refused with
-:class:`~policies.errors.CheckpointError`. On an empty board it starts from the model.
+checkpoint and the publish, and continues with the batch of its version: batch files stay on
+disk and the feed delivers an unacknowledged batch again, so a step the crash interrupted is taken
+once, on restart (it had published nothing). A board ahead of the checkpoint (another run's, or no
+checkpoint) is refused with :class:`~policies.errors.CheckpointError`. On an empty board it starts
+from the model.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import structlog
 
 from orchestrator.config import load_config, parse_overrides
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, TrainerError
 from orchestrator.loop.train_sink import build_trainer
 from orchestrator.models import ensure_model
+from policies.errors import FeedUnavailable
 from policies.wire.batches import BatchFile, read_batch
+from policies.wire.feed import FEED_FILE, FeedClient
 from policies.wire.logs import configure
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="orchestrate train",
-        description="The reference trainer as an external process (batch files + board).",
+        description="The reference trainer as an external process (batch files or feed + board).",
     )
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--log-format", choices=["auto", "pretty", "json"], default="auto")
     args, rest = parser.parse_known_args(argv)
-    cfg = load_config(args.config, {**parse_overrides(rest), "trainer.mode": "external"})
+    overrides = parse_overrides(rest)
+    cfg = load_config(args.config, overrides)
+    if cfg.trainer.mode != "feed":
+        cfg = load_config(args.config, {**overrides, "trainer.mode": "external"})
     if cfg.board.url is None:
         raise ConfigError(
             "board.url: set it (outside the run directory) so that the trainer "
@@ -50,30 +64,94 @@ def main(argv: list[str]) -> int:
     from policies.board import Board
     from policies.train.trainer import TrainSample
 
-    batch_dir = cfg.trainer.batch_dir or cfg.run_dir / "batches"
+    source: FeedSource | FileSource
+    if cfg.trainer.mode == "feed":
+        source = FeedSource(cfg.run_dir, cfg.board.poll_interval_s, cfg.timeouts.trainer_step_s)
+    else:
+        source = FileSource(
+            cfg.trainer.batch_dir or cfg.run_dir / "batches", cfg.board.poll_interval_s
+        )
     board = Board(cfg.board_url, cfg.run.name, options=cfg.board)
     model_dir = ensure_model(cfg)
     ckpt = cfg.run_dir / "trainer" / "ckpt" if cfg.trainer.checkpoint else None
     resume = ckpt is not None and board.latest() is not None
     trainer = build_trainer(cfg, model_dir, board, checkpoint_dir=ckpt, resume=resume)
     trainer.ensure_published()  # version 0 on a new board; the checkpoint's after a crash
-    log.info("trainer_ready", version=trainer.version, batch_dir=str(batch_dir), resumed=resume)
+    log.info("trainer_ready", version=trainer.version, source=source.where, resumed=resume)
     while trainer.version < cfg.trainer.max_steps:
-        wire = _wait_for_batch(batch_dir, trainer.version, cfg.board.poll_interval_s)
+        wire = source.batch(trainer.version)
+        log.info("batch_received", version=wire.version, samples=len(wire.samples))
         samples = [
             TrainSample(
                 token_ids=s.token_ids,
                 mask=s.mask,
                 behaviour_logprobs=s.behaviour_logprobs,
                 reward=s.reward,
+                sampling=s.sampling,
             )
             for s in wire.samples
         ]
-        trainer.step(samples)  # publishes version + 1: the announcement
+        metrics = trainer.step(samples)  # publishes version + 1: the announcement
+        source.done(wire.version, metrics)
     return 0
 
 
-def _wait_for_batch(directory: Path, version: int, poll_s: float) -> BatchFile:
-    while (wire := read_batch(directory, version)) is None:
-        time.sleep(poll_s)  # batch files arrive from another process
-    return wire
+class FileSource:
+    """Batch files in ``directory`` (``trainer.mode = "external"``)."""
+
+    def __init__(self, directory: Path, poll_s: float) -> None:
+        self.directory = directory
+        self.poll_s = poll_s
+        self.where = str(directory)
+
+    def batch(self, version: int) -> BatchFile:
+        while (wire := read_batch(self.directory, version)) is None:
+            time.sleep(self.poll_s)  # batch files arrive from another process
+        return wire
+
+    def done(self, version: int, metrics: dict[str, float]) -> None:
+        """Nothing to say: the board's pointer is the announcement."""
+
+
+class FeedSource:
+    """The orchestrator's batch feed (``trainer.mode = "feed"``). While it cannot be reached (the
+    orchestrator is starting) it is asked again every ``poll_s``, for at most ``give_up_s``
+    (``timeouts.trainer_step_s``)."""
+
+    def __init__(self, run_dir: Path, poll_s: float, give_up_s: float) -> None:
+        self.run_dir = run_dir
+        self.poll_s = poll_s
+        self.give_up_s = give_up_s
+        self.where = str(run_dir / FEED_FILE)
+        self._client: FeedClient | None = None
+
+    def _retry(self, call: Callable[[FeedClient], T]) -> T:
+        deadline = time.monotonic() + self.give_up_s
+        while True:
+            try:
+                if self._client is None:  # (re)read feed.json: a restarted feed has a new port
+                    self._client = FeedClient.discover(self.run_dir)
+                return call(self._client)
+            except FeedUnavailable as exc:
+                self._client = None
+                if time.monotonic() > deadline:
+                    raise TrainerError(
+                        f"{exc}; gave up after {self.give_up_s}s (timeouts.trainer_step_s)"
+                    ) from None
+                time.sleep(self.poll_s)
+
+    def batch(self, version: int) -> BatchFile:
+        while (wire := self._retry(lambda c: c.next())) is None:
+            pass  # a long poll that ended empty: ask again
+        if wire.version != version:
+            raise TrainerError(
+                f"the batch feed sent batch {wire.version} but the trainer is at version "
+                f"{version}: the trainer's checkpoint and the run disagree"
+            )
+        return wire
+
+    def done(self, version: int, metrics: dict[str, float]) -> None:
+        finite = {k: v for k, v in metrics.items() if math.isfinite(v)}
+        if len(finite) < len(metrics):  # JSON has no NaN: said here, in the trainer's log
+            log.warning("metrics_not_finite", metrics=sorted(set(metrics) - set(finite)))
+        self._retry(lambda c: c.ack(version, finite))

@@ -70,3 +70,16 @@ class PatchBaseMismatch(PatchError):
 
 class PatchChecksumMismatch(PatchError):
     """A patched tensor does not match the target checksum the patch names."""
+
+
+class FeedError(PolicyError):
+    """The orchestrator's batch feed refused a request (the message names the URL and why)."""
+
+
+class FeedUnavailable(FeedError):
+    """The batch feed cannot be reached (not started yet, restarting, or gone): worth retrying."""
+
+
+class ScoringError(PolicyError, ValueError):
+    """The trainer cannot score what it was given: a sample's sampling segments are malformed, or
+    the model's logits are not its output head applied to its last hidden state."""

@@ -44,6 +44,7 @@ __all__ = [
     "aggregate",
     "group_advantages",
     "kl_penalty",
+    "normaliser",
     "policy_loss",
 ]
 
@@ -91,6 +92,45 @@ def group_advantages(
     return centred.to(r.dtype).reshape(-1)
 
 
+def _counted(mask: Tensor, normalizer: Normalizer, valid: Tensor | None) -> Tensor:
+    """The tokens a ``token_mean`` / ``seq_mean`` normaliser counts (bool)."""
+    if normalizer == "original" and valid is not None:
+        return valid.detach().to(torch.bool) | mask
+    return mask
+
+
+def normaliser(
+    mask: Tensor,
+    loss_agg: LossAgg = "token_mean",
+    *,
+    normalizer: Normalizer = "kept",
+    valid: Tensor | None = None,
+    dr_grpo_tokens: int | None = None,
+) -> float:
+    """What :func:`aggregate` divides the batch's sum by (at least 1), from the masks alone.
+
+    ``token_mean``: the tokens counted (on ``mask``, or on ``valid`` for ``"original"``);
+    ``seq_mean``: the rows with at least one counted token (each row's own token count divides
+    its sum first); ``dr_grpo``: ``B · dr_grpo_tokens``. Every one is a sum over rows, so
+    gradient accumulation computes it over the whole batch and passes it (or 1.0, dividing the
+    summed gradients afterwards) as ``denominator`` to each micro-batch of whole rows: computing
+    it per micro-batch instead weighs small micro-batches up.
+    """
+    m = mask.detach().to(torch.bool)
+    if valid is not None and valid.shape != m.shape:
+        msg = f"valid must have the mask's shape {tuple(m.shape)}, got {tuple(valid.shape)}"
+        raise ShapeError(msg)
+    if loss_agg == "dr_grpo":
+        if dr_grpo_tokens is None or dr_grpo_tokens < 1:
+            msg = f"loss_agg='dr_grpo' needs dr_grpo_tokens >= 1, got {dr_grpo_tokens}"
+            raise ShapeError(msg)
+        return float(max(m.shape[0], 1) * dr_grpo_tokens)
+    counted = _counted(m, normalizer, valid)
+    if loss_agg == "token_mean":
+        return float(max(int(counted.sum().item()), 1))
+    return float(max(int((counted.sum(dim=1) > 0).sum().item()), 1))
+
+
 def aggregate(
     values: Tensor,
     mask: Tensor,
@@ -99,10 +139,11 @@ def aggregate(
     normalizer: Normalizer = "kept",
     valid: Tensor | None = None,
     dr_grpo_tokens: int | None = None,
+    denominator: float | None = None,
 ) -> Tensor:
     """Reduce per-token ``values`` [B, T] over ``mask`` to a scalar (see the module docstring).
 
-    Only tokens on ``mask`` are summed. The normaliser:
+    Only tokens on ``mask`` are summed. The normaliser (:func:`normaliser`):
 
     - ``token_mean``: the number of tokens on ``mask`` (``normalizer="kept"``) or on ``valid``
       (``"original"``; ``valid`` ⊇ ``mask``, the tokens before a correction masked any; ``None``
@@ -112,7 +153,9 @@ def aggregate(
     - ``dr_grpo``: the constant ``B · dr_grpo_tokens`` (B = rows of the batch, as TRL's
       ``loss_type="dr_grpo"`` with ``max_completion_length``); ``normalizer`` plays no part.
 
-    Returns 0 (connected to ``values``'s graph) when nothing is counted.
+    ``denominator`` replaces this batch's own normaliser (a micro-batch passes the whole
+    batch's, or 1.0 to get the sum). Returns 0 (connected to ``values``'s graph) when nothing
+    is counted.
     """
     if values.shape != mask.shape or values.ndim != 2:
         msg = f"values and mask must share one [B, T] shape, got {values.shape}, {mask.shape}"
@@ -121,20 +164,16 @@ def aggregate(
         msg = f"valid must have the mask's shape {tuple(mask.shape)}, got {tuple(valid.shape)}"
         raise ShapeError(msg)
     m = mask.detach().to(torch.bool)
+    den = denominator
+    if den is None:
+        den = normaliser(
+            m, loss_agg, normalizer=normalizer, valid=valid, dr_grpo_tokens=dr_grpo_tokens
+        )
     masked = torch.where(m, values, torch.zeros_like(values))
-    if loss_agg == "dr_grpo":
-        if dr_grpo_tokens is None or dr_grpo_tokens < 1:
-            msg = f"loss_agg='dr_grpo' needs dr_grpo_tokens >= 1, got {dr_grpo_tokens}"
-            raise ShapeError(msg)
-        return masked.sum() / float(max(values.shape[0], 1) * dr_grpo_tokens)
-    counted = m
-    if normalizer == "original" and valid is not None:
-        counted = valid.detach().to(torch.bool) | m
-    if loss_agg == "token_mean":
-        return masked.sum() / counted.sum().clamp(min=1).to(values.dtype)
-    counts = counted.sum(dim=1)
-    per_seq = masked.sum(dim=1) / counts.clamp(min=1).to(values.dtype)
-    return per_seq.sum() / (counts > 0).sum().clamp(min=1).to(values.dtype)
+    if loss_agg == "seq_mean":
+        counts = _counted(m, normalizer, valid).sum(dim=1)
+        return (masked.sum(dim=1) / counts.clamp(min=1).to(values.dtype)).sum() / den
+    return masked.sum() / den
 
 
 def kl_penalty(
@@ -186,13 +225,14 @@ def policy_loss(
     loss_agg: LossAgg = "token_mean",
     normalizer: Normalizer = "kept",
     dr_grpo_tokens: int | None = None,
+    denominator: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO-clip against π_prox, multiplied by the correction's weights, over its mask.
 
     ``clip_eps_high`` defaults to ``clip_eps`` (set it higher for DAPO's clip-higher);
     ``dual_clip_c`` (> 1) bounds the loss of negative-advantage tokens at ``−c·A``;
-    ``loss_agg``, ``normalizer`` and ``dr_grpo_tokens`` as in :func:`aggregate`, with
-    ``corrected.valid`` as the original mask.
+    ``loss_agg``, ``normalizer``, ``dr_grpo_tokens`` and ``denominator`` as in
+    :func:`aggregate`, with ``corrected.valid`` as the original mask.
     Returns the scalar loss and metrics: ``clip_frac`` (kept tokens whose clipped branch is
     active), ``dual_clip_frac``, ``ratio_mean``/``ratio_min``/``ratio_max`` of ``r_t``,
     ``approx_kl`` (k3 estimate of KL(π_prox ‖ π_θ) over kept tokens), ``kept_tokens``,
@@ -236,6 +276,7 @@ def policy_loss(
         normalizer=normalizer,
         valid=corrected.valid,
         dr_grpo_tokens=dr_grpo_tokens,
+        denominator=denominator,
     )
 
     with torch.no_grad():

@@ -2,7 +2,9 @@
 
 :mod:`~orchestrator.bench.codec`, :mod:`~orchestrator.bench.sparsity`,
 :mod:`~orchestrator.bench.engine`, :mod:`~orchestrator.bench.sync`,
-:mod:`~orchestrator.bench.scheduler`, :mod:`~orchestrator.bench.async_rl`; and
+:mod:`~orchestrator.bench.publish`, :mod:`~orchestrator.bench.fleet`,
+:mod:`~orchestrator.bench.scheduler`,
+:mod:`~orchestrator.bench.async_rl`; and
 :mod:`~orchestrator.bench.simulate`, a simulated heterogeneous fleet. Each prints its baseline
 measured in the same run. Nothing at run time imports this package.
 """

@@ -125,6 +125,18 @@ def _llamacpp(model: Path, work: Path) -> HttpBackend:
     )
 
 
+def bf16_view(model: Path) -> dict[str, torch.Tensor]:
+    """The bf16 served view of a model directory's weights (a tied head once, as the
+    embedding): what a bench publishes as version 0."""
+    weights = load_file(model / "model.safetensors")
+    tied = bool(AutoConfig.from_pretrained(model).tie_word_embeddings)
+    return {
+        k: w.to(torch.bfloat16)
+        for k, w in weights.items()
+        if not (tied and k == "lm_head.weight")  # shipped once, as the embedding
+    }
+
+
 def _publish(board: Board, version: int, view: dict[str, torch.Tensor]) -> Manifest:
     return board.publish(version, view, view_name="bfloat16")
 
@@ -134,13 +146,7 @@ async def run(
 ) -> dict[str, Any]:
     pub = Board(str(root / "board"), "bench")
     pub.create(model)
-    weights = load_file(model / "model.safetensors")
-    tied = bool(AutoConfig.from_pretrained(model).tie_word_embeddings)
-    view = {
-        k: w.to(torch.bfloat16)
-        for k, w in weights.items()
-        if not (tied and k == "lm_head.weight")  # shipped once, as the embedding
-    }
+    view = bf16_view(model)
     pub.publish(0, view, view_name="bfloat16")
     start_dir = pub.materialize(0, root / "v0")
     full_bytes = (start_dir / WEIGHTS).stat().st_size

@@ -106,7 +106,7 @@ async def _measure(
     }
 
 
-async def _throughput(urls: list[str], calls: int, concurrency: int) -> dict[str, Any]:
+async def throughput(urls: list[str], calls: int, concurrency: int) -> dict[str, Any]:
     req = GenerateRequest(
         prompt_token_ids=[1, 2, 3, 4], max_tokens=4, policy_version=VersionBounds(min=2)
     )
@@ -219,7 +219,7 @@ def main(argv: list[str]) -> int:
     try:
         assert server.stdout is not None
         urls = json.loads(server.stdout.readline())
-        result = anyio.run(_throughput, urls, args.calls, args.concurrency)
+        result = anyio.run(throughput, urls, args.calls, args.concurrency)
     finally:
         server.terminate()
         server.wait(timeout=10)

@@ -4,11 +4,15 @@ Loads any HF causal-LM directory, trains it for ``--steps`` AdamW steps (fp32 or
 weights, ``--lr``, no weight decay) with the ordinary next-token loss on text from
 :mod:`policies.model.corpus` tokenized by the model's own tokenizer, and after every step builds
 each served view (:func:`policies.codec.views.build_view`: bf16, fp8 with 128×128 block scales, int4
-group, nvfp4). For every step and every ``k`` in ``--ks`` it compares the view with the one ``k``
-steps older and reports ``changed_fraction`` (changed units over all units, raw bits compared;
-packed int4/nvfp4 count bytes, scales count as elements) and ``patch_bytes`` (the
-:func:`policies.codec.encode_patch` size), next to ``full_bytes`` — the baseline, a full copy of
-that view — and their ratio. Nothing is synthetic: the gradients come from a real loss.
+group, nvfp4), each quantized one under every scale policy of ``--scale-policies`` (``trainer.
+scale_policy``; ``fixed_between_anchors`` recomputes the scales every ``--anchor-every`` steps
+from step 0, as the board's count rule anchors a run). For every step and every ``k`` in
+``--ks`` it compares the view with the one ``k`` steps older and reports ``changed_fraction``
+(changed units over all units, raw bits compared; packed int4/nvfp4 count bytes, scales count as
+elements), ``changed_scales`` (changed scale elements over all of them; 0 for bf16) and
+``patch_bytes`` (the :func:`policies.codec.encode_patch` size), next to ``full_bytes`` — the
+baseline, a full copy of that view — and their ratio. All views are built from the same states,
+so they see the same steps. Nothing is synthetic: the gradients come from a real loss.
 
 Not covered: learning-rate warmup or schedules, gradient clipping, RL losses (an RL step's
 gradient has other statistics than next-token loss; the learning rate dominates the changed
@@ -27,12 +31,14 @@ from typing import Literal
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from policies.board.types import BoardOptions
 from policies.codec import encode_patch, read_patch_header
-from policies.codec.views import ViewKind, ViewSpec, build_view
+from policies.codec.views import ScalePolicy, ViewKind, ViewSpec, build_view, weight_sources
 from policies.model.corpus import generate_corpus
 from policies.wire.logs import quiet_logs
 
 VIEWS: tuple[ViewKind, ...] = ("bf16", "fp8_block", "int4_group", "nvfp4")
+POLICIES: tuple[ScalePolicy, ...] = ("fresh", "pow2", "fixed_between_anchors")
 Master = Literal["fp32", "bf16"]
 State = dict[str, torch.Tensor]
 
@@ -108,6 +114,18 @@ def _full_bytes(view: State) -> int:
     return sum(seen.values())
 
 
+def _changed_scales(old: State, new: State) -> tuple[int, int]:
+    """(changed, all) scale elements between two versions of a view (raw bits compared)."""
+    names = {s for srcs in weight_sources(new).values() for s in srcs[1:]}
+    changed = total = 0
+    for name in names - {n for n in names if n.endswith("weight_shape")}:
+        a, b = (t.contiguous().reshape(-1).view(torch.uint8) for t in (old[name], new[name]))
+        n = old[name].numel()
+        changed += int((a != b).reshape(n, -1).any(-1).sum())
+        total += n
+    return changed, total
+
+
 def run(
     model_dir: Path,
     *,
@@ -116,17 +134,29 @@ def run(
     master: Master,
     ks: tuple[int, ...],
     views: tuple[ViewKind, ...] = VIEWS,
+    policies: tuple[ScalePolicy, ...] = POLICIES,
+    anchor_every: int = 16,
     seed: int = 0,
 ) -> dict[str, object]:
-    """Per step, view and k: changed fraction and patch bytes (see the module docstring)."""
-    history: dict[ViewKind, list[State]] = {v: [] for v in views}
+    """Per step, view, scale policy and k: changed fractions and patch bytes (see the module
+    docstring)."""
+    specs = [
+        ViewSpec(kind=kind, scale_policy=policy)
+        for kind in views
+        for policy in (policies if ViewSpec(kind=kind).quantized else ("fresh",))
+    ]
+    history: dict[ViewSpec, list[State]] = {spec: [] for spec in specs}
+    anchors: dict[ViewSpec, State] = {}
     rows: list[dict[str, object]] = []
     for step, state in enumerate(
         train_states(model_dir, steps=steps, lr=lr, master=master, seed=seed)
     ):
-        for kind in views:
-            view = build_view(state, ViewSpec(kind=kind))
-            past = history[kind]
+        for spec in specs:
+            anchor = None if step % anchor_every == 0 else anchors.get(spec)
+            view = build_view(state, spec, anchor=anchor)
+            if anchor is None:
+                anchors[spec] = view
+            past = history[spec]
             past.append(view)
             del past[: max(0, len(past) - max(ks) - 1)]
             for k in ks:
@@ -134,27 +164,36 @@ def run(
                     continue
                 patch = encode_patch(past[-1 - k], view)
                 full = _full_bytes(view)
+                scales_changed, scales = _changed_scales(past[-1 - k], view)
                 rows.append(
                     {
                         "step": step,
-                        "view": kind,
+                        "view": spec.kind,
+                        "scale_policy": spec.scale_policy,
                         "k": k,
                         "changed_fraction": read_patch_header(patch).density,
+                        "changed_scales": scales_changed / scales if scales else 0.0,
                         "patch_bytes": len(patch),
                         "full_bytes": full,
                         "patch_over_full": len(patch) / full,
                     }
                 )
     summary = []
-    for kind in views:
+    for spec in specs:
         for k in ks:
-            sel = [r for r in rows if r["view"] == kind and r["k"] == k]
+            sel = [
+                r
+                for r in rows
+                if r["view"] == spec.kind and r["scale_policy"] == spec.scale_policy and r["k"] == k
+            ]
             if sel:
                 summary.append(
                     {
-                        "view": kind,
+                        "view": spec.kind,
+                        "scale_policy": spec.scale_policy,
                         "k": k,
                         "mean_changed_fraction": _mean(sel, "changed_fraction"),
+                        "mean_changed_scales": _mean(sel, "changed_scales"),
                         "mean_patch_bytes": _mean(sel, "patch_bytes"),
                         "full_bytes": sel[0]["full_bytes"],
                         "mean_patch_over_full": _mean(sel, "patch_over_full"),
@@ -168,6 +207,7 @@ def run(
         "lr": lr,
         "steps": steps,
         "ks": list(ks),
+        "anchor_every": anchor_every,
         "rows": rows,
         "summary": summary,
     }
@@ -181,25 +221,29 @@ def _mean(rows: list[dict[str, object]], key: str) -> float:
 def _table(report: dict[str, object]) -> str:
     lines = [
         f"model {report['model']} ({report['parameters']:,} parameters), "
-        f"master {report['master']}, lr {report['lr']}, {report['steps']} AdamW steps",
+        f"master {report['master']}, lr {report['lr']}, {report['steps']} AdamW steps, "
+        f"fixed scales recomputed every {report['anchor_every']} steps",
         "",
-        f"{'view':<11} {'k':>3} {'changed':>9} {'patch B':>12} {'full B':>12} {'patch/full':>10}",
+        f"{'view':<11} {'scale policy':<22} {'k':>3} {'changed':>9} {'scales':>8} "
+        f"{'patch B':>12} {'full B':>12} {'patch/full':>10}",
     ]
     summary = report["summary"]
     assert isinstance(summary, list)
     for s in summary:
         lines.append(
-            f"{s['view']:<11} {s['k']:>3} {s['mean_changed_fraction']:>9.4%} "
+            f"{s['view']:<11} {s['scale_policy']:<22} {s['k']:>3} "
+            f"{s['mean_changed_fraction']:>9.4%} {s['mean_changed_scales']:>8.2%} "
             f"{s['mean_patch_bytes']:>12,.0f} {s['full_bytes']:>12,d} "
             f"{s['mean_patch_over_full']:>10.4%}"
         )
-    lines += ["", "per step (k = 1): step view changed patch_bytes"]
+    lines += ["", "per step (k = 1): step view scale_policy changed scales patch_bytes"]
     rows = report["rows"]
     assert isinstance(rows, list)
     for r in rows:
         if r["k"] == 1:
             lines.append(
-                f"{r['step']:>4} {r['view']:<11} {r['changed_fraction']:.4%} {r['patch_bytes']:,}"
+                f"{r['step']:>4} {r['view']:<11} {r['scale_policy']:<22} "
+                f"{r['changed_fraction']:.4%} {r['changed_scales']:.2%} {r['patch_bytes']:,}"
             )
     return "\n".join(lines) + "\n"
 
@@ -211,13 +255,39 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=8, help="AdamW steps")
     parser.add_argument("--master", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--ks", default="1,2,4,8", help="compare against versions k steps old")
+    parser.add_argument(
+        "--scale-policies",
+        default=",".join(POLICIES),
+        help="scale policies of the quantized views (trainer.scale_policy values)",
+    )
+    parser.add_argument(
+        "--anchor-every",
+        type=int,
+        default=BoardOptions().anchor_every,
+        help="fixed_between_anchors: recompute scales every this many steps (board.anchor_every)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     ks = tuple(int(k) for k in args.ks.split(","))
+    policies: list[ScalePolicy] = []
+    for name in args.scale_policies.split(","):
+        policy = next((p for p in POLICIES if p == name), None)
+        if policy is None:
+            parser.error(f"--scale-policies: {name!r} is not one of {', '.join(POLICIES)}")
+        policies.append(policy)
+    if args.anchor_every < 1:
+        parser.error("--anchor-every: must be at least 1")
     with quiet_logs():
         report = run(
-            args.model, steps=args.steps, lr=args.lr, master=args.master, ks=ks, seed=args.seed
+            args.model,
+            steps=args.steps,
+            lr=args.lr,
+            master=args.master,
+            ks=ks,
+            policies=tuple(policies),
+            anchor_every=args.anchor_every,
+            seed=args.seed,
         )
     sys.stdout.write(json.dumps(report, indent=1) + "\n" if args.json else _table(report))
     return 0

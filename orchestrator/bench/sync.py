@@ -83,18 +83,26 @@ class ThrottledBoard(Board):
         return data
 
 
-def synthetic_view(size_mb: int, seed: int = 0) -> View:
-    """About ``size_mb`` MiB of bf16 values, in tensors of at most 32 MiB."""
-    gen = torch.Generator().manual_seed(seed)
+def synthetic_shapes(size_mb: int) -> dict[str, tuple[int, int]]:
+    """The tensors of :func:`synthetic_view`: name → (rows, cols), at most 32 MiB of bf16 each."""
     left, out, i = size_mb * 2**20 // 2, {}, 0
     while left > 0:
         n = min(left, 16 * 2**20)
         cols = 4096 if n >= 4096 else n
         rows = n // cols
-        out[f"layers.{i}.weight"] = torch.randn(rows, cols, generator=gen).to(torch.bfloat16)
+        out[f"layers.{i}.weight"] = (rows, cols)
         left -= rows * cols
         i += 1
     return out
+
+
+def synthetic_view(size_mb: int, seed: int = 0) -> View:
+    """About ``size_mb`` MiB of bf16 values, in tensors of at most 32 MiB."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        name: torch.randn(rows, cols, generator=gen).to(torch.bfloat16)
+        for name, (rows, cols) in synthetic_shapes(size_mb).items()
+    }
 
 
 def adam_step(view: Mapping[str, torch.Tensor], density: float, gen: torch.Generator) -> View:

@@ -8,6 +8,10 @@ Routes (JSON; every route but ``/health`` requires ``Authorization: Bearer <toke
 - ``POST /v1/fleet`` ``{"id", "url", "token"?, "weight"?}`` — add an endpoint (it serves once a
   health check passes);
 - ``DELETE /v1/fleet/{id}`` — stop routing to an endpoint (its in-flight calls finish);
+- ``GET /v1/fleet/ray`` — the run's Ray islands (``[fleet.ray]``): the target count and each
+  island's state; ``POST /v1/fleet/ray`` ``{"islands": N}`` — scale them (202: the change
+  happens in the background, :mod:`orchestrator.rayfleet.scale`); both 404 in a run without
+  ``[fleet.ray]``;
 - ``GET /health``; ``GET /metrics`` (Prometheus: calls, failures, 409s, latency, versions and
   health per endpoint, trainer version, admissions, decisions — see
   :mod:`orchestrator.observe.metrics`).
@@ -19,7 +23,7 @@ field (400).
 
 Once it listens, :func:`serve_admin` writes ``admin.json`` (``{"url", "token"}``) into the run
 directory, readable by its owner only (mode 0600, replaced atomically): that file is how
-``orchestrate fleet add|remove|list --orchestrator RUN_DIR`` (the client,
+``orchestrate fleet add|remove|list|up|scale|down --orchestrator RUN_DIR`` (the client,
 :mod:`orchestrator.fleet_cli`) finds the API and its token.
 """
 
@@ -31,7 +35,7 @@ import secrets
 import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import anyio
 from aiohttp import web
@@ -45,6 +49,7 @@ from policies.errors import BadRequest
 from policies.serve.http_body import bearer_matches, read_json
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+M = TypeVar("M", bound=BaseModel)
 
 
 class Exposition(Protocol):
@@ -75,7 +80,7 @@ def describe(ep: Endpoint) -> dict[str, Any]:
     }
 
 
-def _error(
+def error_response(
     status: int, message: str, param: str | None = None, type_: str = "invalid_request_error"
 ) -> web.Response:
     body = {"error": {"type": type_, "message": message, "param": param}}
@@ -95,18 +100,52 @@ def write_admin_file(path: Path, url: str, token: str) -> None:
         raise
 
 
+async def _body(model: type[M], request: web.Request) -> M | web.Response:
+    """The request's JSON as ``model``, or the 400 that says what is wrong with it."""
+    try:
+        return model.model_validate(await read_json(request))
+    except BadRequest as exc:
+        return error_response(400, str(exc), exc.param)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        return error_response(400, f"{param}: {err['msg']}", param)
+
+
+class Islands(Protocol):
+    """The run's Ray islands (:class:`orchestrator.rayfleet.scale.Scaler`)."""
+
+    def scale(self, target: int) -> dict[str, Any]: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+class ScaleIslands(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    islands: int = Field(ge=0, le=1024)
+
+
 class AdminApp:
     """The routes, behind the bearer ``token``."""
 
-    def __init__(self, pool: Pool, token: str, metrics: Exposition | None = None) -> None:
+    def __init__(
+        self,
+        pool: Pool,
+        token: str,
+        metrics: Exposition | None = None,
+        islands: Islands | None = None,
+    ) -> None:
         self.pool = pool
         self.token = token
         self.metrics = metrics
+        self.islands = islands
         self.app = web.Application(middlewares=[self._auth])
         self.app.add_routes(
             [
                 web.get("/v1/fleet", self.list),
                 web.post("/v1/fleet", self.add),
+                web.get("/v1/fleet/ray", self.ray_islands),
+                web.post("/v1/fleet/ray", self.scale),
                 web.delete("/v1/fleet/{id}", self.remove),
                 web.get("/health", self.health),
                 web.get("/metrics", self.prometheus),
@@ -117,7 +156,7 @@ class AdminApp:
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         given = request.headers.get("Authorization", "")
         if request.path != "/health" and not bearer_matches(given, self.token):
-            return _error(
+            return error_response(
                 401, "missing or wrong bearer token (see admin.json)", type_="unauthorized"
             )
         return await handler(request)
@@ -126,14 +165,9 @@ class AdminApp:
         return web.json_response({"endpoints": [describe(e) for e in self.pool.live()]})
 
     async def add(self, request: web.Request) -> web.Response:
-        try:
-            body = AddEndpoint.model_validate(await read_json(request))
-        except BadRequest as exc:
-            return _error(400, str(exc), exc.param)
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            param = ".".join(str(p) for p in err["loc"]) or None
-            return _error(400, f"{param}: {err['msg']}", param)
+        body = await _body(AddEndpoint, request)
+        if isinstance(body, web.Response):
+            return body
         ref = EndpointRef(
             id=body.id, url=body.url.rstrip("/"), token=body.token, weight=body.weight
         )
@@ -141,12 +175,25 @@ class AdminApp:
         await self.pool.refresh(ep)
         return web.json_response(describe(ep), status=201)
 
+    async def ray_islands(self, _request: web.Request) -> web.Response:
+        if self.islands is None:
+            return error_response(404, "this run has no Ray islands ([fleet.ray])", "islands")
+        return web.json_response(self.islands.describe())
+
+    async def scale(self, request: web.Request) -> web.Response:
+        if self.islands is None:
+            return error_response(404, "this run has no Ray islands ([fleet.ray])", "islands")
+        body = await _body(ScaleIslands, request)
+        if isinstance(body, web.Response):
+            return body
+        return web.json_response(self.islands.scale(body.islands), status=202)
+
     async def remove(self, request: web.Request) -> web.Response:
         endpoint_id = request.match_info["id"]
         try:
             self.pool.remove(endpoint_id)
         except KeyError:
-            return _error(404, f"no endpoint {endpoint_id!r}", "id")
+            return error_response(404, f"no endpoint {endpoint_id!r}", "id")
         return web.json_response({"removed": endpoint_id})
 
     async def health(self, _request: web.Request) -> web.Response:
@@ -165,19 +212,40 @@ async def serve_admin(
     token: str | None,
     admin_file: Path,
     metrics: Exposition | None = None,
+    islands: Islands | None = None,
     task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the admin API until cancelled; ``started`` with its base URL once ``admin_file``
     names it and its token (``token``, or a random one when None)."""
     token = token or secrets.token_urlsafe(32)
-    app = AdminApp(pool, token, metrics).app
+    await serve_app(
+        AdminApp(pool, token, metrics, islands).app,
+        host=host,
+        port=port,
+        token=token,
+        address_file=admin_file,
+        task_status=task_status,
+    )
+
+
+async def serve_app(
+    app: web.Application,
+    *,
+    host: str,
+    port: int,
+    token: str,
+    address_file: Path,
+    task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``app`` until cancelled; ``started`` with its base URL once ``address_file``
+    (:func:`write_admin_file`) names it and ``token``."""
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)
         await site.start()
         url = f"http://{host}:{runner.addresses[0][1]}"
-        await anyio.to_thread.run_sync(write_admin_file, admin_file, url, token)
+        await anyio.to_thread.run_sync(write_admin_file, address_file, url, token)
         task_status.started(url)
         await anyio.sleep_forever()
     finally:

@@ -8,7 +8,13 @@ orchestrator, even when it is killed.
 
 :class:`Children` guarantees, on exit, whatever raised: each child gets SIGTERM and its grace
 period, then whatever is left of its process group gets SIGKILL, and every child is reaped —
-concurrently, and shielded from cancellation.
+concurrently, and shielded from cancellation. :meth:`Children.stop` does the same for some
+children now (a replica the supervisor replaces); they are forgotten, so their process group ids
+are never signalled again.
+
+A :class:`LocalReplica` is the children of one endpoint (a reference engine; an island's sidecar
+and engine) as the supervisor (:mod:`orchestrator.loop.supervisor`) sees it: down when any of
+them exits.
 """
 
 from __future__ import annotations
@@ -19,10 +25,10 @@ import os
 import signal
 import subprocess
 from collections.abc import Sequence
-from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import BinaryIO
 
 import anyio
 import structlog
@@ -30,6 +36,8 @@ from anyio.abc import Process
 from anyio.streams.text import TextReceiveStream
 
 from orchestrator.errors import FleetError
+from orchestrator.loop.supervisor import Down
+from orchestrator.types import EndpointRef
 
 log = structlog.get_logger(__name__)
 
@@ -43,6 +51,8 @@ class Child:
     log_path: Path
     grace_s: float
     """Seconds between SIGTERM and SIGKILL of its process group on stop."""
+    log_file: BinaryIO = field(repr=False, compare=False)
+    """Its open ``log_path`` (closed when it is stopped)."""
 
 
 class Children:
@@ -51,7 +61,6 @@ class Children:
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         self.started: list[Child] = []
-        self._files = ExitStack()
 
     async def __aenter__(self) -> Children:
         await anyio.Path(self.log_dir).mkdir(parents=True, exist_ok=True)
@@ -63,11 +72,18 @@ class Children:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        await self.stop(*self.started)
+
+    async def stop(self, *children: Child) -> None:
+        """Stop and reap ``children`` concurrently (shielded), close their logs, forget them."""
         with anyio.CancelScope(shield=True):
             async with anyio.create_task_group() as tg:
-                for child in self.started:
+                for child in children:
                     tg.start_soon(_stop, child)
-        self._files.close()
+        for child in children:
+            child.log_file.close()
+            if child in self.started:
+                self.started.remove(child)
 
     async def spawn(
         self,
@@ -81,18 +97,57 @@ class Children:
         """Start ``argv``; its stdout is a pipe for :func:`read_ready` when ``ready_line``, else
         it goes to the log with stderr."""
         log_path = self.log_dir / f"{name}.log"
-        log_file = self._files.enter_context(log_path.open("ab"))
-        proc = await anyio.open_process(
-            list(argv),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE if ready_line else log_file,
-            stderr=log_file,
-            env=env,
-            start_new_session=True,
-        )
-        child = Child(name, proc, log_path, grace_s)
+        log_file = log_path.open("ab")
+        try:
+            proc = await anyio.open_process(
+                list(argv),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE if ready_line else log_file,
+                stderr=log_file,
+                env=env,
+                start_new_session=True,
+            )
+        except BaseException:
+            log_file.close()
+            raise
+        child = Child(name, proc, log_path, grace_s, log_file)
         self.started.append(child)
         return child
+
+
+@dataclass
+class LocalReplica:
+    """The children serving one endpoint (see the module docstring)."""
+
+    ref: EndpointRef
+    children: list[Child]
+    owner: Children
+
+    async def down(self) -> Down:
+        """The first child to exit, with its exit code."""
+        result: list[Down] = []
+        async with anyio.create_task_group() as tg:
+
+            async def one(child: Child) -> None:
+                code = await child.proc.wait()
+                result.append(Down(f"{child.name} {_exit(code)}; see {child.log_path}", code))
+                tg.cancel_scope.cancel()
+
+            for child in self.children:
+                tg.start_soon(one, child)
+        return result[0]
+
+    async def stop(self) -> None:
+        await self.owner.stop(*self.children)
+
+
+def _exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 async def read_ready(child: Child, timeout_s: float, key: str) -> str:

@@ -5,27 +5,61 @@ port, writes one JSON line ``{"url": …}`` to stdout when it serves, logs to
 ``<run dir>/logs/engine-<i>.log``, and exits when its stdin closes — so engines never outlive the
 orchestrator, even when it is killed. Islands (``[[fleet.islands]]``: vLLM, llama.cpp, each
 behind a sidecar) are started beside them by :mod:`orchestrator.loop.islands`. Everything starts
-concurrently; the fleet is yielded once every endpoint serves. On exit every child gets SIGTERM,
-then SIGKILL of what is left of its process group, and is reaped
+concurrently; the fleet is yielded once every endpoint serves, as a :class:`LocalFleet`: one
+:class:`~orchestrator.loop.children.LocalReplica` per endpoint and, per endpoint id, how to start
+it again — what the supervisor (:mod:`orchestrator.loop.supervisor`) needs to replace one that
+dies (:func:`fleet_supervisor`). A replacement is started exactly as the first one (same
+endpoint id, same log, appended to), so it starts on the board's newest version. On exit every
+child gets SIGTERM, then SIGKILL of what is left of its process group, and is reaped
 (:class:`~orchestrator.loop.children.Children`).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import anyio
 import structlog
 
-from orchestrator.config import IslandConfig
-from orchestrator.loop.children import Children, read_ready
+from orchestrator.config import FleetConfig, IslandConfig
+from orchestrator.loop.children import Children, LocalReplica, read_ready
 from orchestrator.loop.islands import island_ids, start_island
-from orchestrator.types import EndpointRef
+from orchestrator.loop.pool import Pool
+from orchestrator.loop.supervisor import Launch, RestartPolicy, Supervisor
+from orchestrator.types import EndpointRef, EventSink
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass
+class LocalFleet:
+    """The started fleet: its replicas (engines first, then islands in config order) and the
+    launcher of each endpoint id."""
+
+    replicas: list[LocalReplica]
+    launchers: dict[str, Launch]
+
+    @property
+    def refs(self) -> list[EndpointRef]:
+        return [r.ref for r in self.replicas]
+
+
+def fleet_supervisor(
+    pool: Pool, cfg: FleetConfig, launchers: Mapping[str, Launch], *, events: EventSink
+) -> Supervisor:
+    """The supervisor of the endpoints of ``launchers`` in ``pool``, with the ``fleet.restart*``
+    limits (``fleet.restart = false``: none, so what it tends is deregistered when it dies)."""
+    policy = RestartPolicy(
+        max_restarts=cfg.max_restarts if cfg.restart else 0,
+        backoff_s=cfg.restart_backoff_s,
+        backoff_max_s=cfg.restart_backoff_max_s,
+    )
+    return Supervisor(pool, launchers, policy, unhealthy_s=cfg.unhealthy_s, events=events)
 
 
 @asynccontextmanager
@@ -40,28 +74,31 @@ async def local_fleet(
     startup_timeout_s: float,
     islands: Sequence[IslandConfig] = (),
     island_dir: Path | None = None,
-) -> AsyncIterator[list[EndpointRef]]:
-    """Start ``n`` engines and the ``islands`` serving ``board_url``/``run``; yield them as pool
-    endpoints (engines first, then islands in config order). Island ``<id>`` works in
-    ``<island_dir>/<id>`` (default ``<log_dir>/../islands``)."""
+) -> AsyncIterator[LocalFleet]:
+    """Start ``n`` engines and the ``islands`` serving ``board_url``/``run``; yield them once
+    every one serves. Island ``<id>`` works in ``<island_dir>/<id>`` (default
+    ``<log_dir>/../islands``)."""
     island_dir = island_dir or log_dir.parent / "islands"
     ids = island_ids(islands)
     async with Children(log_dir) as children:
-        endpoints: list[EndpointRef | None] = [None] * (n + len(islands))
 
-        async def engine(i: int) -> None:
+        async def engine(i: int) -> LocalReplica:
             argv = [
                 sys.executable, "-m", "orchestrator.cli", "serve", "--board", board_url,
                 "--run", run, "--port", "0", "--device", device,
                 "--poll-interval", str(poll_interval_s), "--parent-stdin", "--log-format", "json",
             ]  # fmt: skip
             child = await children.spawn(f"engine-{i}", argv)
-            url = await read_ready(child, startup_timeout_s, "fleet.startup_timeout_s")
-            endpoints[i] = EndpointRef(id=child.name, url=url)
+            try:
+                url = await read_ready(child, startup_timeout_s, "fleet.startup_timeout_s")
+            except BaseException:
+                await children.stop(child)
+                raise
             log.info("engine_started", engine=child.name, url=url, pid=child.proc.pid)
+            return LocalReplica(EndpointRef(id=child.name, url=url), [child], children)
 
-        async def island(j: int) -> None:
-            endpoints[n + j] = await start_island(
+        async def island(j: int) -> LocalReplica:
+            return await start_island(
                 j,
                 islands[j],
                 children,
@@ -72,9 +109,18 @@ async def local_fleet(
                 poll_interval_s=poll_interval_s,
             )
 
+        launchers: list[Callable[[], Awaitable[LocalReplica]]]
+        launchers = [partial(engine, i) for i in range(n)]
+        launchers += [partial(island, j) for j in range(len(islands))]
+        replicas: list[LocalReplica | None] = [None] * len(launchers)
+
+        async def start(k: int) -> None:
+            replicas[k] = await launchers[k]()
+
         async with anyio.create_task_group() as tg:
-            for i in range(n):
-                tg.start_soon(engine, i)
-            for j in range(len(islands)):
-                tg.start_soon(island, j)
-        yield [e for e in endpoints if e is not None]
+            for k in range(len(launchers)):
+                tg.start_soon(start, k)
+        started = [r for r in replicas if r is not None]
+        yield LocalFleet(
+            started, {r.ref.id: launch for r, launch in zip(started, launchers, strict=True)}
+        )

@@ -15,8 +15,9 @@ Sidecars run with ``--parent-stdin``; every process is a
 ``<log dir>/<id>-engine.log``). The engine environments are built on first use when not configured
 (``scripts/build-vllm-env.sh``, ``scripts/build-llama-server.sh``; cached outside the clone).
 
-Not covered: GPUs (every island serves on CPU), restarting an island that dies mid-run (the
-pool's breaker takes it out of rotation).
+An island that dies mid-run is restarted whole by the supervisor
+(:mod:`orchestrator.loop.supervisor`, ``fleet.restart``): :func:`start_island` again, after its
+processes are stopped. Not covered: GPUs (every island serves on CPU).
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ import structlog
 
 from orchestrator.config import IslandConfig, LlamaCppIslandConfig, VLLMIslandConfig
 from orchestrator.errors import FleetError
-from orchestrator.loop.children import Child, Children, read_ready
+from orchestrator.loop.children import Child, Children, LocalReplica, read_ready
 from orchestrator.types import EndpointRef
-from policies.errors import EngineError
+from policies.errors import EngineError, PolicyError
 
 log = structlog.get_logger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,13 +64,16 @@ async def start_island(
     run: str,
     island_dir: Path,
     poll_interval_s: float,
-) -> EndpointRef:
-    """Start island ``fleet.islands[index]`` and return it as an endpoint once it serves."""
+    host: str = "127.0.0.1",
+) -> LocalReplica:
+    """Start island ``fleet.islands[index]`` and return it once it serves (its sidecar bound to
+    ``host``); what it started is stopped again when it fails to."""
     key = f"fleet.islands[{index}]"
+    own: list[Child] = []
     await anyio.Path(island_dir).mkdir(parents=True, exist_ok=True)
     sidecar = [
         sys.executable, "-m", "orchestrator.cli", "sidecar", "--engine-kind", spec.kind,
-        "--board", board_url, "--run", run, "--port", "0",
+        "--board", board_url, "--run", run, "--host", host, "--port", "0",
         "--poll-interval", str(poll_interval_s), "--parent-stdin", "--log-format", "json",
     ]  # fmt: skip
     try:
@@ -77,18 +81,25 @@ async def start_island(
         with anyio.move_on_after(spec.startup_timeout_s):
             if isinstance(spec, VLLMIslandConfig):
                 sidecar += await _vllm_engine(
-                    spec, binary, children, island_id, island_dir, run, board_url
+                    spec, binary, children, own, island_id, island_dir, run, board_url
                 )
             else:
                 sidecar += _llamacpp_args(spec, binary, island_dir)
             child = await children.spawn(island_id, sidecar)
+            own.append(child)
             url = await read_ready(child, math.inf, key)
             log.info(
                 "island_started", island=island_id, kind=spec.kind, url=url, pid=child.proc.pid
             )
-            return EndpointRef(id=island_id, url=url, weight=spec.weight)
-    except (EngineError, FleetError) as exc:
-        raise FleetError(f"{key} ({spec.kind}): {exc}") from None
+            return LocalReplica(
+                EndpointRef(id=island_id, url=url, weight=spec.weight), own, children
+            )
+    except BaseException as exc:
+        await children.stop(*own)
+        if isinstance(exc, PolicyError | FleetError):  # engine build, board, start-up
+            raise FleetError(f"{key} ({spec.kind}): {exc}") from None
+        raise
+    await children.stop(*own)
     raise FleetError(
         f"{key} ({island_id}) not ready after {spec.startup_timeout_s}s "
         f"({key}.startup_timeout_s); see {children.log_dir}/{island_id}*.log"
@@ -108,6 +119,7 @@ async def _vllm_engine(
     spec: VLLMIslandConfig,
     python: Path,
     children: Children,
+    own: list[Child],
     island_id: str,
     island_dir: Path,
     run: str,
@@ -133,6 +145,7 @@ async def _vllm_engine(
         ready_line=False,
         grace_s=30.0,  # longer than the guard's own grace for vLLM
     )
+    own.append(engine)
     url = f"http://127.0.0.1:{port}"
     await _until_healthy(url, engine)
     log.info("vllm_started", island=island_id, url=url, version=version, pid=engine.proc.pid)

@@ -16,12 +16,17 @@ Per endpoint:
   within ``[1, max_inflight]``;
 - circuit breaker: ``breaker_failures`` consecutive failures open it for ``breaker_cooldown_s``;
   afterwards one probe (a successful health check or call) closes it;
-- health: a reconcile task reads ``GET /v1/policy`` from every endpoint every ``poll_interval_s``.
+- health: a reconcile task reads ``GET /v1/policy`` from every endpoint every ``poll_interval_s``;
+  :meth:`Pool.unhealthy_for` says how long an endpoint's checks have been failing and
+  :meth:`Pool.checked` waits for its next one (what the supervisor of the local fleet,
+  :mod:`orchestrator.loop.supervisor`, acts on).
 
 Failover: a failed call marks its endpoint unhealthy and is retried once on another endpoint
 (the caller sends the same token prefix, so the episode continues bit-exactly). A 409 updates
 the endpoint's known version and re-routes. Endpoints can join and leave while the run goes on;
-a removed endpoint finishes its in-flight calls but gets no new ones.
+a removed endpoint finishes its in-flight calls but gets no new ones; one added again under
+its id starts afresh (unhealthy until a health check passes) but keeps its count of calls
+served.
 """
 
 from __future__ import annotations
@@ -82,14 +87,23 @@ class Pool:
         self.breaker_cooldown_s = breaker_cooldown_s
         self._waiters: list[_Waiter] = []
         self._seq = itertools.count()
+        self._unhealthy_since: dict[str, float] = {}
+        self._checked: dict[str, anyio.Event] = {}
 
     # -- membership -----------------------------------------------------------------------------
     def add(self, ref: EndpointRef) -> Endpoint:
         """Add an endpoint (or bring back a removed one); it serves once a health check passes."""
         ep = self.endpoints.get(ref.id)
         if ep is None or ep.removed:
-            ep = Endpoint(ref=ref, max_inflight=self.max_inflight, limit=float(self.max_inflight))
+            served = dict(ep.served) if ep is not None else {}
+            ep = Endpoint(
+                ref=ref,
+                max_inflight=self.max_inflight,
+                limit=float(self.max_inflight),
+                served=served,
+            )
             self.endpoints[ref.id] = ep
+            self._unhealthy_since.pop(ref.id, None)
             log.info("endpoint_added", endpoint=ref.id, url=ref.url)
         return ep
 
@@ -261,8 +275,29 @@ class Pool:
             ep.healthy = state.applied_version is not None
             ep.applied_version = state.applied_version
             ep.max_context = state.max_context
+        if ep.healthy:
+            self._unhealthy_since.pop(ep.id, None)
+        else:
+            self._unhealthy_since.setdefault(ep.id, anyio.current_time())
+        checked = self._checked.pop(ep.id, None)
+        if checked is not None:
+            checked.set()
         self.events.endpoint(ep)
         self._dispatch()
+
+    async def checked(self, endpoint_id: str) -> None:
+        """Return after the next health check of ``endpoint_id`` (none runs while it is
+        removed)."""
+        event = self._checked.get(endpoint_id)
+        if event is None:
+            event = self._checked[endpoint_id] = anyio.Event()
+        await event.wait()
+
+    def unhealthy_for(self, endpoint_id: str) -> float:
+        """Seconds since the first of the health checks of ``endpoint_id`` that have failed in a
+        row (0.0 when the last one passed, or none ran since it was added)."""
+        since = self._unhealthy_since.get(endpoint_id)
+        return 0.0 if since is None else anyio.current_time() - since
 
     async def refresh_all(self) -> None:
         async with anyio.create_task_group() as tg:

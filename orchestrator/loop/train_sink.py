@@ -23,15 +23,23 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from orchestrator.errors import TrainerError
 from orchestrator.loop.batcher import NO_MODEL_CALL, Batcher
+from orchestrator.loop.feed import BatchFeed
 from orchestrator.loop.scheduler import Scheduler, VersionClock
 from orchestrator.types import Batch, Episode, Group, GroupDecision
 from policies.errors import BoardError
-from policies.wire.batches import BatchFile, BatchSample, read_metrics, write_batch
+from policies.wire.batches import (
+    BatchFile,
+    BatchSample,
+    SegmentSampling,
+    read_metrics,
+    write_batch,
+)
 
 if TYPE_CHECKING:
     from orchestrator.config import Config
     from policies.board import Board
     from policies.train.trainer import Trainer, TrainSample
+    from staleness.config import StalenessConfig
 
 log = structlog.get_logger(__name__)
 
@@ -98,7 +106,7 @@ def build_trainer(
     resume: bool = False,
 ) -> Trainer:
     """The reference trainer of a run config: its ``[trainer]`` section as it is, plus the
-    sampling temperature, the group size, the seed and the ``[staleness]`` section; ``resume``:
+    sampling transforms, the group size, the seed and the ``[staleness]`` section; ``resume``:
     restore the checkpoint in ``checkpoint_dir`` if there is one."""
     from policies.train.trainer import Trainer
 
@@ -108,6 +116,8 @@ def build_trainer(
         cfg.trainer,
         staleness=cfg.staleness,
         temperature=cfg.sampling.temperature,
+        top_k=cfg.sampling.top_k,
+        top_p=cfg.sampling.top_p,
         group_size=cfg.scheduler.group_size,
         seed=cfg.run.seed if seed is None else seed,
         checkpoint_dir=checkpoint_dir,
@@ -116,16 +126,21 @@ def build_trainer(
 
 
 def wire_sample(ep: Episode) -> BatchSample:
-    """One episode in the batch protocol's form: sampled tokens are the loss mask."""
+    """One episode in the batch protocol's form: sampled tokens are the loss mask, each segment
+    with its policy versions and its sampling transforms."""
     mask = [False] * len(ep.token_ids)
     behaviour = [0.0] * len(ep.token_ids)
     spans = []
+    sampling = []
     for seg in ep.segments:
         for j, lp in enumerate(seg.logprobs):
             mask[seg.prompt_len + j] = True
             behaviour[seg.prompt_len + j] = lp
         v = seg.policy_version
-        spans.append((seg.prompt_len, seg.prompt_len + len(seg.token_ids), v.start, v.end))
+        end = seg.prompt_len + len(seg.token_ids)
+        spans.append((seg.prompt_len, end, v.start, v.end))
+        sp = seg.sampling
+        sampling.append(SegmentSampling(seg.prompt_len, end, sp.temperature, sp.top_k, sp.top_p))
     return BatchSample(
         episode_id=ep.id,
         group_id=ep.group_id,
@@ -134,6 +149,7 @@ def wire_sample(ep: Episode) -> BatchSample:
         behaviour_logprobs=behaviour,
         reward=ep.reward,
         policy_versions=spans,
+        sampling=sampling,
     )
 
 
@@ -147,6 +163,7 @@ def batch_samples(groups: Sequence[Group]) -> list[TrainSample]:
             mask=s.mask,
             behaviour_logprobs=s.behaviour_logprobs,
             reward=s.reward,
+            sampling=s.sampling,
         )
         for s in (wire_sample(ep) for g in groups for ep in g.episodes)
     ]
@@ -165,10 +182,12 @@ class ExternalTrainer:
         poll_interval_s: float,
         step_timeout_s: float,
         version: int,
+        staleness: StalenessConfig | None = None,
     ) -> None:
         self.board = board
         self.batch_dir = batch_dir
         self.group_size = group_size
+        self.staleness = staleness
         self.poll_interval_s = poll_interval_s
         self.step_timeout_s = step_timeout_s
         self._version = version
@@ -180,7 +199,10 @@ class ExternalTrainer:
     async def train(self, batch: Batch) -> dict[str, float]:
         samples = [wire_sample(ep) for g in batch.groups for ep in g.episodes]
         wire = BatchFile(
-            version=batch.trained_at_version, group_size=self.group_size, samples=samples
+            version=batch.trained_at_version,
+            group_size=self.group_size,
+            samples=samples,
+            staleness=None if self.staleness is None else self.staleness.model_dump(mode="json"),
         )
         await anyio.to_thread.run_sync(write_batch, self.batch_dir, wire)
         try:
@@ -196,6 +218,54 @@ class ExternalTrainer:
             ) from None
         self._version = latest
         metrics = read_metrics(self.batch_dir, batch.trained_at_version)
+        metrics.setdefault("reward_mean", sum(s.reward for s in samples) / max(len(samples), 1))
+        return metrics
+
+
+class FeedTrainer:
+    """A trainer in another process or cluster, pulling batches over HTTP from the batch feed
+    (:mod:`orchestrator.loop.feed`, served beside the run) and publishing on the board.
+
+    ``train`` offers the batch to the feed and returns once the trainer acknowledged it, so one
+    batch is in flight at a time.
+    """
+
+    def __init__(
+        self,
+        feed: BatchFeed,
+        *,
+        group_size: int,
+        staleness: StalenessConfig,
+        step_timeout_s: float,
+    ) -> None:
+        self.feed = feed
+        self.group_size = group_size
+        self.staleness = staleness
+        self.step_timeout_s = step_timeout_s
+
+    @property
+    def version(self) -> int:
+        return self.feed.version
+
+    async def train(self, batch: Batch) -> dict[str, float]:
+        samples = [wire_sample(ep) for g in batch.groups for ep in g.episodes]
+        v = batch.trained_at_version
+        wire = BatchFile(
+            version=v,
+            group_size=self.group_size,
+            samples=samples,
+            staleness=self.staleness.model_dump(mode="json"),
+        )
+        try:
+            with anyio.fail_after(self.step_timeout_s):
+                await self.feed.offer(wire)
+                metrics = await self.feed.done(v)
+        except TimeoutError:
+            raise TrainerError(
+                f"the trainer did not acknowledge batch {v} (publish version {v + 1}, then "
+                f"POST /v1/batches/{v}/ack) within {self.step_timeout_s}s "
+                "(timeouts.trainer_step_s)"
+            ) from None
         metrics.setdefault("reward_mean", sum(s.reward for s in samples) / max(len(samples), 1))
         return metrics
 

@@ -12,6 +12,11 @@ Metrics (all prefixed ``sprawl_``; one private registry per :class:`RunMetrics`)
 ``admitted_groups_total``, ``groups_total{decision}``, ``group_lag`` (histogram of the lag of
 decided groups), ``waiting_routes_total`` (routing attempts that found no endpoint).
 
+Supervision of the local fleet (:mod:`orchestrator.loop.supervisor`):
+``engine_deaths_total{endpoint}`` (an engine or island exited, stayed unhealthy, or failed to come
+up on a restart), ``engine_restarts_total{endpoint}`` (restarts that came up and serve again)
+and ``engine_give_ups_total{endpoint}`` (restarts spent: out of rotation for the rest of the run).
+
 The length-bias guard (:mod:`staleness.length_bias`; groups the run's stop dropped are left out):
 ``groups_decided_by_tokens_total{bucket,decision}`` and ``groups_decided_by_turns_total{bucket,
 decision}`` (power-of-two buckets of the group's longest episode: ``0-1``, ``2``, ``3-4``, …),
@@ -128,6 +133,24 @@ class RunMetrics(NullEvents):
         self.waiting = Counter(
             "sprawl_waiting_routes", "Routing attempts that found no endpoint", registry=r
         )
+        self.engine_deaths = Counter(
+            "sprawl_engine_deaths",
+            "Local engines or islands that went down (exited, unhealthy, failed to restart)",
+            ["endpoint"],
+            registry=r,
+        )
+        self.engine_restarts = Counter(
+            "sprawl_engine_restarts",
+            "Local engines or islands restarted and serving again",
+            ["endpoint"],
+            registry=r,
+        )
+        self.engine_give_ups = Counter(
+            "sprawl_engine_give_ups",
+            "Local engines or islands left out of rotation after fleet.max_restarts",
+            ["endpoint"],
+            registry=r,
+        )
         self.history_rewritten = Counter(
             "sprawl_episodes_history_rewritten",
             "Episodes whose chat template re-renders earlier turns differently from the tokens "
@@ -197,6 +220,12 @@ class RunMetrics(NullEvents):
                 self._decided(f)
             case "requeue":
                 self.requeued.inc()
+            case "engine_died":
+                self.engine_deaths.labels(f["endpoint"]).inc()
+            case "engine_restarted":
+                self.engine_restarts.labels(f["endpoint"]).inc()
+            case "engine_gave_up":
+                self.engine_give_ups.labels(f["endpoint"]).inc()
             case _:
                 pass
 

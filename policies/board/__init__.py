@@ -1,12 +1,14 @@
 """The board: immutable versions and one monotonic pointer per run, on any fsspec URL.
 
 Public surface (lazily imported, so ``policies.board.types`` stays torch-free):
-:class:`Board` (the publisher), :class:`BoardReader`, :class:`BoardOptions`, :class:`Manifest`,
+:class:`Board` (the publisher), :class:`ShardedPublisher` (every rank of a distributed trainer
+publishes its shard), :class:`BoardReader`, :class:`BoardOptions`, :class:`Manifest`,
 :class:`CatchUp`, :class:`PatchRef`, :class:`Step`, :class:`TensorEntry`, ``BASE_FILES``,
 ``WEIGHTS``, ``MANIFEST``, :func:`anchor_payload`, :func:`redact`.
 
 Modules: :mod:`~policies.board.publish` (writing versions), :mod:`~policies.board.read`
-(reading, catch-up, materializing), :mod:`~policies.board.plan` (which patches and anchors,
+(reading, catch-up, materializing), :mod:`~policies.board.sharded` (sharded versions and their
+commit protocol), :mod:`~policies.board.plan` (which patches and anchors,
 pure), :mod:`~policies.board.manifest` (a manifest's digest, seal and base-file records),
 :mod:`~policies.board.store` (the fsspec store), :mod:`~policies.board.types` (manifests and
 options), :mod:`~policies.board.cli` (``orchestrate versions`` / ``materialize``),

@@ -1,5 +1,6 @@
 from .publish import Board
 from .read import MANIFEST, WEIGHTS, BoardReader, anchor_payload
+from .sharded import ShardedPublisher
 from .store import redact
 from .types import BASE_FILES, BoardOptions, CatchUp, Manifest, PatchRef, Step, TensorEntry
 
@@ -13,6 +14,7 @@ __all__ = [
     "CatchUp",
     "Manifest",
     "PatchRef",
+    "ShardedPublisher",
     "Step",
     "TensorEntry",
     "anchor_payload",

@@ -6,7 +6,9 @@
 
 ``versions`` lists every published version: version, kind (anchor | delta), base, bytes of its
 primary representation, density (changed fraction against the previous version, when a delta
-from it is stored), the number of patches into it and the publish time (UTC). ``materialize``
+from it is stored), the number of patches into it, the number of ranks that published it (1
+unless a :class:`~policies.board.ShardedPublisher` sharded it) and the publish time (UTC).
+``materialize``
 writes an HF checkpoint directory of one version (bit-identical to an anchor of it), or with
 ``--format gguf`` one GGUF file for llama.cpp (:mod:`policies.board.gguf`; F32 matrices unless
 ``--gguf-dtype bf16``). Board
@@ -48,6 +50,7 @@ def versions(argv: list[str]) -> int:
             "bytes": m.bytes,
             "density": m.density,
             "patches": len(m.patches),
+            "ranks": len(m.shards) or 1,
             "time": m.created_at,
         }
         for m in (board.manifest(v) for v in board.versions())
@@ -57,7 +60,7 @@ def versions(argv: list[str]) -> int:
         return 0
     sys.stdout.write(
         f"{'version':>8}  {'kind':<6}  {'base':>6}  {'bytes':>14}  {'density':>8}  "
-        f"{'patches':>7}  time (UTC)\n"
+        f"{'patches':>7}  {'ranks':>5}  time (UTC)\n"
     )
     for r in rows:
         density = "-" if r["density"] is None else f"{r['density']:.3%}"
@@ -65,7 +68,7 @@ def versions(argv: list[str]) -> int:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(str(r["time"]))))
         sys.stdout.write(
             f"{r['version']:>8}  {r['kind']:<6}  {base:>6}  {r['bytes']:>14,}  {density:>8}  "
-            f"{r['patches']:>7}  {stamp}\n"
+            f"{r['patches']:>7}  {r['ranks']:>5}  {stamp}\n"
         )
     return 0
 

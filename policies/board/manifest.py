@@ -1,14 +1,22 @@
 """A version's manifest as bytes on the board: its digest, its seal, its record of the base files,
 and reading it back (no I/O here; numpy and xxhash, not the storage edge).
 
-Guarantees: :func:`parse_manifest` returns a manifest only if it is of this sprawl's format
-(:data:`~policies.board.types.BOARD_FORMAT`), every field validates (patch names are the
-layout's, base file names are :data:`~policies.board.types.BASE_FILES`), its digest is that of
-its tensor entries and its seal that of all its fields; otherwise :class:`VersionCorrupt` or, for
-another format, :class:`BoardFormatError` saying how to proceed — each in one line naming the
-version. The digest (:func:`manifest_digest`) is the same string as a patch's target digest; the
-seal (:func:`manifest_seal`) covers everything else. Not covered: xxh3 is a checksum, not a
-signature — it catches damage and inconsistent edits, not a writer who recomputes it.
+Guarantees: :func:`parse_manifest` returns a manifest only if it is of a format this sprawl reads
+(:data:`~policies.board.types.BOARD_FORMAT`, or :data:`~policies.board.types.SHARDED_FORMAT` with
+shards), every field validates (patch names are the layout's, base file names are
+:data:`~policies.board.types.BASE_FILES`), its digest is that of its tensor entries and its seal
+that of all its fields; otherwise :class:`VersionCorrupt` or, for another format,
+:class:`BoardFormatError` saying how to proceed — each in one line naming the version. A sharded
+manifest is also consistent (:func:`check_shards`): ranks ``0 … n-1`` in order; every piece lies
+inside its tensor and the pieces of a tensor hold exactly its element count; each
+tensor's checksum is :func:`pieces_checksum` of its pieces and each shard's digest that of its
+pieces; every rank has one patch per base of the version's patches, and the version's patch
+sizes and counts are the sums of the ranks'. It does not check that pieces do not overlap
+(the seal and the per-piece checksums catch damage; only a dishonest writer could lay out
+overlapping pieces whose sizes add up). The digest (:func:`manifest_digest`) is the same string
+as a patch's target digest; the seal (:func:`manifest_seal`) covers everything else. Not
+covered: xxh3 is a checksum, not a signature — it catches damage and inconsistent edits, not a
+writer who recomputes it.
 """
 
 from __future__ import annotations
@@ -18,7 +26,14 @@ from collections.abc import Mapping
 
 from pydantic import BaseModel, ValidationError
 
-from policies.board.types import BOARD_FORMAT, FileEntry, Manifest, TensorEntry
+from policies.board.types import (
+    BOARD_FORMAT,
+    SHARDED_FORMAT,
+    FileEntry,
+    Manifest,
+    PieceEntry,
+    TensorEntry,
+)
 from policies.codec.digests import bytes_checksum, digest_of
 from policies.errors import BoardFormatError, VersionCorrupt
 
@@ -27,6 +42,62 @@ def manifest_digest(entries: Mapping[str, TensorEntry]) -> str:
     """Digest of a version from its manifest entries: names, dtypes, shapes and checksums — the
     same string as :func:`policies.codec.digests.state_digest` of the tensors."""
     return digest_of((k, e.dtype, e.shape, e.checksum) for k, e in entries.items())
+
+
+def pieces_checksum(pieces: Mapping[int, PieceEntry]) -> str:
+    """A sharded tensor's checksum from its pieces by rank: xxh3-128 over each piece's rank,
+    offset, shape and checksum, in rank order (a change to any piece changes it)."""
+    lines = (f"{r}|{p.offset}|{p.shape}|{p.checksum}\n" for r, p in sorted(pieces.items()))
+    return bytes_checksum("".join(lines).encode())
+
+
+def check_shards(m: Manifest) -> str | None:
+    """What is inconsistent in a sharded manifest's pieces and patches (module docstring), or
+    None if nothing is."""
+    if [s.rank for s in m.shards] != list(range(len(m.shards))):
+        return "shard ranks are not 0..n-1 in order"
+    by_tensor: dict[str, dict[int, PieceEntry]] = {}
+    for shard in m.shards:
+        for name, piece in shard.pieces.items():
+            entry = m.tensors.get(name)
+            if entry is None or name in m.aliases:
+                return f"rank {shard.rank} holds a piece of {name}, which has no own tensor entry"
+            inside = len(piece.offset) == len(piece.shape) == len(entry.shape) and all(
+                o >= 0 and n >= 0 and o + n <= full
+                for o, n, full in zip(piece.offset, piece.shape, entry.shape, strict=True)
+            )
+            if not inside:
+                return f"rank {shard.rank}'s piece of {name} lies outside it"
+            by_tensor.setdefault(name, {})[shard.rank] = piece
+        rows = shard.pieces.items()
+        own = digest_of((k, m.tensors[k].dtype, p.shape, p.checksum) for k, p in rows)
+        if own != shard.digest:
+            return f"rank {shard.rank}'s digest is not that of its pieces"
+        if sorted(p.base for p in shard.patches) != sorted(p.base for p in m.patches):
+            return f"rank {shard.rank}'s patches are not from the version's bases"
+    for name, entry in m.tensors.items():
+        if name in m.aliases:
+            continue
+        pieces = by_tensor.get(name, {})
+        if sum(_numel(p.shape) for p in pieces.values()) != _numel(entry.shape):
+            return f"the pieces of {name} do not hold its {_numel(entry.shape)} elements"
+        if pieces_checksum(pieces) != entry.checksum:
+            return f"the checksum of {name} is not that of its pieces"
+    for ref in m.patches:
+        refs = [p for s in m.shards for p in s.patches if p.base == ref.base]
+        sums = tuple(sum(getattr(p, f) for p in refs) for f in ("bytes", "changed", "units"))
+        if sums != (ref.bytes, ref.changed, ref.units):
+            return f"the patch from {ref.base} is not the sum of the ranks' patches"
+    if m.kind == "anchor" and sum(s.bytes for s in m.shards) != m.bytes:
+        return "the anchor's size is not the sum of the ranks' anchor files"
+    return None
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def manifest_seal(m: Manifest) -> str:
@@ -60,7 +131,7 @@ def parse_manifest(raw: bytes, version: int, board: str) -> Manifest:
     the board and run in a format error."""
     try:
         fmt = _Format.model_validate_json(raw).format
-        if fmt != BOARD_FORMAT:
+        if fmt not in (BOARD_FORMAT, SHARDED_FORMAT):
             raise _format_error(version, fmt, board)
         m = Manifest.model_validate_json(raw)
     except ValidationError as exc:
@@ -69,6 +140,14 @@ def parse_manifest(raw: bytes, version: int, board: str) -> Manifest:
         ) from None
     if m.version != version or manifest_digest(m.tensors) != m.digest or manifest_seal(m) != m.seal:
         raise VersionCorrupt(f"version {version}: manifest does not match its own digest")
+    if (fmt == SHARDED_FORMAT) != bool(m.shards):
+        raise VersionCorrupt(
+            f"version {version}: a format {fmt} manifest "
+            + ("has no shards" if fmt == SHARDED_FORMAT else "has shards")
+        )
+    wrong = check_shards(m) if m.shards else None
+    if wrong is not None:
+        raise VersionCorrupt(f"version {version}: sharded manifest inconsistent: {wrong}")
     return m
 
 
@@ -82,6 +161,6 @@ def _format_error(version: int, fmt: int, board: str) -> BoardFormatError:
             "that wrote it"
         )
     return BoardFormatError(
-        f"{where} was written by a newer sprawl (board format {fmt}; this sprawl reads format "
-        f"{BOARD_FORMAT}): upgrade sprawl to read it"
+        f"{where} was written by a newer sprawl (board format {fmt}; this sprawl reads formats "
+        f"{BOARD_FORMAT} and {SHARDED_FORMAT}): upgrade sprawl to read it"
     )

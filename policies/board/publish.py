@@ -7,6 +7,7 @@ Layout under ``<url>/<run>/``::
         model.safetensors     the full served view (anchors only; HF layout, tied names once)
         from-<u:08d>.patch    bitwise patch u → v (policies.codec): the delta from the previous
                               version and squashed catch-up patches (policies.board.plan)
+        shards/<r:05d>/       a sharded version's files, rank by rank (policies.board.sharded)
     POINTER                   {"version": v, "digest": …} — the newest durable version
 
 Publishing (:meth:`Board.publish`) writes a delta against the previous version unless an anchor

@@ -3,6 +3,13 @@
 :class:`BoardReader` is everything a replica (a sidecar, ``orchestrate versions``,
 ``materialize``) does with a board; :class:`policies.board.Board` adds publishing and retention.
 The layout and the guarantees are in :mod:`policies.board`.
+
+Sharded versions (:mod:`policies.board.sharded`) are read into the same full view: an anchor is
+assembled from every rank's pieces (each piece's checksum verified, then copied into its box of
+the full tensor; tied names alias the primary again), and a patch step applies each rank's patch
+to the boxes of the held view that rank published (each rank's patch verified like any patch:
+frame checksum, base digest, written-piece checksums, target digest = the rank's digest in the
+manifest). A materialized sharded version is therefore the same bytes as one published whole.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from policies.board import plan as board_plan
-from policies.board.manifest import file_entries, one_line, parse_manifest
+from policies.board.manifest import file_entries, one_line, parse_manifest, pieces_checksum
 from policies.board.store import Store
 from policies.board.types import (
     BASE_FILES,
@@ -29,9 +36,12 @@ from policies.board.types import (
     BoardOptions,
     CatchUp,
     Manifest,
+    PieceEntry,
     Pointer,
+    ShardEntry,
     Step,
     check_run_name,
+    shard_dir,
 )
 from policies.codec import apply_patch, read_patch_header
 from policies.codec.digests import checksums, storage_key, tensor_checksum
@@ -66,6 +76,36 @@ def anchor_payload(view: Mapping[str, torch.Tensor]) -> tuple[bytes, dict[str, s
         tensors[name] = t.clone() if ptr in ptrs and t.numel() else t
         ptrs.add(ptr)
     return st_save(tensors), aliases
+
+
+def piece_box(piece: PieceEntry) -> tuple[slice, ...]:
+    """The index of ``piece``'s box in its full tensor."""
+    return tuple(slice(o, o + n) for o, n in zip(piece.offset, piece.shape, strict=True))
+
+
+def view_checksums(view: Mapping[str, torch.Tensor], m: Manifest) -> dict[str, str]:
+    """The checksums ``m`` would record for ``view`` (for a sharded ``m``: of its pieces' boxes;
+    a tensor whose shape is not the manifest's gets no entry)."""
+    if not m.shards:
+        return checksums(view)
+    pieces: dict[str, dict[int, PieceEntry]] = {}
+    for shard in m.shards:
+        for name, p in shard.pieces.items():
+            t = view.get(name)
+            if t is None or list(t.shape) != m.tensors[name].shape:
+                continue
+            got = tensor_checksum(t[piece_box(p)])
+            pieces.setdefault(name, {})[shard.rank] = p.model_copy(update={"checksum": got})
+    out = {name: pieces_checksum(by_rank) for name, by_rank in pieces.items()}
+    out.update({a: out[p] for a, p in m.aliases.items() if p in out})
+    return out
+
+
+def _dtype(name: str, where: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise VersionCorrupt(f"{where}: unknown dtype {name}")
+    return dtype
 
 
 class BoardReader:
@@ -207,15 +247,19 @@ class BoardReader:
     def read_patch(self, step: Step) -> bytes:
         """The bytes of one planned patch (verify them by applying with :meth:`advance`); no
         more than the manifest's size of it is read."""
+        return self._read_exact(step.version, step.file, step.bytes)
+
+    def _read_exact(self, version: int, rel: str, size: int) -> bytes:
+        """The ``size`` bytes of ``rel`` in ``version``'s directory, or :class:`VersionCorrupt`."""
         try:
-            data = self._read(f"{self._vdir(step.version)}/{step.file}", step.bytes)
+            data = self._read(f"{self._vdir(version)}/{rel}", size)
         except FileNotFoundError:
-            raise VersionCorrupt(f"version {step.version}: {step.file} is missing") from None
-        if len(data) != step.bytes:
-            held = f"more than {step.bytes}" if len(data) > step.bytes else str(len(data))
+            raise VersionCorrupt(f"version {version}: {rel} is missing") from None
+        if len(data) != size:
+            held = f"more than {size}" if len(data) > size else str(len(data))
             raise VersionCorrupt(
-                f"version {step.version}: {step.file} holds {held} bytes, its manifest records "
-                f"{step.bytes} (damaged or truncated)"
+                f"version {version}: {rel} holds {held} bytes, its manifest records "
+                f"{size} (damaged or truncated)"
             )
         return data
 
@@ -269,8 +313,10 @@ class BoardReader:
     def _apply_verified(
         self, view: MutableMapping[str, torch.Tensor], step: Step, digest: str | None
     ) -> str:
-        data = self.read_patch(step)
         m = self.manifest(step.version)
+        if m.shards:
+            return self._apply_sharded(view, step, digest, m)
+        data = self.read_patch(step)
         where = f"version {step.version}: {step.file}"
         try:
             hdr = read_patch_header(data)
@@ -290,12 +336,104 @@ class BoardReader:
             raise VersionCorrupt(f"{where}: {exc}") from None
         return m.digest
 
+    def _apply_sharded(
+        self, view: MutableMapping[str, torch.Tensor], step: Step, digest: str | None, m: Manifest
+    ) -> str:
+        """Apply every rank's patch ``step.base`` → ``step.version`` to its boxes of ``view``."""
+        ref = next(p for p in m.patches if p.base == step.base)
+        if digest is not None and ref.base_digest != digest:
+            raise PatchBaseMismatch(
+                f"version {step.version}: {step.file} applies to version {step.base} (digest "
+                f"{ref.base_digest}); the view held has digest {digest}: catch up from the "
+                "version actually held"
+            )
+        for shard in m.shards:
+            self._apply_shard(view, step, shard, m, vouched=digest is not None)
+        return m.digest
+
+    def _apply_shard(
+        self,
+        view: MutableMapping[str, torch.Tensor],
+        step: Step,
+        shard: ShardEntry,
+        m: Manifest,
+        *,
+        vouched: bool,
+    ) -> None:
+        ref = next(p for p in shard.patches if p.base == step.base)
+        rel = f"{shard_dir(shard.rank)}/{ref.file}"
+        where = f"version {step.version}: {rel}"
+        data = self._read_exact(step.version, rel, ref.bytes)
+        pieces: dict[str, torch.Tensor] = {}
+        for name, p in shard.pieces.items():
+            t, entry = view.get(name), m.tensors[name]
+            if t is None or list(t.shape) != entry.shape or str(t.dtype) != f"torch.{entry.dtype}":
+                raise PatchBaseMismatch(
+                    f"{where}: the view held lacks {name} as {entry.dtype}{entry.shape}: catch up "
+                    "from the version actually held"
+                )
+            pieces[name] = t[piece_box(p)]
+        try:
+            hdr = read_patch_header(data)
+            if hdr.target_digest != shard.digest or hdr.base_digest != ref.base_digest:
+                raise VersionCorrupt(
+                    f"{where} goes {hdr.base_digest} → {hdr.target_digest}, the manifest says "
+                    f"{ref.base_digest} → {shard.digest}"
+                )
+            if {r.name for r in hdr.tensors} != set(shard.pieces):
+                raise VersionCorrupt(f"{where}: its tensors are not rank {shard.rank}'s pieces")
+            out = apply_patch(
+                pieces, data, base_digest=ref.base_digest if vouched else None, verify=True
+            )
+        except PatchBaseMismatch as exc:
+            raise PatchBaseMismatch(str(exc) if where in str(exc) else f"{where}: {exc}") from None
+        except PatchError as exc:
+            raise VersionCorrupt(f"{where}: {exc}") from None
+        for name, p in shard.pieces.items():
+            dst = view[name][piece_box(p)]
+            if out[name].data_ptr() != dst.data_ptr():  # patched into a copy (not contiguous)
+                dst.copy_(out[name])
+
     def _check_digest(self, view: Mapping[str, torch.Tensor], m: Manifest) -> None:
-        sums = checksums(view)
+        sums = view_checksums(view, m)
         if any(sums.get(k) != e.checksum for k, e in m.tensors.items()):
             raise VersionCorrupt(f"version {m.version}: the view does not match its manifest")
 
+    def _read_sharded_anchor(self, m: Manifest) -> dict[str, torch.Tensor]:
+        """The full view of a sharded anchor: every rank's pieces, verified, in their boxes."""
+        full = {
+            name: torch.empty(e.shape, dtype=_dtype(e.dtype, f"version {m.version}: {name}"))
+            for name, e in m.tensors.items()
+            if name not in m.aliases
+        }
+        for shard in m.shards:
+            rel = f"{shard_dir(shard.rank)}/{WEIGHTS}"
+            payload = self._read_exact(m.version, rel, shard.bytes)
+            try:
+                tensors = st_load(payload)
+            except Exception as exc:  # safetensors raises its own untyped errors on torn files
+                raise VersionCorrupt(f"version {m.version}: {rel} unreadable: {exc}") from None
+            if set(tensors) != set(shard.pieces):
+                raise VersionCorrupt(f"version {m.version}: {rel} does not hold rank's pieces")
+            for name, p in shard.pieces.items():
+                t = tensors[name]
+                if (
+                    list(t.shape) != p.shape
+                    or t.dtype != full[name].dtype
+                    or tensor_checksum(t) != p.checksum
+                ):
+                    raise VersionCorrupt(
+                        f"version {m.version}: checksum mismatch for rank {shard.rank}'s piece "
+                        f"of {name}"
+                    )
+                full[name][piece_box(p)].copy_(t)
+        for alias, primary in m.aliases.items():
+            full[alias] = full[primary]
+        return full
+
     def _read_anchor(self, m: Manifest) -> dict[str, torch.Tensor]:
+        if m.shards:
+            return self._read_sharded_anchor(m)
         try:
             payload = self._read(f"{self._vdir(m.version)}/{WEIGHTS}", m.bytes)
         except FileNotFoundError:

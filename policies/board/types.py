@@ -18,10 +18,14 @@ MAX_VERSION = 2**63 - 1
 """The largest version a board holds (an int64: engines and logs carry versions as int64)."""
 
 BOARD_FORMAT = 2
-"""The manifest format this sprawl writes and reads. Format 2 seals the whole manifest (base
-files, patch names and sizes included); format 1 (manifests without a ``format`` field, from
-earlier sprawl) covered only the tensors and is refused (:class:`policies.errors.BoardFormatError`
-says how to proceed)."""
+"""The manifest format this sprawl writes for versions published by one process, and the oldest
+it reads. Format 2 seals the whole manifest (base files, patch names and sizes included); format 1
+(manifests without a ``format`` field, from earlier sprawl) covered only the tensors and is
+refused (:class:`policies.errors.BoardFormatError` says how to proceed)."""
+SHARDED_FORMAT = 3
+"""The manifest format of a sharded version (:class:`ShardEntry` per rank): format 2 plus
+``shards``, so a sprawl that reads only format 2 says it is too old instead of calling the
+version corrupt."""
 
 BASE_FILES = (
     "config.json",
@@ -91,6 +95,8 @@ class TensorEntry(BaseModel):
     dtype: str
     shape: list[int]
     checksum: str
+    """xxh3-128 of the tensor's bytes; in a sharded version, the checksum of its pieces' records
+    (:func:`policies.board.manifest.pieces_checksum`)."""
 
 
 class FileEntry(BaseModel):
@@ -100,6 +106,11 @@ class FileEntry(BaseModel):
     bytes: int = Field(ge=0, le=MAX_BASE_FILE_BYTES)
     checksum: str
     """xxh3-128 of the file's bytes (:func:`policies.codec.digests.bytes_checksum`)."""
+
+
+def shard_dir(rank: int) -> str:
+    """The directory, inside a sharded version's directory, that holds rank ``rank``'s files."""
+    return f"shards/{rank:05d}"
 
 
 def patch_file(base: int) -> str:
@@ -135,6 +146,32 @@ class PatchRef(BaseModel):
         return self.changed / self.units if self.units else 0.0
 
 
+class PieceEntry(BaseModel):
+    """One rank's piece of a tensor: the box ``offset … offset + shape`` of the full tensor."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    offset: list[int]
+    shape: list[int]
+    checksum: str
+    """xxh3-128 of the piece's bytes (contiguous, native order)."""
+
+
+class ShardEntry(BaseModel):
+    """What one rank wrote into a sharded version (under :func:`shard_dir`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    rank: int = Field(ge=0)
+    pieces: dict[str, PieceEntry]
+    """The rank's piece of each tensor it publishes, by full tensor name (aliases excluded)."""
+    digest: str
+    """Digest of the pieces as a state (names, dtypes, piece shapes, checksums): the target
+    digest of this rank's patches."""
+    bytes: int = Field(default=0, ge=0)
+    """Size of the rank's ``model.safetensors`` (anchors; 0 for a delta)."""
+    patches: list[PatchRef] = Field(default_factory=list)
+    """The rank's patches into this version, one per base of the manifest's ``patches``."""
+
+
 class Manifest(BaseModel):
     """What one version directory holds; written after its data files, before the pointer."""
 
@@ -161,9 +198,14 @@ class Manifest(BaseModel):
     full_bytes: int = 0
     """Bytes of the view's tensors (what an anchor of it stores)."""
     format: int = 1
-    """The manifest format (:data:`BOARD_FORMAT`); absent in manifests of format 1."""
+    """The manifest format (:data:`BOARD_FORMAT`, or :data:`SHARDED_FORMAT` for a sharded
+    version); absent in manifests of format 1."""
     base_files: dict[str, FileEntry] = Field(default_factory=dict)
     """Every file in the run's ``base/`` when the version was published, by name."""
+    shards: list[ShardEntry] = Field(default_factory=list)
+    """A sharded version's pieces, one entry per rank in rank order (format
+    :data:`SHARDED_FORMAT`); empty for a version published by one process. Each of ``patches``
+    is then the sum of the ranks' patches from that base, and ``bytes`` the sum of theirs."""
     seal: str = ""
     """xxh3-128 of every other field (``policies.board.manifest.manifest_seal``): a changed patch
     name, size or base file record is caught like a changed tensor checksum."""

@@ -37,7 +37,7 @@ beyond the old range saturate until the next anchor, which recomputes them).
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -205,29 +205,76 @@ def build_view(
     return out
 
 
-def dequantize(view: Mapping[str, torch.Tensor], spec: ViewSpec) -> dict[str, torch.Tensor]:
-    """fp32 reconstruction of the served weights, keyed by the state dict's names."""
-    out: dict[str, torch.Tensor] = {}
-    for name, t in view.items():
-        if name.endswith(("_scale", "_scale_inv", "_scale_2", "weight_shape")):
+QUANTIZED_KINDS: tuple[ViewKind, ...] = ("fp8_e4m3", "fp8_block", "int4_group", "nvfp4")
+"""The view kinds whose weights an engine must dequantize (:attr:`ViewSpec.quantized`)."""
+_SCALE_SUFFIXES = ("_scale_inv", "_scale_2", "_scale")
+
+
+def quantized_kind(view_name: str) -> ViewKind | None:
+    """The quantized kind a board manifest's ``view`` names, or None (a float cast)."""
+    return next((k for k in QUANTIZED_KINDS if k == view_name), None)
+
+
+_PACKED_AUX = ("weight_scale", "weight_shape")
+
+
+def weight_sources(view: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, ...]]:
+    """For each tensor :func:`dequantize` returns, by name, the view tensors it is computed
+    from (codes first, then its scales): an engine recomputes a weight when any of them changed.
+
+    A name is a scale (or ``weight_shape``) only when the tensor it belongs to is in the view,
+    so a model's own ``*_scale`` parameter is served as itself."""
+    aux: set[str] = set()
+    for name in view:
+        if name.endswith("weight_packed"):
+            stem = name.removesuffix("weight_packed")
+            aux.update(f"{stem}{a}" for a in _PACKED_AUX if f"{stem}{a}" in view)
+        else:
+            aux.update(f"{name}{s}" for s in _SCALE_SUFFIXES if f"{name}{s}" in view)
+    out: dict[str, tuple[str, ...]] = {}
+    for name in view:
+        if name in aux:
             continue
         if name.endswith("weight_packed"):
             stem = name.removesuffix("weight_packed")
+            out[f"{stem}weight"] = (
+                name,
+                *(f"{stem}{a}" for a in _PACKED_AUX if f"{stem}{a}" in aux),
+            )
+        else:
+            out[name] = (name, *(f"{name}{s}" for s in _SCALE_SUFFIXES if f"{name}{s}" in aux))
+    return out
+
+
+def dequantize(
+    view: Mapping[str, torch.Tensor], spec: ViewSpec, *, only: Collection[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """fp32 reconstruction of the served weights, keyed by the state dict's names (``only``:
+    just those names, e.g. the weights whose :func:`weight_sources` changed); non-floating
+    buffers are returned as they are."""
+    out: dict[str, torch.Tensor] = {}
+    for name, sources in weight_sources(view).items():
+        if only is not None and name not in only:
+            continue
+        t = view[sources[0]]
+        scales = dict(zip((s.removeprefix(name) for s in sources[1:]), sources[1:], strict=True))
+        if sources[0].endswith("weight_packed"):
+            stem = name.removesuffix("weight")
             q = _unpack_nibbles(t).float() - 8
             scale = view[f"{stem}weight_scale"].float()
             groups = q.reshape(q.shape[0], -1, spec.group) * scale[..., None]
-            out[f"{stem}weight"] = groups.reshape(q.shape)
-        elif f"{name}_scale_inv" in view:
-            s = view[f"{name}_scale_inv"].float()
+            out[name] = groups.reshape(q.shape)
+        elif "_scale_inv" in scales:
+            s = view[scales["_scale_inv"]].float()
             blocks = _blocks(t.float(), spec.block, spec.block) * s[:, :, None, None]
             out[name] = _unblocks(blocks, t.shape).contiguous()
-        elif f"{name}_scale_2" in view:
+        elif "_scale_2" in scales:
             codes = _unpack_nibbles(t).to(torch.int64)
             vals = FP4_VALUES[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
-            scale = view[f"{name}_scale"].float() * view[f"{name}_scale_2"].float()
+            scale = view[scales["_scale"]].float() * view[scales["_scale_2"]].float()
             out[name] = (vals.reshape(t.shape[0], -1, 16) * scale[..., None]).reshape(vals.shape)
-        elif f"{name}_scale" in view:
-            out[name] = t.float() * view[f"{name}_scale"].float()
+        elif "_scale" in scales:
+            out[name] = t.float() * view[scales["_scale"]].float()
         else:
             out[name] = t.float() if t.is_floating_point() else t
     return out

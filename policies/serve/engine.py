@@ -90,10 +90,11 @@ class Engine:
         """Copy a served view into the live parameters, bit for bit, and serve ``version``.
 
         ``only`` limits the copy to those tensors (the ones that changed since the live
-        version). The view is checked before the model is touched, so a bad view changes nothing.
+        version); the view must then hold at least those, else every live tensor. The view is
+        checked before the model is touched, so a bad view changes nothing.
         """
         params = self.live_tensors()
-        missing = [name for name in params if name not in view]
+        missing = [name for name in (params if only is None else only) if name not in view]
         if missing:
             raise BadRequest(f"view lacks tensors the model needs: {missing[:3]}", "view")
         for name, src in view.items():

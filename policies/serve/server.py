@@ -49,6 +49,7 @@ from safetensors.torch import load_file
 from transformers import PreTrainedTokenizerBase
 
 from policies.board import Board
+from policies.codec.views import quantized_kind
 from policies.errors import BadRequest, BoardError, EngineError
 from policies.serve.backends.reference import ReferenceBackend
 from policies.serve.connections import ConnectionLimiter, LaneLimits, LaneSite
@@ -462,15 +463,19 @@ async def _wait_for_board(board: Board) -> int:
 
 def _served_dtype(board: Board, latest: int) -> torch.dtype:
     """The engine's dtype: that of the newest version whose manifest reads (the sidecar starts
-    on the newest version that verifies, at or below ``latest``)."""
+    on the newest version that verifies, at or below ``latest``); float32 for a quantized view,
+    so the live weights are ``dequantize``'s fp32 weights, bit for bit."""
     dtypes: set[str] = set()
     for version in reversed(board.versions()):
         if version > latest:
             continue
         try:
-            dtypes = {e.dtype for e in board.manifest(version).tensors.values()}
+            manifest = board.manifest(version)
         except BoardError:
             continue
+        if quantized_kind(manifest.view) is not None:
+            return torch.float32
+        dtypes = {e.dtype for e in manifest.tensors.values()}
         break
     floats = [d for d in dtypes if d in ("bfloat16", "float16", "float32")]
     return getattr(torch, floats[0]) if len(floats) == 1 else torch.float32

@@ -5,7 +5,8 @@ Public surface (lazily imported, so ``policies.train.config`` stays torch-free):
 
 Modules: :mod:`~policies.train.config` (the ``[trainer]`` config tree),
 :mod:`~policies.train.trainer` (GRPO steps with a staleness correction, publishing every
-version), :mod:`~policies.train.sft` (teach a fresh model the tool-call format).
+version), :mod:`~policies.train.scoring` (log probs as the engine sampled them, chunked over
+tokens), :mod:`~policies.train.sft` (teach a fresh model the tool-call format).
 """
 
 import lazy_loader

@@ -12,17 +12,40 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+FLOAT_VIEWS = ("bfloat16", "float16", "float32")
+"""``served_view`` values that are a plain cast of the weights (no scales)."""
+
+
+class FeedConfig(BaseModel):
+    """The ``[trainer.feed]`` table: where the orchestrator serves the batch feed in ``feed`` mode
+    (:mod:`orchestrator.loop.feed`)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    host: str = "127.0.0.1"
+    """Address the batch feed binds (``0.0.0.0`` to reach it from another machine)."""
+    port: int = Field(default=0, ge=0, le=65535)
+    """Port of the batch feed; 0 picks a free one (written to ``<run dir>/feed.json``)."""
+    token: str | None = Field(default=None, min_length=1)
+    """Bearer token the batch feed requires; unset: a random one per run. Either way it is written
+    with the URL to ``<run dir>/feed.json`` (mode 0600)."""
+
 
 class TrainerConfig(BaseModel):
     """The ``[trainer]`` section: how the reference trainer (or an external one) steps."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    mode: Literal["in_process", "external"] = "in_process"
+    mode: Literal["in_process", "external", "feed"] = "in_process"
     """``in_process``: the reference trainer in this process. ``external``: any trainer in
-    another process, through batch files and the board (``policies/wire/batches.py``)."""
+    another process, through batch files and the board (``policies/wire/batches.py``).
+    ``feed``: any trainer in another process or cluster, pulling batches over HTTP from the
+    orchestrator's batch feed (``[trainer.feed]``, ``policies/wire/feed.py``) and publishing on
+    the board."""
     batch_dir: Path | None = None
     """Where batch files go in ``external`` mode; default ``<run dir>/batches``."""
+    feed: FeedConfig = FeedConfig()
+    """The batch feed of ``feed`` mode."""
     max_steps: int = Field(default=4, ge=1)
     """Optimizer steps (= versions published after version 0)."""
     lr: float = Field(default=2e-4, gt=0, le=1)
@@ -31,8 +54,17 @@ class TrainerConfig(BaseModel):
     """AdamW weight decay."""
     master_dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of the trainer's master weights."""
-    served_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    """dtype of the view engines serve (what the board publishes)."""
+    served_view: Literal["bfloat16", "float16", "float32", "fp8_block", "int4_group", "nvfp4"] = (
+        "bfloat16"
+    )
+    """The view engines serve (what the board publishes; its manifests' ``view``): the weights
+    cast to a float dtype, or a quantized view (``policies.codec.views``; docs/codec.md). Only the
+    reference engine serves quantized views."""
+    scale_policy: Literal["pow2", "fixed_between_anchors", "fresh"] | None = None
+    """Scales of a quantized ``served_view`` (None: ``pow2``; float views have none):
+    ``pow2`` rounds each up to a power of two (it changes only when its amax crosses one),
+    ``fixed_between_anchors`` recomputes them only at the versions the board must anchor,
+    ``fresh`` at every version (docs/trainer.md)."""
     clip_eps: float = Field(default=0.2, gt=0, lt=1)
     """PPO clip range."""
     grad_clip: float = Field(default=1.0, gt=0)
@@ -48,6 +80,34 @@ class TrainerConfig(BaseModel):
     """Weight of the entropy bonus (subtracted from the loss; 0: off, entropy is still logged)."""
     checkpoint: bool = True
     """Checkpoint model + optimizer + RNG after every step into ``<run dir>/trainer/ckpt``."""
+    micro_batch_tokens: int | None = Field(default=None, ge=2)
+    """Gradient accumulation: each forward/backward takes consecutive samples whose padded size
+    (samples × the longest one's tokens) stays within this (a longer sample goes alone); the loss
+    is normalized over the whole batch, so the step equals one unsplit pass. Unset: one pass."""
+    logit_chunk_tokens: int = Field(default=1024, ge=1)
+    """Tokens whose fp32 logits exist at once when scoring: the output head and log-softmax run
+    this many tokens at a time, recomputed in the backward, so memory grows with this × vocab
+    rather than with the batch's tokens × vocab."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _served_dtype_is_served_view(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "served_dtype" in data:
+            msg = (
+                "served_dtype: renamed to served_view (same values, plus the quantized views "
+                "fp8_block, int4_group and nvfp4)"
+            )
+            raise ValueError(msg)
+        return data
+
+    @model_validator(mode="after")
+    def _scale_policy_needs_a_quantized_view(self) -> TrainerConfig:
+        if self.scale_policy is not None and self.served_view in FLOAT_VIEWS:
+            raise ValueError(
+                f"scale_policy applies to quantized served views; served_view is "
+                f"{self.served_view!r}, which has no scales"
+            )
+        return self
 
     @model_validator(mode="before")
     @classmethod

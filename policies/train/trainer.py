@@ -2,9 +2,10 @@
 
 One :meth:`Trainer.step` per batch:
 
-1. recompute the current log probs of every sampled token with the trainer's weights, at the
-   sampling temperature (``logits / T``; top-k / top-p are not re-applied, so those truncations
-   show up as π/μ mismatch);
+1. recompute the current log probs of every sampled token with the trainer's weights, under the
+   distribution the engine sampled it from: its segment's temperature, top-k and top-p
+   (``TrainSample.sampling``; :mod:`policies.train.scoring`, a chunk of tokens at a time, so no
+   fp32 [tokens, vocab] tensor exists beyond ``trainer.logit_chunk_tokens`` tokens);
 2. GRPO group-normalized advantages from the episode rewards (``staleness.loss.group_advantages``;
    divided by the group std unless ``staleness.scale_rewards`` resolves to false, as for
    ``dr_grpo``);
@@ -12,9 +13,14 @@ One :meth:`Trainer.step` per batch:
    step, μ = the engine's log probs; ``staleness.corrections.correct``);
 4. loss = PPO-clip policy term (``staleness.loss.policy_loss``)
    ``+ kl_coef · KL(π_θ ‖ π_ref)`` (``kl_penalty`` with ``kl_estimator``, π_ref = version 0, kept
-   frozen, scored at the same temperature) ``− entropy_coef · H(π_θ)`` (full-vocabulary entropy of
-   the tempered distribution); all three summed over the tokens the correction kept and
-   aggregated alike, by ``staleness.loss_agg`` with ``staleness.normalizer``;
+   frozen, scored with the same transforms; tokens outside its sampled set are left out)
+   ``− entropy_coef · H(π_θ)`` (full-vocabulary entropy of the distribution sampled from); all
+   three summed over the tokens the correction kept and aggregated alike, by
+   ``staleness.loss_agg`` with ``staleness.normalizer``. With ``trainer.micro_batch_tokens`` steps
+   1–4 run per micro-batch of consecutive samples, each backpropagating its loss *sum*; the
+   summed gradients are divided once by the whole batch's normaliser
+   (``staleness.loss.normaliser``), so the gradient is the unsplit batch's. Corrections are per
+   row (token or sequence level), so a micro-batch of whole rows computes them exactly;
 5. one AdamW step (fp32 or bf16 master weights) after clipping the global gradient norm;
 6. ``version += 1``; the checkpoint is written; the served view of the new version is published.
 
@@ -47,11 +53,22 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from policies.board import Board, Manifest
-from policies.errors import CheckpointError
+from policies.codec.views import ViewSpec, build_view, weight_sources
+from policies.errors import CheckpointError, ScoringError
 from policies.train.config import TrainerConfig
+from policies.train.scoring import (
+    Scored,
+    TokenSampling,
+    check_head,
+    concat,
+    output_head,
+    score_chunked,
+    token_sampling,
+)
+from policies.wire.batches import SegmentSampling
 from staleness.config import StalenessConfig
 from staleness.corrections import correct
-from staleness.loss import aggregate, group_advantages, kl_penalty, policy_loss
+from staleness.loss import aggregate, group_advantages, kl_penalty, normaliser, policy_loss
 from staleness.metrics import correction_metrics
 
 log = structlog.get_logger(__name__)
@@ -69,6 +86,23 @@ class TrainSample:
     mask: list[bool]  # True where the engine sampled the token (loss applies)
     behaviour_logprobs: list[float]  # μ per token (0.0 where mask is False)
     reward: float
+    sampling: Sequence[SegmentSampling] = ()
+    """How each segment's tokens were sampled; tokens outside every segment are scored with the
+    trainer's defaults (the run's ``[sampling]``)."""
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        for seg in self.sampling:
+            if not 0 <= seg.start <= seg.end <= n:
+                msg = f"sampling segment [{seg.start}, {seg.end}) lies outside the {n} tokens"
+                raise ScoringError(msg)
+            if seg.temperature < 0 or seg.top_k < 0 or not 0 < seg.top_p <= 1:
+                msg = (
+                    f"sampling segment [{seg.start}, {seg.end}): temperature {seg.temperature} "
+                    f"(>= 0), top_k {seg.top_k} (>= 0) or top_p {seg.top_p} (in (0, 1]) "
+                    "out of range"
+                )
+                raise ScoringError(msg)
 
 
 class Trainer:
@@ -83,23 +117,27 @@ class Trainer:
         staleness: StalenessConfig,
         temperature: float,
         group_size: int,
+        top_k: int = 0,
+        top_p: float = 1.0,
         seed: int = 0,
         checkpoint_dir: Path | None = None,
         resume: bool = False,
     ) -> None:
         """``staleness`` is the run's ``[staleness]`` section (correction and loss aggregation),
-        ``temperature`` the sampling temperature (log probs are rescored at it), ``group_size``
-        the episodes per GRPO group; ``resume`` restores the checkpoint in ``checkpoint_dir`` if
+        ``temperature``, ``top_k``, ``top_p`` the run's sampling transforms (log probs are
+        rescored with them where a sample does not record its segments'), ``group_size`` the
+        episodes per GRPO group; ``resume`` restores the checkpoint in ``checkpoint_dir`` if
         there is one."""
         torch.manual_seed(seed)
         self.config = config
-        self.temperature = temperature
+        self.sampling = (temperature, top_k, top_p)
         self.group_size = group_size
         self.checkpoint_dir = checkpoint_dir
         self.board = board
         self.staleness = staleness
         self.correction = staleness.correction
         self.model = _load(model_dir, config)
+        check_head(self.model)
         self.model.train()
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay
@@ -110,28 +148,54 @@ class Trainer:
             self.reference.requires_grad_(False)
             self.reference.train(False)
         self.version = 0
+        self._published: Manifest | None = None  # this process's last publish
+        self._scales: dict[str, torch.Tensor] = {}  # scale tensors fixed since the last anchor
         board.create(model_dir)
         if resume and self.checkpoint_path is not None and self.checkpoint_path.exists():
             self._restore(self.checkpoint_path)
 
     # -- versions ------------------------------------------------------------------------------
     def served_view(self) -> dict[str, torch.Tensor]:
-        """The tensors engines serve: every state entry cast to the served dtype, once."""
-        dtype = DTYPES[self.config.served_dtype]
-        view: dict[str, torch.Tensor] = {}
+        """The tensors engines serve (``trainer.served_view``), on the CPU, tied weights once:
+        the state cast to a float dtype, or its quantized view (``policies.codec.views``) with
+        ``trainer.scale_policy``'s scales."""
+        state: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
         for name, t in self.model.state_dict().items():
             if t.data_ptr() in seen:  # tied weights are shipped once
                 continue
             seen.add(t.data_ptr())
-            view[name] = t.detach().to(
-                "cpu", dtype=dtype if t.is_floating_point() else t.dtype, copy=True
-            )
-        return view
+            state[name] = t.detach().to("cpu")
+        spec = view_spec(self.config)
+        if spec is None:
+            dtype = DTYPES[self.config.served_view]
+            return {
+                name: t.to(dtype=dtype if t.is_floating_point() else t.dtype, copy=True)
+                for name, t in state.items()
+            }
+        return build_view(state, spec, anchor=None if self._scales_due() else self._scales)
 
     def publish(self) -> Manifest:
-        return self.board.publish(
-            self.version, self.served_view(), view_name=self.config.served_dtype
+        """Publish the current version's served view (the manifest's ``view`` names it).
+
+        ``fixed_between_anchors`` scales are recomputed exactly at the versions the board is
+        bound to anchor: this process's first publish (a fresh publisher anchors) and the
+        version ``board.anchor_every`` after the last anchor. Anchors the board adds early
+        (``anchor_fraction``) keep the scales, so a recomputation never lands in a delta."""
+        due = self._scales_due()
+        view = self.served_view()
+        manifest = self.board.publish(self.version, view, view_name=self.config.served_view)
+        if due and self.config.scale_policy == "fixed_between_anchors":
+            self._scales = {s: view[s] for src in weight_sources(view).values() for s in src[1:]}
+        self._published = manifest
+        return manifest
+
+    def _scales_due(self) -> bool:
+        last = self._published
+        return (
+            last is None
+            or last.anchor is None
+            or self.version - last.anchor >= self.board.options.anchor_every
         )
 
     def ensure_published(self) -> None:
@@ -211,14 +275,25 @@ class Trainer:
         return ids, attn
 
     def _score(
-        self, model: PreTrainedModel, ids: torch.Tensor, attn: torch.Tensor, *, entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log probs [B, T-1] of tokens 1..T at the sampling temperature (+ entropy if asked)."""
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-        logp_all = torch.log_softmax(logits / self.temperature, -1)
-        logp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
-        ent = -(logp_all.exp() * logp_all).sum(-1) if entropy else None
-        return logp, ent
+        self, model: PreTrainedModel, ids: torch.Tensor, attn: torch.Tensor, how: TokenSampling
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log probs [B, T-1] of tokens 1..T under the distribution each was sampled from (its
+        segment's transforms, ``how`` [B, T]) and that distribution's entropy; 0 on padding."""
+        hidden = model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state
+        live = attn[:, 1:].bool()
+        logp, ent = score_chunked(
+            hidden[:, :-1][live],
+            output_head(model),
+            ids[:, 1:][live],
+            how[:, 1:].flat(live),
+            chunk_tokens=self.config.logit_chunk_tokens,
+        )
+        zeros = torch.zeros(live.shape, dtype=logp.dtype, device=logp.device)
+        return zeros.masked_scatter(live, logp), zeros.masked_scatter(live, ent)
+
+    def _sampling(self, samples: Sequence[TrainSample], width: int) -> TokenSampling:
+        rows = [s.sampling for s in samples]
+        return token_sampling(rows, width, self.sampling, self.config.device)
 
     @torch.no_grad()
     def logprobs(self, samples: Sequence[TrainSample]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,14 +301,32 @@ class Trainer:
 
         For inspection (no gradient); :meth:`step` scores with gradients itself."""
         ids, attn = self._batch(samples)
-        logp, _ = self._score(self.model, ids, attn, entropy=False)
+        logp, _ = self._score(self.model, ids, attn, self._sampling(samples, ids.shape[1]))
         return logp, attn[:, 1:].bool()
 
     # -- the update ----------------------------------------------------------------------------
-    def step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
-        """One optimizer step on ``samples`` (group-contiguous), then publish version + 1."""
-        s = self.config
+    def _micro_batches(self, samples: Sequence[TrainSample]) -> list[range]:
+        """Consecutive rows whose padded size (rows × longest row) stays within
+        ``trainer.micro_batch_tokens``; a row longer than that alone (all rows if unset)."""
+        budget = self.config.micro_batch_tokens
+        if budget is None:
+            return [range(len(samples))]
+        out, lo, longest = [], 0, 0
+        for i, sample in enumerate(samples):
+            n = max(len(sample.token_ids), 2)
+            if i > lo and max(longest, n) * (i + 1 - lo) > budget:
+                out.append(range(lo, i))
+                lo, longest = i, 0
+            longest = max(longest, n)
+        out.append(range(lo, len(samples)))
+        return out
+
+    def _backward(self, samples: Sequence[TrainSample], advantages: torch.Tensor) -> Scored:
+        """Forward and backward of one micro-batch's loss *sum* (the caller divides the summed
+        gradients by the whole batch's normaliser); returns its detached per-token values."""
+        s, st = self.config, self.staleness
         ids, attn = self._batch(samples)
+        how = self._sampling(samples, ids.shape[1])
         width = ids.shape[1] - 1
         mask = torch.zeros(len(samples), width, dtype=torch.bool, device=s.device)
         behav = torch.zeros(len(samples), width, device=s.device)
@@ -241,15 +334,24 @@ class Trainer:
             n = max(len(sample.token_ids) - 1, 0)
             mask[i, :n] = torch.tensor(sample.mask[1:], dtype=torch.bool)
             behav[i, :n] = torch.tensor(sample.behaviour_logprobs[1:])
-        rewards = torch.tensor([sample.reward for sample in samples], device=s.device)
-        st = self.staleness
-        advantages = group_advantages(rewards, self.group_size, normalize_std=st.scales_rewards)
 
-        logp, entropy = self._score(self.model, ids, attn, entropy=True)
-        assert entropy is not None
+        logp, entropy = self._score(self.model, ids, attn, how)
         logp_prox = logp.detach()
         corrected = correct(self.correction, logp_prox=logp_prox, logp_behav=behav, mask=mask)
-        pg_loss, metrics = policy_loss(
+        kept = corrected.mask
+
+        def summed(values: torch.Tensor) -> torch.Tensor:
+            return aggregate(
+                values,
+                kept,
+                st.loss_agg,
+                normalizer=st.normalizer,
+                valid=mask,
+                dr_grpo_tokens=st.dr_grpo_tokens,
+                denominator=1.0,
+            )
+
+        loss, _ = policy_loss(
             logp,
             logp_prox,
             advantages,
@@ -258,59 +360,117 @@ class Trainer:
             loss_agg=st.loss_agg,
             normalizer=st.normalizer,
             dr_grpo_tokens=st.dr_grpo_tokens,
+            denominator=1.0,
         )
-        kept = corrected.mask
-
-        def agg(values: torch.Tensor) -> torch.Tensor:
-            return aggregate(
-                values,
-                kept,
-                st.loss_agg,
-                normalizer=st.normalizer,
-                valid=mask,
-                dr_grpo_tokens=st.dr_grpo_tokens,
-            )
-
-        ent_term = agg(entropy if s.entropy_coef > 0 else entropy.detach())
-        loss = pg_loss - s.entropy_coef * ent_term if s.entropy_coef > 0 else pg_loss
-        kl_value = 0.0
+        if s.entropy_coef > 0:
+            loss = loss - s.entropy_coef * summed(entropy)
+        kl = torch.zeros_like(logp_prox)
+        excluded = 0
         if self.reference is not None:
             with torch.no_grad():
-                logp_ref, _ = self._score(self.reference, ids, attn, entropy=False)
-            kl = agg(kl_penalty(logp, logp_ref, kept, estimator=s.kl_estimator))
-            loss = loss + s.kl_coef * kl
-            kl_value = float(kl.detach())
-
-        self.optimizer.zero_grad(set_to_none=True)
+                logp_ref, _ = self._score(self.reference, ids, attn, how)
+            outside = kept & ~torch.isfinite(logp_ref)  # π_ref's truncated set lacks the token
+            excluded = int(outside.sum())
+            kl = kl_penalty(logp, logp_ref, kept & ~outside, estimator=s.kl_estimator)
+            loss = loss + s.kl_coef * summed(kl)
         loss.backward()  # type: ignore[no-untyped-call]
+        return Scored(logp_prox, behav, mask, corrected, entropy.detach(), kl.detach(), excluded)
+
+    def step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        """One optimizer step on ``samples`` (group-contiguous), then publish version + 1."""
+        s, st = self.config, self.staleness
+        rewards = torch.tensor([sample.reward for sample in samples], device=s.device)
+        advantages = group_advantages(rewards, self.group_size, normalize_std=st.scales_rewards)
+        self.optimizer.zero_grad(set_to_none=True)
+        parts = [
+            self._backward([samples[i] for i in rows], advantages[rows.start : rows.stop])
+            for rows in self._micro_batches(samples)
+        ]
+        whole = concat(parts)
+        kept = whole.corrected.mask
+        den = normaliser(
+            kept,
+            st.loss_agg,
+            normalizer=st.normalizer,
+            valid=whole.mask,
+            dr_grpo_tokens=st.dr_grpo_tokens,
+        )
+        for param in self.model.parameters():
+            if param.grad is not None:
+                param.grad.div_(den)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip)
         self.optimizer.step()
         self.version += 1
         if self.checkpoint_path is not None:
             self.save_checkpoint()
         manifest = self.publish()
+
+        # the step's values over the whole batch: π_θ equals π_prox in value before the update
+        pg_loss, metrics = policy_loss(
+            whole.logp,
+            whole.logp,
+            advantages,
+            whole.corrected,
+            clip_eps=s.clip_eps,
+            loss_agg=st.loss_agg,
+            normalizer=st.normalizer,
+            dr_grpo_tokens=st.dr_grpo_tokens,
+        )
+
+        def agg(values: torch.Tensor) -> float:
+            return float(
+                aggregate(
+                    values,
+                    kept,
+                    st.loss_agg,
+                    normalizer=st.normalizer,
+                    valid=whole.mask,
+                    dr_grpo_tokens=st.dr_grpo_tokens,
+                )
+            )
+
+        ent_term, kl_value = agg(whole.entropy), agg(whole.kl)
+        loss = float(pg_loss) - s.entropy_coef * ent_term + s.kl_coef * kl_value
         metrics.update(
             correction_metrics(
-                self.correction, corrected, logp_prox=logp_prox, logp_behav=behav, mask=mask
+                self.correction,
+                whole.corrected,
+                logp_prox=whole.logp,
+                logp_behav=whole.behav,
+                mask=whole.mask,
             )
         )
+        outside = whole.mask & torch.isneginf(whole.logp)
         metrics.update(
-            loss=float(loss.detach()),
-            loss_policy=float(pg_loss.detach()),
-            entropy=float(ent_term.detach()),
+            {
+                "mismatch/outside_sampled_set": float(outside.sum()),
+                "kl_ref_excluded_tokens": float(whole.kl_excluded),
+            },
+            loss=loss,
+            loss_policy=float(pg_loss),
+            entropy=ent_term,
             kl_ref=kl_value,
             grad_norm=float(grad_norm),
             reward_mean=float(rewards.mean()),
             version_bytes=float(manifest.bytes),
+            micro_batches=float(len(parts)),
         )
         log.info(
             "trainer_step",
             version=self.version,
-            loss=round(float(loss.detach()), 5),
+            loss=round(loss, 5),
             reward_mean=round(float(rewards.mean()), 4),
             samples=len(samples),
         )
         return metrics
+
+
+def view_spec(config: TrainerConfig) -> ViewSpec | None:
+    """The quantized view ``trainer.served_view`` names (None for a float cast)."""
+    kind = config.served_view
+    if kind == "fp8_block" or kind == "int4_group" or kind == "nvfp4":
+        return ViewSpec(kind=kind, scale_policy=config.scale_policy or "pow2")
+    return None
 
 
 def _load(model_dir: Path, config: TrainerConfig) -> PreTrainedModel:

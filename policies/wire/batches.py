@@ -14,10 +14,20 @@ trainer (a user's torchrun job, TRL, verl, or ``orchestrate train``):
    floats) before publishing; the orchestrator logs it with the step.
 3. Version 0 is published by the trainer before the run starts (the orchestrator waits for it).
 
+The same :class:`BatchFile` is what the batch feed (``trainer.mode = "feed"``,
+:mod:`orchestrator.loop.feed`) serves over HTTP instead of a file; :mod:`policies.wire.feed` is
+its client.
+
 A sample's ``mask[t]`` is true where token ``t`` was sampled by the policy (the loss applies);
 ``behaviour_logprobs[t]`` is the engine's log prob of that token (0 elsewhere); ``policy_versions``
 gives, per sampled segment, ``[start_token, end_token, version_start, version_end]`` so a trainer
-can compute per-token lag itself.
+can compute per-token lag itself. ``staleness`` is the run's ``[staleness]`` section (a
+:class:`staleness.config.StalenessConfig` as JSON), so a trainer can apply the correction and loss
+aggregation the in-process trainer would (:mod:`policies.train.external` does it for torch
+trainers); None in files of older sprawls.
+``sampling`` gives, per sampled segment, ``[start_token, end_token, temperature, top_k, top_p]``:
+the transforms the engine sampled those tokens with, which a trainer applies when it recomputes
+their log probs (empty in files of older sprawls: the trainer then uses the run's ``[sampling]``).
 """
 
 from __future__ import annotations
@@ -25,10 +35,23 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 SCHEMA = 1
+
+
+class SegmentSampling(NamedTuple):
+    """How the tokens ``[start, end)`` of a sequence were sampled: logits / ``temperature`` (0:
+    greedy), then the ``top_k`` most likely (0: all), then the smallest prefix of mass ``top_p``,
+    renormalized (``policies.serve.decode.sample_token``)."""
+
+    start: int
+    end: int
+    temperature: float
+    top_k: int
+    top_p: float
 
 
 class BatchSample(BaseModel):
@@ -40,6 +63,7 @@ class BatchSample(BaseModel):
     behaviour_logprobs: list[float]
     reward: float
     policy_versions: list[tuple[int, int, int, int]] = Field(default_factory=list)
+    sampling: list[SegmentSampling] = Field(default_factory=list)
 
 
 class BatchFile(BaseModel):
@@ -48,6 +72,7 @@ class BatchFile(BaseModel):
     version: int = Field(ge=0, description="trainer version this batch is for")
     group_size: int = Field(ge=1)
     samples: list[BatchSample]
+    staleness: dict[str, JsonValue] | None = None
 
 
 def batch_path(directory: Path, version: int) -> Path:

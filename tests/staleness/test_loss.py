@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from staleness.loss import (
     aggregate,
     group_advantages,
     kl_penalty,
+    normaliser,
     policy_loss,
 )
 from staleness.types import Corrected
@@ -361,6 +363,39 @@ def test_original_normalizer_counts_the_tokens_before_masking() -> None:
     assert aggregate(values, kept, "token_mean", normalizer="original").item() == pytest.approx(
         8 / 3
     )  # no valid mask given: nothing was masked
+
+
+@pytest.mark.parametrize(
+    ("loss_agg", "normalizer"),
+    [
+        ("token_mean", "kept"),
+        ("token_mean", "original"),
+        ("seq_mean", "kept"),
+        ("seq_mean", "original"),
+        ("dr_grpo", "kept"),
+    ],
+)
+def test_micro_batch_sums_over_the_whole_batch_normaliser_give_the_batch_loss(
+    loss_agg: LossAgg, normalizer: Normalizer
+) -> None:
+    """Gradient accumulation: each group of rows' sum (``denominator=1``) divided by the whole
+    batch's :func:`normaliser` adds up to the batch's aggregate; a per-group mean does not."""
+    values = torch.tensor([[1.0, 3.0, 100.0], [4.0, 50.0, 0.0], [9.0, 9.0, 9.0], [2.0, 0.0, 5.0]])
+    valid = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    kept = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0], [0, 1, 1]], dtype=torch.bool)
+    kw: dict[str, Any] = dict(normalizer=normalizer, valid=valid)
+    if loss_agg == "dr_grpo":
+        kw["dr_grpo_tokens"] = 4
+    whole = aggregate(values, kept, loss_agg, **kw)
+    den = normaliser(kept, loss_agg, **kw)
+    split = [slice(0, 1), slice(1, 4)]  # uneven: 1 row and 3 rows
+    summed = sum(
+        aggregate(values[r], kept[r], loss_agg, **{**kw, "valid": valid[r]}, denominator=1.0)
+        for r in split
+    )
+    assert float(summed) / den == pytest.approx(whole.item())
+    means = sum(aggregate(values[r], kept[r], loss_agg, **{**kw, "valid": valid[r]}) for r in split)
+    assert float(means) / len(split) != pytest.approx(whole.item())
 
 
 def test_original_normalizer_keeps_per_token_gradients_of_kept_tokens() -> None:

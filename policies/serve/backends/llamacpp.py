@@ -102,7 +102,7 @@ class LlamaCppBackend(HttpBackend):
         self.base = dict(base)
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
-        self.shadow = Shadow()
+        self.shadow = Shadow("llamacpp")
         self._ctx = options.ctx_size or max_context
         self._child: ServerChild | None = None  # serving the live version
         self._next: ServerChild | None = None  # started on the staged version (prewarm)

@@ -124,7 +124,7 @@ class SGLangBackend(HttpBackend):
     def __init__(self, url: str, *, materialize_dir: Path, **kw: Any) -> None:
         super().__init__(url, **kw)
         self.materialize_dir = materialize_dir
-        self.shadow = Shadow()
+        self.shadow = Shadow("sglang")
         self.broken: str | None = None
         self.tensors_written = 0
         """Tensor files written so far (each activation writes only what changed)."""

@@ -10,6 +10,10 @@ takes, locally, only what changed: :meth:`Shadow.changed` names the tensors whos
 checksum differs from the live version's, and :meth:`Shadow.activated` records that the engine
 now serves the staged version.
 
+Quantized served views (``trainer.served_view`` = ``fp8_block`` …; the manifest's ``view``) are
+staged only for the reference engine, which dequantizes them itself; every other engine kind
+refuses them (:func:`check_view`) instead of serving something else.
+
 Guarantees: the board is the only thing read over the link, and per version it reads the patch
 (or the squashed patch), not the checkpoint, unless the plan needs an anchor;
 :attr:`Staged.bytes_read` is what one stage read from the board (the sidecar exports it as
@@ -27,6 +31,7 @@ import torch
 from policies.board import Board
 from policies.board.store import redact
 from policies.board.types import Manifest
+from policies.codec.views import quantized_kind
 from policies.errors import EngineError, PatchError, PolicyError, VersionCorrupt
 
 log = structlog.get_logger(__name__)
@@ -42,10 +47,23 @@ class Staged:
     """Bytes this stage read from the board (patches, or an anchor when the plan needed one)."""
 
 
+def check_view(engine: str, manifest: Manifest) -> None:
+    """Raise :class:`EngineError` if ``engine`` cannot serve ``manifest``'s view here: only the
+    reference engine serves quantized views."""
+    if engine != "reference" and quantized_kind(manifest.view) is not None:
+        raise EngineError(
+            f"version {manifest.version} is a {manifest.view} view (trainer.served_view); the "
+            f"{engine} engine cannot serve quantized views here: publish a float view "
+            '(trainer.served_view = "bfloat16") or serve the run with reference engines'
+        )
+
+
 class Shadow:
     """A CPU copy of the served view, advanced with verified patches (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine: str) -> None:
+        """``engine``: the engine kind the copy feeds (``reference``, ``vllm``, …)."""
+        self.engine = engine
         self.view: dict[str, torch.Tensor] | None = None
         self.version: int | None = None
         self.live: Manifest | None = None  # the manifest of the version the engine serves
@@ -53,6 +71,8 @@ class Shadow:
 
     def stage(self, board: Board, version: int) -> Staged:
         """Advance the copy to ``version`` (blocking: run it in a worker thread)."""
+        if self.engine != "reference":
+            check_view(self.engine, board.manifest(version))
         before = board.store.bytes_read
         view, have = self.view, self.version
         self.view, self.version, self.staged = None, None, None  # unusable until this succeeds

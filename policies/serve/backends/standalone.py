@@ -49,6 +49,7 @@ from policies.serve.backends.llamacpp import LlamaCppBackend
 from policies.serve.backends.llamacpp_wire import LlamaOptions
 from policies.serve.backends.openai import OpenAIBackend
 from policies.serve.backends.sglang import SGLangBackend
+from policies.serve.backends.shadow import check_view
 from policies.serve.backends.vllm import VLLMBackend
 from policies.serve.connections import LaneLimits, add_limit_flags, limits_from
 from policies.serve.decode import QuiesceMode
@@ -72,6 +73,13 @@ def _load_base(board: Board, into: Path) -> tuple[PreTrainedTokenizerBase | None
     if (into / "tokenizer_config.json").exists() or (into / "tokenizer.json").exists():
         tokenizer = AutoTokenizer.from_pretrained(into)
     return tokenizer, max_context
+
+
+def _check_latest_view(board: Board, engine_kind: str) -> None:
+    """Refuse at startup a board whose newest version this engine kind cannot serve."""
+    latest = board.latest()
+    if latest is not None:
+        check_view(engine_kind, board.manifest(latest))
 
 
 def make_backend(
@@ -137,6 +145,8 @@ async def serve_sidecar(
     log.info("sidecar_starting", engine=engine_kind, board=redact(board_url), run=run)
     with tempfile.TemporaryDirectory(prefix="sprawl-sidecar-") as tmp:
         tokenizer, max_context = await anyio.to_thread.run_sync(_load_base, board, Path(tmp))
+        if engine_kind != "openai":  # a frozen OpenAI engine serves no board weights
+            await anyio.to_thread.run_sync(_check_latest_view, board, engine_kind)
         backend = make_backend(
             engine_kind,
             engine_url,

@@ -80,7 +80,7 @@ class VLLMBackend(HttpBackend):
     def __init__(self, url: str, *, work_dir: Path, **kw: Any) -> None:
         super().__init__(url, **kw)
         self.work_dir = work_dir
-        self.shadow = Shadow()
+        self.shadow = Shadow("vllm")
         self.broken: str | None = None
         self.lost = False  # the engine went away: it may come back on its startup weights
         self._asked = -STATUS_EVERY_S

@@ -18,11 +18,12 @@ from orchestrator.loop.train_sink import (
     batch_samples,
     board_version_above,
     consume,
+    wire_sample,
 )
 from orchestrator.types import Batch, Episode, Group, GroupDecision, SamplingParams, Segment
 from policies.board import Board
 from policies.errors import PointerMalformed
-from policies.wire.batches import metrics_path, read_batch, write_atomic
+from policies.wire.batches import BatchSample, metrics_path, read_batch, write_atomic
 from policies.wire.lane import VersionStamp
 from staleness.config import StalenessConfig
 
@@ -67,6 +68,32 @@ def test_masks_cover_exactly_the_sampled_tokens() -> None:
     assert a.mask == [False, False, False, True, True]
     assert a.behaviour_logprobs == [0.0, 0.0, 0.0, -0.5, -0.25]
     assert (a.reward, b.reward) == (1.0, 0.0)
+
+
+def test_each_segment_carries_its_sampling_transforms_to_the_trainer() -> None:
+    """What the engine sampled each call with reaches the batch file and the trainer's samples,
+    so log probs are rescored under the same truncation."""
+    ep = _episode(0, 1.0)
+    second = ep.segments[0].model_copy(
+        update={
+            "turn": 1,
+            "prompt_len": 6,
+            "token_ids": [9],
+            "logprobs": [-0.1],
+            "sampling": SamplingParams(temperature=0.7, top_p=0.8, top_k=5, max_tokens=4),
+        }
+    )
+    ep = ep.model_copy(
+        update={"token_ids": [1, 2, 3, 7, 8, 4, 9], "segments": [*ep.segments, second]}
+    )
+    wire = wire_sample(ep)
+    assert wire.sampling == [(3, 5, 1.0, 0, 1.0), (6, 7, 0.7, 5, 0.8)]
+    assert BatchSample.model_validate_json(wire.model_dump_json()).sampling == wire.sampling
+    older = wire.model_dump(exclude={"sampling"})  # a batch file of an older sprawl
+    assert BatchSample.model_validate(older).sampling == []
+    group = Group(id="g0", task_id="t", episodes=[ep])
+    (sample,) = batch_samples([group])
+    assert list(sample.sampling) == wire.sampling
 
 
 async def test_external_trainer_round_trip(tmp_path: Path) -> None:

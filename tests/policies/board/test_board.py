@@ -475,7 +475,10 @@ def test_versions_and_materialize_commands(
     assert [r["kind"] for r in rows] == ["anchor", "delta", "delta", "anchor"]
     assert rows[1]["base"] == 0
     assert 0 < rows[1]["density"] < 0.1
-    assert set(rows[0]) == {"version", "kind", "base", "bytes", "density", "patches", "time"}
+    assert set(rows[0]) == {
+        "version", "kind", "base", "bytes", "density", "patches", "ranks", "time"
+    }  # fmt: skip
+    assert rows[0]["ranks"] == 1
     assert main(["versions", "--board", str(tmp_path / "b"), "--run", "run"]) == 0
     assert "delta" in capsys.readouterr().out
     out = tmp_path / "ckpt"

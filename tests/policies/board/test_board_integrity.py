@@ -13,6 +13,7 @@ import torch
 
 from policies.board import WEIGHTS, Board, Manifest, PatchRef
 from policies.board.manifest import file_entries, manifest_seal
+from policies.board.types import SHARDED_FORMAT
 from policies.errors import BoardError, BoardFormatError, VersionCorrupt
 
 MakeBoard = Callable[..., Board]
@@ -264,7 +265,7 @@ def test_a_board_of_a_newer_format_is_refused(make_board: MakeBoard, tmp_path: P
     board = _published(make_board, tmp_path)
 
     def newer(body: dict[str, Any]) -> None:
-        body["format"] = 3
+        body["format"] = SHARDED_FORMAT + 1
         body["something_new"] = True
 
     _edit_manifest(board, MANIFEST_1, newer)

@@ -8,7 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies.codec import apply_patch, encode_patch, read_patch_header, state_digest
-from policies.codec.views import FP4_VALUES, ViewKind, ViewSpec, build_view, dequantize
+from policies.codec.views import (
+    FP4_VALUES,
+    ViewKind,
+    ViewSpec,
+    build_view,
+    dequantize,
+    weight_sources,
+)
 
 KINDS: list[ViewKind] = ["bf16", "fp16", "fp8_e4m3", "fp8_block", "int4_group", "nvfp4"]
 PROJ = "model.layers.0.mlp.down_proj.weight"
@@ -223,3 +230,31 @@ def test_views_reconstruct_exactly_through_the_codec(
     for k in v2:
         assert replica[k].dtype == v2[k].dtype
         assert torch.equal(_bits(replica[k]), _bits(v2[k])), k
+
+
+@pytest.mark.parametrize("kind", QUANTIZED)
+def test_weight_sources_name_codes_and_scales_and_leave_a_models_own_scales(
+    kind: ViewKind,
+) -> None:
+    state = _state(0)
+    state["model.layers.0.layer_scale"] = torch.ones(256)  # a parameter of the model's own
+    view = build_view(state, ViewSpec(kind=kind))
+    sources = weight_sources(view)
+    stem = PROJ.removesuffix("weight")
+    assert (
+        sources[PROJ]
+        == {
+            "fp8_e4m3": (PROJ, f"{PROJ}_scale"),
+            "fp8_block": (PROJ, f"{PROJ}_scale_inv"),
+            "int4_group": (f"{stem}weight_packed", f"{stem}weight_scale", f"{stem}weight_shape"),
+            "nvfp4": (PROJ, f"{PROJ}_scale_2", f"{PROJ}_scale"),
+        }[kind]
+    )
+    assert sources["model.layers.0.layer_scale"] == ("model.layers.0.layer_scale",)
+    assert {s for srcs in sources.values() for s in srcs} == set(view)  # every tensor, once
+    full = dequantize(view, ViewSpec(kind=kind))
+    assert full.keys() == sources.keys()
+    assert torch.equal(full["model.layers.0.layer_scale"], torch.ones(256))
+    only = dequantize(view, ViewSpec(kind=kind), only={PROJ})
+    assert only.keys() == {PROJ}
+    assert torch.equal(only[PROJ], full[PROJ])

@@ -130,7 +130,7 @@ async def test_trainer_versions_through_the_sidecar_serve_like_a_fresh_engine(
     python = await anyio.to_thread.run_sync(engine_python)
     model = head_dim_32(tiny_model_dir, tmp_path / "model")
     board = Board(str(tmp_path / "board"), "run")
-    config = TrainerConfig(lr=3e-2, served_dtype="bfloat16")
+    config = TrainerConfig(lr=3e-2, served_view="bfloat16")
     trainer = Trainer(
         model,
         board,

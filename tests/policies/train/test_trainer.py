@@ -15,8 +15,17 @@ from policies.errors import CheckpointError
 from policies.serve.engine import Engine
 from policies.train.config import TrainerConfig
 from policies.train.trainer import Trainer, TrainSample
+from policies.wire.batches import SegmentSampling
 from policies.wire.lane import GenerateRequest
-from staleness.config import Correction, NoCorrection, StalenessConfig, TruncatedIS
+from staleness.config import (
+    Correction,
+    LossAgg,
+    NoCorrection,
+    Normalizer,
+    StalenessConfig,
+    TokenMask,
+    TruncatedIS,
+)
 
 GROUP = 4
 
@@ -157,26 +166,38 @@ def test_resume_refuses_a_foreign_checkpoint(tmp_path: Path, tiny_model_dir: Pat
         )
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"),
+    [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 5, 1.0), (1.0, 0, 0.8), (0.7, 5, 0.8)],
+)
 def test_on_policy_logprobs_match_the_engine(
     tmp_path: Path,
     tiny_model_dir: Path,
     tokenizer: PreTrainedTokenizerBase,
     temperature: float,
+    top_k: int,
+    top_p: float,
 ) -> None:
+    """The trainer's defaults are plain sampling: each sample's recorded segment transforms are
+    what make its log probs the engine's."""
     trainer = _trainer(
         tiny_model_dir,
         Board(str(tmp_path / "b"), "r"),
         TruncatedIS(cap=2.0),
-        served_dtype="float32",
-        temperature=temperature,
+        served_view="float32",
     )
     engine = Engine(tiny_model_dir, dtype=torch.float32)
     engine.activate(trainer.served_view(), version=0)
     prompt = list(tokenizer.encode("What is 12 + 30? Use the calculator tool."))
     choices = engine.generate(
         GenerateRequest(
-            prompt_token_ids=prompt, max_tokens=16, temperature=temperature, n=GROUP, seed=7
+            prompt_token_ids=prompt,
+            max_tokens=16,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            n=GROUP,
+            seed=7,
         )
     )
     samples = [
@@ -185,6 +206,11 @@ def test_on_policy_logprobs_match_the_engine(
             mask=[False] * len(prompt) + [True] * len(c.token_ids),
             behaviour_logprobs=[0.0] * len(prompt) + c.logprobs,
             reward=float(i % 2),
+            sampling=[
+                SegmentSampling(
+                    len(prompt), len(prompt) + len(c.token_ids), temperature, top_k, top_p
+                )
+            ],
         )
         for i, c in enumerate(choices)
     ]
@@ -199,8 +225,99 @@ def test_on_policy_logprobs_match_the_engine(
     assert sum(diffs) / len(diffs) < 1e-4
     metrics = trainer.step(samples)  # π_prox = μ, so the correction is the identity
     assert metrics["mismatch/logp_abs_mean"] < 1e-4
+    assert metrics["mismatch/outside_sampled_set"] == 0.0
     assert metrics["is/frac_truncated"] == 0.0
     assert abs(metrics["is/weight_mean"] - 1.0) < 1e-3
+
+
+def test_a_token_outside_the_truncated_set_is_masked_not_nan(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """Off-policy a sampled token may lie outside the trainer's top-k set: log π = −inf, so the
+    token is left out of the loss (counted), the KL and entropy terms stay finite, and so does
+    every gradient."""
+    samples = _samples(0)
+    t = _trainer(
+        tiny_model_dir,
+        Board(str(tmp_path / "b"), "r"),
+        TruncatedIS(cap=2.0),
+        kl_coef=0.1,
+        entropy_coef=0.01,
+    )
+    # top_k = 1 on every other sample: only the trainer's argmax survives, and random tokens
+    # are almost never it; the others are scored plainly (the trainer's defaults)
+    samples = [
+        TrainSample(
+            token_ids=x.token_ids,
+            mask=x.mask,
+            behaviour_logprobs=x.behaviour_logprobs,
+            reward=x.reward,
+            sampling=[SegmentSampling(x.mask.index(True), len(x.token_ids), 1.0, 1, 1.0)]
+            if i % 2 == 0
+            else [],
+        )
+        for i, x in enumerate(samples)
+    ]
+    logp, _ = t.logprobs(samples)
+    outside = int(torch.isneginf(logp).sum())
+    assert outside > 0
+    metrics = t.step(samples)
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
+    assert metrics["mismatch/outside_sampled_set"] == outside
+    assert metrics["is/nonfinite_tokens"] == outside
+    assert metrics["kept_tokens"] == sum(sum(x.mask[1:]) for x in samples) - outside > 0
+    assert metrics["kl_ref_excluded_tokens"] == 0.0  # π_ref = π_θ at version 0
+    assert metrics["grad_norm"] > 0.0
+    grads = [p.grad for p in t.model.parameters() if p.grad is not None]
+    assert grads
+    assert all(bool(torch.isfinite(g).all()) for g in grads)
+    assert all(bool(torch.isfinite(p).all()) for p in t.model.parameters())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("loss_agg", "normalizer"),
+    [("token_mean", "kept"), ("seq_mean", "original"), ("dr_grpo", "kept")],
+)
+def test_micro_batches_give_the_full_batch_gradient(
+    tmp_path: Path, tiny_model_dir: Path, loss_agg: LossAgg, normalizer: Normalizer
+) -> None:
+    """One sample per pass, a few, or all at once: the same loss and the same gradient, because
+    the normaliser is the whole batch's (a per-micro-batch one weighs short passes up)."""
+    staleness = StalenessConfig(
+        correction=TokenMask(c=2.0),  # masks some tokens per row: kept ≠ valid counts
+        loss_agg=loss_agg,
+        normalizer=normalizer,
+        dr_grpo_tokens=16 if loss_agg == "dr_grpo" else None,
+    )
+    batch = _samples(3)
+    runs = {}
+    for budget in (None, 45, 2):  # 45: passes of 3, 3 and 2 samples
+        t = _trainer(
+            tiny_model_dir,
+            Board(str(tmp_path / f"b{budget}"), "r"),
+            staleness,
+            micro_batch_tokens=budget,
+            grad_clip=1e9,
+            entropy_coef=0.01,
+            kl_coef=0.05,
+        )
+        metrics = t.step(batch)
+        grads = {n: p.grad.clone() for n, p in t.model.named_parameters() if p.grad is not None}
+        runs[budget] = (metrics, grads)
+    full, grads = runs[None]
+    assert full["micro_batches"] == 1.0
+    assert runs[45][0]["micro_batches"] == 3.0
+    assert runs[2][0]["micro_batches"] == len(batch)
+    assert 0 < full["kept_tokens"] < sum(sum(x.mask[1:]) for x in batch)
+    assert full["grad_norm"] > 0
+    for budget in (45, 2):
+        metrics, split = runs[budget]
+        assert metrics["loss"] == pytest.approx(full["loss"], rel=1e-5, abs=1e-7)
+        assert metrics["grad_norm"] == pytest.approx(full["grad_norm"], rel=1e-4)
+        assert split.keys() == grads.keys()
+        for name, g in grads.items():
+            assert torch.allclose(split[name], g, rtol=1e-4, atol=1e-7), (budget, name)
 
 
 def test_kl_is_zero_at_the_reference_and_grows_after_updates(

@@ -1,0 +1,111 @@
+"""A distributed trainer of your own on sprawl: FSDP2, the batch feed, the sharded publisher.
+
+The template to copy into your stack (docs/trainer.md, "Bring your own trainer"). Beside a run of
+``orchestrate --config X --trainer.mode feed --board.url URL``::
+
+    torchrun --nproc-per-node 2 examples/torchrun_trainer.py --model DIR --board URL \\
+        --run-name NAME --run-dir RUN_DIR --steps N [--temperature T] [--backend nccl]
+
+Every rank loads the model, shards it (``fully_shard``) and publishes version 0 (a collective).
+Then, per version v: rank 0 pulls batch v from the feed and broadcasts it; each rank scores its
+rows, takes GRPO advantages and the run's staleness correction (``policies.train.external``) and
+the PPO-clip loss (``staleness.loss.policy_loss``); FSDP2 averages the gradients over the ranks;
+AdamW steps; every rank publishes its shard of v + 1; rank 0 acknowledges batch v with metrics.
+
+Kept simple on purpose: each rank normalises the loss over its own rows; log probs are rescored
+at one ``--temperature`` (top-k / top-p not re-applied); no checkpoint (a restarted job starts
+from ``--model``, so pair it with a fresh run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoModelForCausalLM
+
+from policies.board import BoardOptions, ShardedPublisher
+from policies.errors import FeedUnavailable
+from policies.train.external import correction, staleness_of, wire_tensors
+from policies.wire.batches import BatchFile
+from policies.wire.feed import FeedClient
+from staleness.loss import policy_loss
+
+
+def pull(run_dir: Path, version: int) -> tuple[FeedClient, BatchFile]:
+    """Rank 0: batch ``version`` from the feed, waiting for the orchestrator to serve it."""
+    while True:
+        try:
+            client = FeedClient.discover(run_dir)
+            while (batch := client.next(wait_s=30)) is None:
+                pass
+        except FeedUnavailable:  # the orchestrator has not written feed.json yet
+            time.sleep(0.5)
+            continue
+        if batch.version != version:
+            raise RuntimeError(f"the feed sent batch {batch.version}; the trainer is at {version}")
+        return client, batch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for flag in ("--model", "--board", "--run-name", "--run-dir"):
+        ap.add_argument(flag, required=True)
+    ap.add_argument("--steps", type=int, required=True, help="the run's trainer.max_steps")
+    ap.add_argument("--temperature", type=float, default=1.0, help="the run's sampling.temperature")
+    ap.add_argument("--lr", type=float, default=2e-4)
+    ap.add_argument("--clip-eps", type=float, default=0.2)
+    ap.add_argument("--backend", default="gloo")
+    args = ap.parse_args()
+    dist.init_process_group(args.backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cpu")
+    if args.backend == "nccl":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model.to(device)  # type: ignore[arg-type]
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    publisher = ShardedPublisher(args.board, args.run_name, options=BoardOptions())
+    publisher.create(Path(args.model))
+    version = 0
+    publisher.publish(version, model.state_dict(), view_name="bf16")
+    while version < args.steps:
+        client, batch = pull(Path(args.run_dir), version) if rank == 0 else (None, None)
+        box = [batch.model_dump_json() if batch is not None else None]
+        dist.broadcast_object_list(box, src=0)
+        batch = BatchFile.model_validate_json(str(box[0]))
+        n = len(batch.samples)
+        mine = slice(rank * n // world, (rank + 1) * n // world)
+        share = 1.0 if mine.start < mine.stop else 0.0  # a rank without rows still runs FSDP2
+        t = wire_tensors(batch, device=device).rows(mine if share else slice(0, 1))
+        logits = model(input_ids=t.ids, attention_mask=t.attention).logits[:, :-1].float()
+        logp_all = torch.log_softmax(logits / args.temperature, dim=-1)
+        logp = logp_all.gather(-1, t.ids[:, 1:, None]).squeeze(-1)
+        logp_prox = logp.detach()  # one step per batch: π_prox is π_θ before the step
+        st = staleness_of(batch)
+        loss, metrics = policy_loss(
+            logp, logp_prox, t.advantages, correction(batch, t, logp_prox),
+            clip_eps=args.clip_eps, loss_agg=st.loss_agg, normalizer=st.normalizer,
+            dr_grpo_tokens=st.dr_grpo_tokens,
+        )  # fmt: skip
+        optimizer.zero_grad(set_to_none=True)
+        (loss * share).backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        version += 1
+        publisher.publish(version, model.state_dict(), view_name="bf16")  # collective
+        mean_loss = torch.tensor([float(loss.detach()) * share, share], device=device)
+        dist.all_reduce(mean_loss)
+        if client is not None:  # after the publish: the board's pointer announced the version
+            client.ack(batch.version, {**metrics, "loss": float(mean_loss[0] / mean_loss[1])})
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

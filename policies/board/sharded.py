@@ -1,0 +1,486 @@
+"""Sharded publishing: every rank of a distributed trainer publishes its own shard of a version.
+
+A trainer under torchrun (FSDP2 ``fully_shard``, tensor parallelism) calls, on every rank::
+
+    pub = ShardedPublisher(url, run, options=BoardOptions(...))  # default process group
+    pub.create(model_dir)                                        # only rank 0 writes base/
+    pub.publish(version, model.state_dict(), view_name="bf16")   # collective
+
+``state`` maps full tensor names to ``DTensor``s (the rank publishes its local shard: its box of
+the full tensor comes from the placements, via torch's
+``compute_local_shape_and_global_offset``) or plain tensors (replicated: rank 0 publishes them).
+Of a ``DTensor`` replicated over some mesh dimensions only the ranks at coordinate 0 of those
+dimensions publish. Names whose local tensors share one storage (tied embeddings) are one tensor
+served under both names. Without an initialised ``torch.distributed`` the publisher is rank 0 of
+a world of one.
+
+Layout of a sharded version (manifest format :data:`~policies.board.types.SHARDED_FORMAT`)::
+
+    versions/<v:08d>/shards/<r:05d>/from-<u:08d>.patch   rank r's patch u → v of its pieces
+    versions/<v:08d>/shards/<r:05d>/model.safetensors    rank r's pieces (anchor versions only)
+    versions/<v:08d>/manifest.json                       every rank's pieces, patches and digest
+
+Commit protocol (every step a collective over the process group, so all ranks agree on it):
+
+1. rank 0 reads the pointer; all ranks exchange the version, their tied names and what they
+   publish (names, dtypes, full shapes must agree);
+2. each rank builds the served view of its pieces (the cast of ``view_name``) and encodes its
+   patches from the views it holds (the delta and the squashed catch-up patches, as
+   :meth:`policies.board.Board.publish`); the ranks exchange their delta sizes, so all decide
+   alike whether the version is an anchor;
+3. each rank writes its files (durably: :meth:`policies.board.store.Store.write`) and sends its
+   :class:`~policies.board.types.ShardEntry` to the others;
+4. only once every rank's entry arrived, rank 0 writes the manifest, then the pointer, and tells
+   every rank; each then keeps its pieces' view for later patches (at most
+   ``catchup_levels + 1`` views of its own shard, never the full model).
+
+Guarantees: a version is visible (a manifest at or below the pointer) only after every rank's
+files are durable; a failure on any rank (an error, which every rank then raises as
+:class:`BoardError` naming the rank; or a rank that dies, which ends the collective) before
+step 4 leaves no visible version and the pointer where it was. Files an uncommitted version left
+behind are overwritten when that version is published again, or ignored (the manifest names what
+a version holds); a restarted publisher holds no views, so its first version is an anchor. What a
+reader verifies (per-piece checksums, per-rank patch digests, the manifest's consistency and
+seal) is in :mod:`policies.board.read` and :mod:`policies.board.manifest`.
+
+Not covered: quantized views (a quantization block or a per-tensor scale spans ranks); DTensor
+placements other than ``Shard`` and ``Replicate`` (``Partial`` needs a reduction first; strided
+shards from FSDP2 + TP are refused); a rank that hangs instead of dying (the collective waits for
+the process group's timeout).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from policies.board import plan as board_plan
+from policies.board.manifest import file_entries, manifest_digest, manifest_seal, pieces_checksum
+from policies.board.publish import Board
+from policies.board.read import MANIFEST, WEIGHTS, anchor_payload
+from policies.board.types import (
+    MAX_VERSION,
+    SHARDED_FORMAT,
+    BoardOptions,
+    Manifest,
+    PatchRef,
+    PieceEntry,
+    Pointer,
+    ShardEntry,
+    TensorEntry,
+    patch_file,
+    shard_dir,
+)
+from policies.codec import CODEC, encode_patch, read_patch_header
+from policies.codec.digests import bytes_checksum, checksums, state_digest, storage_key
+from policies.errors import BoardError
+
+log = structlog.get_logger(__name__)
+
+CAST_VIEWS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+"""The views a sharded publish serves: every floating tensor cast to this dtype (round to
+nearest even, as :func:`policies.codec.views.build_view`); other tensors unchanged."""
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """This rank's piece of one tensor: its box in the full tensor, and the local tensor."""
+
+    offset: list[int]
+    local: torch.Tensor
+    full_shape: list[int]
+    publish: bool
+    """Whether this rank writes it (replicas other than the first do not)."""
+
+
+@dataclass
+class _Held:
+    pieces: dict[str, torch.Tensor]
+    digest: str
+    """The digest of ``pieces`` (this rank's patches' base digest)."""
+    version_digest: str
+
+
+class ShardedPublisher:
+    """One rank's side of publishing sharded versions (module docstring)."""
+
+    def __init__(
+        self,
+        url: str,
+        run: str,
+        *,
+        options: BoardOptions | None = None,
+        storage_options: Mapping[str, object] | None = None,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.board = Board(url, run, options=options, storage_options=storage_options)
+        self.options = self.board.options
+        if dist.is_available() and dist.is_initialized():
+            self.group = process_group
+            self.rank = dist.get_rank(process_group)
+            self.world_size = dist.get_world_size(process_group)
+        elif process_group is not None:
+            raise BoardError("a process_group was given but torch.distributed is not initialised")
+        else:
+            self.group, self.rank, self.world_size = None, 0, 1
+        self._held: dict[int, _Held] = {}
+        self._head: Manifest | None = None
+
+    def create(self, model_dir: Path) -> None:
+        """Rank 0 makes ``base/`` hold the static model files of ``model_dir``
+        (:meth:`policies.board.Board.create`); other ranks do nothing. Not a collective."""
+        if self.rank == 0:
+            self.board.create(model_dir)
+
+    def latest(self) -> int | None:
+        """The version the pointer names (:meth:`policies.board.BoardReader.latest`)."""
+        return self.board.latest()
+
+    def publish(
+        self, version: int, state: Mapping[str, torch.Tensor], *, view_name: str = "bf16"
+    ) -> Manifest:
+        """Publish this rank's shard of ``state`` as ``version`` (a collective: every rank calls
+        it with the same version); the committed manifest, on every rank."""
+        latest, pieces, aliases = self._start(version, state, view_name)
+        dtype = CAST_VIEWS[view_name]
+        held = self._held if self._head is not None and self._head.version == latest else {}
+        err: BaseException | None = None
+        view: dict[str, torch.Tensor] = {}
+        sums: dict[str, str] = {}
+        patches: dict[int, tuple[bytes, PatchRef]] = {}
+        try:
+            view = _view(pieces, aliases, dtype)
+            sums = checksums(view)
+            patches = self._encode(version, latest, view, sums, held)
+        except Exception as exc:  # sent to the other ranks, then raised here unchanged
+            err = exc
+        digest = state_digest(view, known=sums)
+        full_bytes = sum(t.nbytes for t in view.values())  # tied names are left out of a view
+        delta = patches.get(latest) if latest is not None else None
+        sizes = self._agree(
+            "encoding its patches", (None if delta is None else delta[1].bytes, full_bytes), err
+        )
+        total = sum(f for _, f in sizes)
+        is_anchor = self._anchor_due(version, latest, [d for d, _ in sizes], total)
+        entry: ShardEntry | None = None
+        try:
+            entry = self._write(version, pieces, view, sums, digest, patches, is_anchor)
+        except Exception as exc:  # sent to the other ranks, then raised here unchanged
+            err = exc
+        entries: list[ShardEntry] = self._agree("writing its shard", entry, err)
+        committed: str | None = None
+        try:
+            if self.rank == 0:
+                m = self._manifest(
+                    version, latest, view_name, _tensor_meta(pieces, dtype), aliases, entries,
+                    held, is_anchor, total,
+                )  # fmt: skip
+                self._commit(m)
+                committed = m.model_dump_json()
+        except Exception as exc:  # sent to the other ranks, then raised here unchanged
+            err = exc
+        manifest = Manifest.model_validate_json(self._agree("committing", committed, err)[0])
+        held = {**held, version: _Held(view, digest, manifest.digest)}
+        kept = board_plan.keep_views(version, held, self.options.catchup_levels)
+        self._held = {v: held[v] for v in kept}
+        self._head = manifest
+        log.info(
+            "board.shard_published", run=self.board.run, version=version, rank=self.rank,
+            kind=manifest.kind, stored=(entry.bytes if entry else 0) + sum(
+                r.bytes for _, r in patches.values()
+            ),
+        )  # fmt: skip
+        if self.rank == 0 and self.options.retain_versions is not None:
+            self.board.gc(version - self.options.retain_versions + 1)
+        return manifest
+
+    # -- collectives -----------------------------------------------------------------------------
+    def _exchange(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (a collective)."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _agree(self, step: str, result: Any, error: BaseException | None) -> list[Any]:
+        """Every rank's ``result``; raised on every rank if any rank failed (``error``): the
+        failing rank raises its own error, the others a :class:`BoardError` naming it."""
+        got = self._exchange((result, None if error is None else str(error)))
+        failed = [(r, e) for r, (_, e) in enumerate(got) if e is not None]
+        if error is not None:
+            raise error
+        if failed:
+            r, e = failed[0]
+            raise BoardError(f"sharded publish failed on rank {r} while {step}: {e}")
+        return [res for res, _ in got]
+
+    # -- the steps -------------------------------------------------------------------------------
+    def _start(
+        self, version: int, state: Mapping[str, torch.Tensor], view_name: str
+    ) -> tuple[int | None, dict[str, _Piece], dict[str, str]]:
+        """Step 1: the pointer's version (rank 0 reads it), this rank's pieces and the tied
+        names, once every rank asks for the same version and publishes the same tensors."""
+        err: BaseException | None = None
+        latest: int | None = None
+        pieces: dict[str, _Piece] = {}
+        ties: dict[str, str] = {}
+        meta = ""
+        try:
+            if view_name not in CAST_VIEWS:
+                raise BoardError(
+                    f"view {view_name!r} cannot be published sharded: use one of "
+                    f"{', '.join(CAST_VIEWS)} (quantized views need whole quantization blocks on "
+                    "one rank and are not supported by ShardedPublisher)"
+                )
+            if type(version) is not int or not 0 <= version <= MAX_VERSION:
+                raise BoardError(f"version {version!r} is not an integer in 0..{MAX_VERSION}")
+            if self.rank == 0:
+                latest = self.board._durable_latest()
+                if latest is not None and version <= latest:
+                    raise BoardError(
+                        f"pointer only moves forward: version {version} <= current {latest}"
+                    )
+            pieces = {name: self._piece(name, t) for name, t in state.items()}
+            ties = _ties(pieces)
+            tensors = sorted(_tensor_meta(pieces, CAST_VIEWS[view_name]).items())
+            meta = bytes_checksum(repr(tensors).encode())
+        except Exception as exc:  # sent to the other ranks, then raised here unchanged
+            err = exc
+        got = self._agree("starting", (version, latest, meta, ties), err)
+        if len({v for v, _, _, _ in got}) > 1:
+            raise BoardError(
+                f"ranks publish different versions ({[v for v, _, _, _ in got]} by rank): every "
+                "rank must call publish with the same version"
+            )
+        differ = [r for r, (_, _, n, _) in enumerate(got) if n != got[0][2]]
+        if differ:
+            raise BoardError(
+                f"ranks {differ} publish other tensor names, dtypes or shapes than rank 0: every "
+                "rank must pass the same state dict keys"
+            )
+        aliases: dict[str, str] = {}
+        for _, _, _, theirs in got:
+            aliases.update(theirs)
+        latest0: int | None = got[0][1]
+        return latest0, pieces, aliases
+
+    def _piece(self, name: str, t: torch.Tensor) -> _Piece:
+        """This rank's piece of ``t``: its box in the full tensor, and whether it writes it."""
+        if not isinstance(t, DTensor):
+            return _Piece([0] * t.dim(), t.detach(), list(t.shape), self.rank == 0)
+        for p in t.placements:
+            if type(p) is not Shard and not isinstance(p, Replicate):
+                raise BoardError(
+                    f"{name}: DTensor placement {p} cannot be published sharded: use Shard or "
+                    "Replicate placements (reduce a Partial tensor first)"
+                )
+        local = t.to_local().detach()
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        if tuple(local.shape) != tuple(shape):
+            raise BoardError(
+                f"{name}: the local shard is {list(local.shape)}, its placements give "
+                f"{list(shape)}: publish the DTensor as the trainer holds it"
+            )
+        coord = t.device_mesh.get_coordinate()
+        first = coord is not None and all(
+            c == 0 for c, p in zip(coord, t.placements, strict=True) if isinstance(p, Replicate)
+        )
+        return _Piece(list(offset), local, list(t.shape), first)
+
+    def _encode(
+        self,
+        version: int,
+        latest: int | None,
+        view: Mapping[str, torch.Tensor],
+        sums: Mapping[str, str],
+        held: Mapping[int, _Held],
+    ) -> dict[int, tuple[bytes, PatchRef]]:
+        """Step 2: this rank's patches into ``version``, by base (as :meth:`Board.publish`)."""
+        opts = self.options
+        patches: dict[int, tuple[bytes, PatchRef]] = {}
+        for b in board_plan.patch_bases(version, latest, held, opts.catchup_levels):
+            data = encode_patch(
+                held[b].pieces, view, level=opts.zstd_level, base_digest=held[b].digest,
+                target_checksums=sums,
+            )  # fmt: skip
+            hdr = read_patch_header(data)
+            ref = PatchRef(
+                base=b, file=patch_file(b), bytes=len(data), changed=hdr.changed,
+                units=hdr.units, base_digest=hdr.base_digest,
+            )  # fmt: skip
+            patches[b] = (data, ref)
+        return patches
+
+    def _anchor_due(
+        self, version: int, latest: int | None, deltas: list[int | None], full_bytes: int
+    ) -> bool:
+        """Whether ``version`` is an anchor (:meth:`Board.publish`'s rule over the ranks' delta
+        sizes summed); the same answer on every rank, which all have the same inputs."""
+        head = self._head if self._head is not None and self._head.version == latest else None
+        if head is None or head.anchor is None or any(d is None for d in deltas):
+            return True
+        delta = sum(d for d in deltas if d is not None)
+        opts = self.options
+        return (
+            version - head.anchor >= opts.anchor_every
+            or head.chain_bytes + delta > opts.anchor_fraction * full_bytes
+        )
+
+    def _write(
+        self,
+        version: int,
+        pieces: Mapping[str, _Piece],
+        view: Mapping[str, torch.Tensor],
+        sums: Mapping[str, str],
+        digest: str,
+        patches: Mapping[int, tuple[bytes, PatchRef]],
+        is_anchor: bool,
+    ) -> ShardEntry:
+        """Step 3: this rank's files, durable; its entry for the manifest."""
+        sdir = f"{self.board._vdir(version)}/{shard_dir(self.rank)}"
+        for data, ref in patches.values():
+            self.board.store.write(f"{sdir}/{ref.file}", data)
+        payload = b""
+        if is_anchor:
+            payload, _ = anchor_payload(view)
+            self.board.store.write(f"{sdir}/{WEIGHTS}", payload)
+        return ShardEntry(
+            rank=self.rank,
+            pieces={
+                name: PieceEntry(
+                    offset=pieces[name].offset, shape=list(t.shape), checksum=sums[name]
+                )
+                for name, t in view.items()
+            },
+            digest=digest,
+            bytes=len(payload),
+            patches=[ref for _, ref in patches.values()],
+        )
+
+    def _manifest(
+        self,
+        version: int,
+        latest: int | None,
+        view_name: str,
+        meta: Mapping[str, tuple[str, list[int]]],
+        aliases: Mapping[str, str],
+        entries: list[ShardEntry],
+        held: Mapping[int, _Held],
+        is_anchor: bool,
+        full_bytes: int,
+    ) -> Manifest:
+        """Step 4 (rank 0): the version's manifest from every rank's entry, sealed."""
+        by_tensor: dict[str, dict[int, PieceEntry]] = {}
+        for e in entries:
+            for name, p in e.pieces.items():
+                by_tensor.setdefault(name, {})[e.rank] = p
+        tensors = {
+            name: TensorEntry(
+                dtype=dtype,
+                shape=shape,
+                checksum=pieces_checksum(by_tensor.get(aliases.get(name, name), {})),
+            )
+            for name, (dtype, shape) in meta.items()
+        }
+        patches = []
+        for ref in entries[0].patches:
+            refs = [p for e in entries for p in e.patches if p.base == ref.base]
+            patches.append(
+                PatchRef(
+                    base=ref.base,
+                    file=ref.file,
+                    bytes=sum(p.bytes for p in refs),
+                    changed=sum(p.changed for p in refs),
+                    units=sum(p.units for p in refs),
+                    base_digest=held[ref.base].version_digest,
+                )
+            )
+        delta = next((p.bytes for p in patches if p.base == latest), 0)
+        head = self._head if self._head is not None and self._head.version == latest else None
+        m = Manifest(
+            version=version,
+            kind="anchor" if is_anchor else "delta",
+            base=None if is_anchor else latest,
+            view=view_name,
+            codec="safetensors" if is_anchor else CODEC,
+            tensors=tensors,
+            digest=manifest_digest(tensors),
+            bytes=sum(e.bytes for e in entries) if is_anchor else delta,
+            created_at=time.time(),
+            patches=patches,
+            aliases=dict(aliases),
+            anchor=version if is_anchor else head.anchor if head else None,
+            chain_bytes=0 if is_anchor or head is None else head.chain_bytes + delta,
+            full_bytes=full_bytes,
+            format=SHARDED_FORMAT,
+            base_files=file_entries(self.board.base_files()),
+            shards=entries,
+        )
+        return m.model_copy(update={"seal": manifest_seal(m)})
+
+    def _commit(self, m: Manifest) -> None:
+        """The manifest, then the pointer (every rank's files are durable by now)."""
+        root = self.board.root
+        self.board.store.write(
+            f"{self.board._vdir(m.version)}/{MANIFEST}", m.model_dump_json(indent=1).encode()
+        )
+        pointer = Pointer(version=m.version, digest=m.digest)
+        self.board.store.write(f"{root}/POINTER", pointer.model_dump_json().encode())
+        log.info(
+            "board.published", board=self.board.safe_url, run=self.board.run, version=m.version,
+            kind=m.kind, bytes=m.bytes, patches=len(m.patches), ranks=len(m.shards),
+        )  # fmt: skip
+
+
+def _ties(pieces: Mapping[str, _Piece]) -> dict[str, str]:
+    """Tied names → their primary (the first in name order), as this rank sees them: two names
+    whose non-empty local tensors share one storage (an empty shard shows no tie)."""
+    first: dict[object, str] = {}
+    ties: dict[str, str] = {}
+    for name in sorted(pieces):
+        p = pieces[name]
+        if p.local.numel() == 0:
+            continue
+        key = (storage_key(p.local), tuple(p.full_shape))
+        if key in first:
+            ties[name] = first[key]
+        else:
+            first[key] = name
+    return ties
+
+
+def _tensor_meta(
+    pieces: Mapping[str, _Piece], dtype: torch.dtype
+) -> dict[str, tuple[str, list[int]]]:
+    """Every tensor's served dtype and full shape."""
+    return {
+        name: (
+            str(dtype if p.local.is_floating_point() else p.local.dtype).removeprefix("torch."),
+            p.full_shape,
+        )
+        for name, p in pieces.items()
+    }
+
+
+def _view(
+    pieces: Mapping[str, _Piece], aliases: Mapping[str, str], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The served view of this rank's pieces, on CPU: tied names and pieces other ranks write
+    left out; every floating tensor cast to ``dtype``."""
+    view: dict[str, torch.Tensor] = {}
+    for name, p in pieces.items():
+        if name in aliases or not p.publish or p.local.numel() == 0:
+            continue
+        to = dtype if p.local.is_floating_point() else p.local.dtype
+        view[name] = p.local.to("cpu", dtype=to, copy=True).contiguous()
+    return view

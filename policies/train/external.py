@@ -1,0 +1,122 @@
+"""A wire batch as tensors, and the staleness correction on it, for a trainer of your own.
+
+An external trainer (``trainer.mode = "feed"`` or ``"external"``) gets a
+:class:`~policies.wire.batches.BatchFile`; these helpers give it what the reference trainer
+(:class:`policies.train.trainer.Trainer`) computes from the same batch, so that it applies the
+same correction:
+
+- :func:`wire_tensors` — token ids and attention [B, T] (padded with 0), and over the T − 1
+  scored positions (position t scores token t + 1, as ``logits[:, :-1]`` of a causal LM): the
+  loss mask, the engine's log probs μ, the per-token lag (``batch.version`` minus the version
+  that started the token's model call, :func:`staleness.lag.segment_lag`; −1 off the mask), and
+  GRPO advantages [B] over the whole batch (``staleness.loss.group_advantages``, with the
+  batch's ``scale_rewards``);
+- :func:`correction` — the batch's ``[staleness.correction]`` applied to the trainer's own π_prox
+  log probs (``staleness.corrections.correct``): per-token weights and mask for
+  ``staleness.loss.policy_loss``, which the batch's ``staleness`` also parameterises
+  (``loss_agg``, ``normalizer``, ``dr_grpo_tokens``).
+
+:meth:`WireTensors.rows` takes a slice of the rows after the advantages were computed over the
+whole batch, so ranks that split a batch by rows keep GRPO's group statistics. Not covered:
+recomputing π_prox (the trainer's model, at the sampling temperature), splitting the loss
+normaliser across ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from pydantic import ValidationError
+from torch import Tensor
+
+from policies.errors import PolicyError
+from policies.wire.batches import BatchFile
+from staleness.config import StalenessConfig
+from staleness.corrections import correct
+from staleness.lag import segment_lag
+from staleness.loss import group_advantages
+from staleness.types import Corrected, SegmentVersions
+
+
+@dataclass(frozen=True)
+class WireTensors:
+    """One batch as tensors (see the module docstring for each field's meaning)."""
+
+    ids: Tensor
+    attention: Tensor
+    mask: Tensor
+    behaviour: Tensor
+    lag: Tensor
+    advantages: Tensor
+
+    def rows(self, index: slice) -> WireTensors:
+        """The rows ``index`` of every field."""
+        return WireTensors(
+            ids=self.ids[index],
+            attention=self.attention[index],
+            mask=self.mask[index],
+            behaviour=self.behaviour[index],
+            lag=self.lag[index],
+            advantages=self.advantages[index],
+        )
+
+
+def staleness_of(batch: BatchFile) -> StalenessConfig:
+    """The run's ``[staleness]`` section the batch carries."""
+    if batch.staleness is None:
+        raise PolicyError(
+            f"batch {batch.version} carries no [staleness] section (written by an older sprawl)"
+        )
+    try:
+        return StalenessConfig.model_validate(batch.staleness)
+    except ValidationError as exc:
+        msg = f"batch {batch.version}: its [staleness] section is not this sprawl's: {exc}"
+        raise PolicyError(msg) from None
+
+
+def wire_tensors(batch: BatchFile, *, device: str | torch.device = "cpu") -> WireTensors:
+    """The batch's tensors, laid out as the reference trainer lays them."""
+    samples = batch.samples
+    if not samples:
+        raise PolicyError(f"batch {batch.version} has no samples")
+    width = max(max(len(s.token_ids) for s in samples), 2)
+    ids = torch.zeros(len(samples), width, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    mask = torch.zeros(len(samples), width - 1, dtype=torch.bool)
+    behaviour = torch.zeros(len(samples), width - 1)
+    lag = torch.full((len(samples), width - 1), -1, dtype=torch.long)
+    for i, s in enumerate(samples):
+        n = len(s.token_ids)
+        ids[i, :n] = torch.tensor(s.token_ids, dtype=torch.long)
+        attention[i, : max(n, 1)] = 1  # an empty row still attends to one token
+        if n > 1:
+            mask[i, : n - 1] = torch.tensor(s.mask[1:], dtype=torch.bool)
+            behaviour[i, : n - 1] = torch.tensor(s.behaviour_logprobs[1:])
+        for start, end, v_start, v_end in s.policy_versions:
+            seg = SegmentVersions(start=v_start, end=v_end, n_tokens=end - start)
+            lag[i, max(start - 1, 0) : end - 1] = segment_lag(seg, batch.version)
+    lag = torch.where(mask, lag, torch.full_like(lag, -1))
+    rewards = torch.tensor([s.reward for s in samples])
+    advantages = group_advantages(
+        rewards, batch.group_size, normalize_std=staleness_of(batch).scales_rewards
+    )
+    return WireTensors(
+        ids=ids.to(device),
+        attention=attention.to(device),
+        mask=mask.to(device),
+        behaviour=behaviour.to(device),
+        lag=lag.to(device),
+        advantages=advantages.to(device),
+    )
+
+
+def correction(batch: BatchFile, tensors: WireTensors, logp_prox: Tensor) -> Corrected:
+    """The batch's correction of ``tensors`` given π_prox log probs [B, T − 1] of the scored
+    tokens (the trainer's weights before this step, no gradient needed)."""
+    return correct(
+        staleness_of(batch).correction,
+        logp_prox=logp_prox,
+        logp_behav=tensors.behaviour,
+        mask=tensors.mask,
+    )

@@ -1,0 +1,119 @@
+"""Islands as Ray actors on a real Ray cluster (a head node on loopback, 2 CPUs).
+
+Shows: an island placed by its resources serves the run's board with its own bearer token; a
+killed actor is seen as down at once and leaves no engine behind; an island pulls a board on S3
+with the credentials of the process that placed it, which appear in none of Ray's files or the
+island's logs; an island whose resources no node has fails with the resources named.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import anyio
+import boto3  # type: ignore[import-untyped]
+import pytest
+
+from orchestrator.config import RayFleetConfig, RayResourcesConfig
+from orchestrator.errors import FleetError
+from orchestrator.rayfleet.cluster import RayHead, ray_head
+from orchestrator.rayfleet.launch import connect, launcher
+from policies.board import Board
+from tests.support.boards import publish_scaled, tiny_board
+from tests.support.s3 import SECRET, moto_server, s3_options
+
+ray = pytest.importorskip("ray")
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayHead]:
+    with ray_head(tmp_path_factory.mktemp("ray")) as head:
+        yield head
+    ray.shutdown()
+
+
+async def _policy(url: str, token: str | None) -> tuple[int, dict[str, object]]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with aiohttp.ClientSession() as s, s.get(f"{url}/v1/policy", headers=headers) as r:
+        return r.status, await r.json(content_type=None)
+
+
+async def test_an_island_serves_the_board_and_a_killed_actor_is_down(
+    cluster: RayHead, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    board = tiny_board(tmp_path, tiny_model_dir)
+    fleet = RayFleetConfig(address=cluster.address, work_dir=str(tmp_path / "islands"))
+    connect(fleet, "run")
+    launch = launcher(
+        fleet, "ray-0", board_url=board.url, run="run", device="cpu", poll_interval_s=0.2
+    )
+    island = await launch()
+    assert island.ref.id == "ray-0"
+    assert island.ref.token
+    status, policy = await _policy(island.ref.url, island.ref.token)
+    assert (status, policy["applied_version"]) == (200, 0)
+    assert (await _policy(island.ref.url, None))[0] == 401  # its own token guards it
+    with anyio.move_on_after(3) as healthy:
+        await island.down()
+    assert healthy.cancelled_caught  # a serving island is not down
+
+    await anyio.to_thread.run_sync(ray.kill, island.actor)
+    with anyio.fail_after(20):
+        down = await island.down()
+    assert "ray-0: its actor died" in down.reason
+    with anyio.fail_after(30):  # the engine went with its actor
+        while True:
+            try:
+                await _policy(island.ref.url, island.ref.token)
+            except aiohttp.ClientError:
+                break
+            await anyio.sleep(0.5)
+
+
+async def test_resources_no_node_has_are_named(cluster: RayHead, tmp_path: Path) -> None:
+    fleet = RayFleetConfig(
+        address=cluster.address,
+        work_dir=str(tmp_path / "islands"),
+        startup_timeout_s=5,
+        resources=RayResourcesConfig(custom={"region:mars": 1}),
+    )
+    connect(fleet, "run")
+    launch = launcher(
+        fleet, "ray-9", board_url=str(tmp_path), run="run", device="cpu", poll_interval_s=0.2
+    )
+    with pytest.raises(
+        FleetError, match=r"ray-9 was not serving after 5.0s.*region:mars.*fleet\.ray\.resources"
+    ):
+        await launch()
+
+
+async def test_an_island_pulls_an_s3_board_and_its_credentials_appear_nowhere(
+    cluster: RayHead, tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with moto_server() as endpoint:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        options = s3_options(endpoint)
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(
+            Bucket="islands-bucket"
+        )
+        board = Board("s3://islands-bucket/boards", "run", storage_options=options)
+        board.create(tiny_model_dir)
+        publish_scaled(board, 0, tiny_model_dir)
+        fleet = RayFleetConfig(address=cluster.address, work_dir=str(tmp_path / "islands"))
+        connect(fleet, "run")
+        launch = launcher(
+            fleet, "ray-s3", board_url=board.url, run="run", device="cpu", poll_interval_s=0.2
+        )
+        island = await launch()
+        status, policy = await _policy(island.ref.url, island.ref.token)
+        assert (status, policy["applied_version"]) == (200, 0)
+        await island.stop()
+    files = [*cluster.temp_dir.rglob("*"), *(tmp_path / "islands").rglob("*")]
+    logs = [f for f in files if f.is_file() and f.stat().st_size < 64 << 20]
+    assert any(f.suffix in {".log", ".out", ".err"} for f in logs)
+    leaked = [str(f) for f in logs if SECRET.encode() in f.read_bytes()]
+    assert leaked == []
