@@ -242,7 +242,10 @@ def correction_stats(
 
 
 class ModelScorer:
-    """π_prox from a model directory: log probs of logged tokens at each call's temperature."""
+    """π_prox from a model directory: log probs of logged tokens under the distribution each call
+    sampled from (its temperature, top-k and top-p, as the trainer scores them:
+    :func:`policies.train.scoring.sampled_logprobs`); a token outside a call's top-k / top-p set
+    scores −inf."""
 
     def __init__(self, model_dir: Path, device: str = "cpu") -> None:
         import torch
@@ -255,15 +258,21 @@ class ModelScorer:
     def __call__(self, episode: Episode) -> list[float]:
         import torch
 
+        from policies.train.scoring import TokenSampling, sampled_logprobs
+
         ids = torch.tensor([episode.token_ids], dtype=torch.long, device=self.device)
         with torch.no_grad():
             logits: torch.Tensor = self.model(input_ids=ids).logits[0].float()
         out: list[float] = []
         for seg in episode.segments:
-            lo, n = seg.prompt_len, len(seg.token_ids)
-            rows = logits[lo - 1 : lo - 1 + n] / seg.sampling.temperature
-            targets = ids[0, lo : lo + n, None]
-            out += torch.log_softmax(rows, -1).gather(-1, targets).squeeze(-1).tolist()
+            lo, n, s = seg.prompt_len, len(seg.token_ids), seg.sampling
+            sampling = TokenSampling(
+                temperature=torch.full((n,), s.temperature, device=self.device),
+                top_k=torch.full((n,), s.top_k, dtype=torch.long, device=self.device),
+                top_p=torch.full((n,), s.top_p, device=self.device),
+            )
+            logp, _ = sampled_logprobs(logits[lo - 1 : lo - 1 + n], ids[0, lo : lo + n], sampling)
+            out += logp.tolist()
         return out
 
 

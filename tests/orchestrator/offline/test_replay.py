@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 from rich.console import Console
 
 from orchestrator.config import Config
@@ -172,6 +173,24 @@ def test_model_scorer_is_a_distribution_and_follows_temperature(
     )
     vocab = scorer.model.config.vocab_size
     assert scorer(hot) == pytest.approx([-math.log(vocab)] * len(logps), abs=1e-3)
+    # top-k = 1, as the trainer scores it: the most likely token is certain, any other impossible
+    greedy = SamplingParams(temperature=1.0, top_p=1.0, top_k=1, max_tokens=8)
+    one = episode.model_copy(
+        update={"segments": [s.model_copy(update={"sampling": greedy}) for s in episode.segments]}
+    )
+    first = one.segments[0].prompt_len  # make the first sampled token the model's argmax there
+    with torch.no_grad():
+        logits = scorer.model(input_ids=torch.tensor([one.token_ids[:first]])).logits[0, -1]
+    ids = list(one.token_ids)
+    ids[first] = int(logits.argmax())
+    seg = one.segments[0].model_copy(
+        update={"token_ids": [ids[first], *one.segments[0].token_ids[1:]]}
+    )
+    one = one.model_copy(update={"token_ids": ids, "segments": [seg, *one.segments[1:]]})
+    scores = scorer(one)
+    assert scores[0] == 0.0
+    assert set(scores[1:]) <= {0.0, -math.inf}
+    assert -math.inf in scores  # the synthetic log's random tokens are not the argmax
 
     out = io.StringIO()
     (tmp_path / "p.toml").write_text(POLICIES)
