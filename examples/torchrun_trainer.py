@@ -4,17 +4,17 @@ The template to copy into your stack (docs/trainer.md, "Bring your own trainer")
 ``orchestrate --config X --trainer.mode feed --board.url URL``::
 
     torchrun --nproc-per-node 2 examples/torchrun_trainer.py --model DIR --board URL \\
-        --run-name NAME --run-dir RUN_DIR --steps N [--temperature T] [--backend nccl]
+        --run-name NAME --run-dir RUN_DIR --steps N [--backend nccl]
 
 Every rank loads the model, shards it (``fully_shard``) and publishes version 0 (a collective).
 Then, per version v: rank 0 pulls batch v from the feed and broadcasts it; each rank scores its
-rows, takes GRPO advantages and the run's staleness correction (``policies.train.external``) and
+rows under the sampling transforms each token was drawn with, takes GRPO advantages and the run's
+staleness correction (``policies.train.external``) and
 the PPO-clip loss (``staleness.loss.policy_loss``); FSDP2 averages the gradients over the ranks;
 AdamW steps; every rank publishes its shard of v + 1; rank 0 acknowledges batch v with metrics.
 
-Kept simple on purpose: each rank normalises the loss over its own rows; log probs are rescored
-at one ``--temperature`` (top-k / top-p not re-applied); no checkpoint (a restarted job starts
-from ``--model``, so pair it with a fresh run).
+Kept simple on purpose: each rank normalises the loss over its own rows; no checkpoint (a
+restarted job starts from ``--model``, so pair it with a fresh run).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM
 
 from policies.board import BoardOptions, ShardedPublisher
 from policies.errors import FeedUnavailable
-from policies.train.external import correction, staleness_of, wire_tensors
+from policies.train.external import correction, scored_logprobs, staleness_of, wire_tensors
 from policies.wire.batches import BatchFile
 from policies.wire.feed import FeedClient
 from staleness.loss import policy_loss
@@ -56,7 +56,6 @@ def main() -> None:
     for flag in ("--model", "--board", "--run-name", "--run-dir"):
         ap.add_argument(flag, required=True)
     ap.add_argument("--steps", type=int, required=True, help="the run's trainer.max_steps")
-    ap.add_argument("--temperature", type=float, default=1.0, help="the run's sampling.temperature")
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--clip-eps", type=float, default=0.2)
     ap.add_argument("--backend", default="gloo")
@@ -86,8 +85,7 @@ def main() -> None:
         share = 1.0 if mine.start < mine.stop else 0.0  # a rank without rows still runs FSDP2
         t = wire_tensors(batch, device=device).rows(mine if share else slice(0, 1))
         logits = model(input_ids=t.ids, attention_mask=t.attention).logits[:, :-1].float()
-        logp_all = torch.log_softmax(logits / args.temperature, dim=-1)
-        logp = logp_all.gather(-1, t.ids[:, 1:, None]).squeeze(-1)
+        logp = scored_logprobs(logits, t)  # each token under its call's temperature/top-k/top-p
         logp_prox = logp.detach()  # one step per batch: π_prox is π_θ before the step
         st = staleness_of(batch)
         loss, metrics = policy_loss(

@@ -8,9 +8,13 @@ same correction:
 - :func:`wire_tensors` — token ids and attention [B, T] (padded with 0), and over the T − 1
   scored positions (position t scores token t + 1, as ``logits[:, :-1]`` of a causal LM): the
   loss mask, the engine's log probs μ, the per-token lag (``batch.version`` minus the version
-  that started the token's model call, :func:`staleness.lag.segment_lag`; −1 off the mask), and
+  that started the token's model call, :func:`staleness.lag.segment_lag`; −1 off the mask), the
+  sampling transforms each token was drawn with (temperature, top-k, top-p of its segment), and
   GRPO advantages [B] over the whole batch (``staleness.loss.group_advantages``, with the
   batch's ``scale_rewards``);
+- :func:`scored_logprobs` — log probs of the batch's tokens from the trainer's logits under
+  those transforms, as the reference trainer scores them
+  (:func:`policies.train.scoring.sampled_logprobs`);
 - :func:`correction` — the batch's ``[staleness.correction]`` applied to the trainer's own π_prox
   log probs (``staleness.corrections.correct``): per-token weights and mask for
   ``staleness.loss.policy_loss``, which the batch's ``staleness`` also parameterises
@@ -18,8 +22,8 @@ same correction:
 
 :meth:`WireTensors.rows` takes a slice of the rows after the advantages were computed over the
 whole batch, so ranks that split a batch by rows keep GRPO's group statistics. Not covered:
-recomputing π_prox (the trainer's model, at the sampling temperature), splitting the loss
-normaliser across ranks.
+splitting the loss normaliser across ranks; :func:`scored_logprobs` holds [B, T − 1, V] fp32
+logits at once (the reference trainer chunks them: ``trainer.logit_chunk_tokens``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pydantic import ValidationError
 from torch import Tensor
 
 from policies.errors import PolicyError
+from policies.train.scoring import TokenSampling, sampled_logprobs, token_sampling
 from policies.wire.batches import BatchFile
 from staleness.config import StalenessConfig
 from staleness.corrections import correct
@@ -49,6 +54,7 @@ class WireTensors:
     behaviour: Tensor
     lag: Tensor
     advantages: Tensor
+    sampling: TokenSampling
 
     def rows(self, index: slice) -> WireTensors:
         """The rows ``index`` of every field."""
@@ -59,6 +65,7 @@ class WireTensors:
             behaviour=self.behaviour[index],
             lag=self.lag[index],
             advantages=self.advantages[index],
+            sampling=self.sampling[index, :],
         )
 
 
@@ -101,6 +108,9 @@ def wire_tensors(batch: BatchFile, *, device: str | torch.device = "cpu") -> Wir
     advantages = group_advantages(
         rewards, batch.group_size, normalize_std=staleness_of(batch).scales_rewards
     )
+    # the transforms of token t + 1 at scored position t; prompt and environment tokens (not
+    # scored) get plain sampling
+    sampling = token_sampling([s.sampling for s in samples], width, (1.0, 0, 1.0), device)
     return WireTensors(
         ids=ids.to(device),
         attention=attention.to(device),
@@ -108,7 +118,20 @@ def wire_tensors(batch: BatchFile, *, device: str | torch.device = "cpu") -> Wir
         behaviour=behaviour.to(device),
         lag=lag.to(device),
         advantages=advantages.to(device),
+        sampling=sampling[:, 1:],
     )
+
+
+def scored_logprobs(logits: Tensor, tensors: WireTensors) -> Tensor:
+    """Log probs [B, T − 1] of ``tensors.ids[:, 1:]`` from ``logits`` [B, T − 1, V] (the model's
+    ``logits[:, :-1]``), each under its token's sampling transforms; differentiable. A token
+    outside its call's top-k / top-p set scores −inf (mask it, as the correction does)."""
+    rows, width, vocab = logits.shape
+    keep = torch.ones(rows, width, dtype=torch.bool, device=logits.device)
+    logp, _ = sampled_logprobs(
+        logits.reshape(-1, vocab), tensors.ids[:, 1:].reshape(-1), tensors.sampling.flat(keep)
+    )
+    return logp.reshape(rows, width)
 
 
 def correction(batch: BatchFile, tensors: WireTensors, logp_prox: Tensor) -> Corrected:

@@ -11,9 +11,9 @@ import torch
 from policies.board import Board
 from policies.errors import PolicyError
 from policies.train.config import TrainerConfig
-from policies.train.external import correction, wire_tensors
+from policies.train.external import correction, scored_logprobs, wire_tensors
 from policies.train.trainer import Trainer, TrainSample
-from policies.wire.batches import BatchFile, BatchSample
+from policies.wire.batches import BatchFile, BatchSample, SegmentSampling
 from staleness.config import StalenessConfig, TruncatedIS
 from staleness.metrics import correction_metrics
 
@@ -104,3 +104,47 @@ def test_the_correction_is_the_reference_trainers(tmp_path: Path, tiny_model_dir
     assert corrected.weights.max() <= 1.02 + 1e-6
     assert not corrected.weights[~t.mask].any()
     assert torch.equal(corrected.mask, t.mask)  # TIS truncates, it does not mask
+
+
+def test_scored_logprobs_apply_each_calls_transforms_as_the_trainer(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """With top-k / top-p recorded per model call, the helper's log probs of the batch's tokens
+    are the reference trainer's (which scores as the engine sampled), not a plain softmax's."""
+    base = _batch(1, StalenessConfig())
+    samples = []
+    for s in base.samples:
+        (a0, a1, _, _), (b0, b1, _, _) = s.policy_versions
+        calls = [SegmentSampling(a0, a1, 0.7, 5, 1.0), SegmentSampling(b0, b1, 1.0, 0, 0.8)]
+        samples.append(s.model_copy(update={"sampling": calls}))
+    batch = base.model_copy(update={"samples": samples})
+    trainer = Trainer(
+        tiny_model_dir,
+        Board(str(tmp_path / "board"), "run"),
+        TrainerConfig(),
+        staleness=StalenessConfig(),
+        temperature=1.0,
+        group_size=GROUP,
+    )
+    theirs, _ = trainer.logprobs(
+        [
+            TrainSample(
+                token_ids=s.token_ids,
+                mask=s.mask,
+                behaviour_logprobs=s.behaviour_logprobs,
+                reward=s.reward,
+                sampling=s.sampling,
+            )
+            for s in batch.samples
+        ]
+    )
+    t = wire_tensors(batch)
+    with torch.no_grad():
+        logits = trainer.model(input_ids=t.ids, attention_mask=t.attention).logits[:, :-1]
+    ours = scored_logprobs(logits, t)
+    assert torch.equal(ours[t.mask].isinf(), theirs[t.mask].isinf())
+    finite = t.mask & ours.isfinite()
+    assert finite.any()
+    assert torch.allclose(ours[finite], theirs[finite], atol=1e-5)
+    plain = torch.log_softmax(logits.float(), -1).gather(-1, t.ids[:, 1:, None]).squeeze(-1)
+    assert not torch.allclose(ours[finite], plain[finite], atol=1e-3)  # the transforms matter
