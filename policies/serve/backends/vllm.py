@@ -37,7 +37,8 @@ import anyio
 import structlog
 import torch
 
-from policies.board import Board, anchor_payload
+from policies.board import Board, Manifest, anchor_payload
+from policies.codec.digests import state_digest
 from policies.errors import EngineError
 from policies.serve.backends.base import EngineUnavailable, HttpBackend
 from policies.serve.backends.shadow import Shadow
@@ -74,6 +75,13 @@ def write_view(view: dict[str, torch.Tensor], path: Path) -> None:
     tmp.replace(path)
 
 
+def file_digest(manifest: Manifest, view: dict[str, torch.Tensor]) -> str:
+    """The state digest the vLLM workers compute of ``view``'s file: the manifest's, except for a
+    sharded version, whose manifest digest covers its pieces (``policies.board.sharded``), so it
+    is computed here from the whole tensors the shadow assembled and verified."""
+    return state_digest(view) if manifest.shards else manifest.digest
+
+
 class VLLMBackend(HttpBackend):
     kind = "vllm"
 
@@ -83,6 +91,7 @@ class VLLMBackend(HttpBackend):
         self.shadow = Shadow("vllm")
         self.broken: str | None = None
         self.lost = False  # the engine went away: it may come back on its startup weights
+        self._digests: dict[int, str] = {}  # per staged or live version: its file's digest
         self._asked = -STATUS_EVERY_S
 
     async def connect(self) -> None:
@@ -170,10 +179,9 @@ class VLLMBackend(HttpBackend):
             self.lost = False
             return
         log.warning("engine_restarted", engine=self.url, putting_back=live.version)
-        out = await self.call(
-            "/collective_rpc", {"method": RPC_METHOD, "args": [want, live.digest]}
-        )
-        self._check(live.version, live.digest, out)
+        digest = self._digests.get(live.version, live.digest)
+        out = await self.call("/collective_rpc", {"method": RPC_METHOD, "args": [want, digest]})
+        self._check(live.version, digest, out)
         await self.call("/reset_prefix_cache", {})
         self.lost = False
 
@@ -182,20 +190,21 @@ class VLLMBackend(HttpBackend):
 
     async def stage(self, board: Board, version: int) -> None:
         await anyio.to_thread.run_sync(self.shadow.stage, board, version)
-        _, view = self.shadow.take(version)
+        staged, view = self.shadow.take(version)
         await anyio.to_thread.run_sync(write_view, view, self._file(version))
+        self._digests[version] = await anyio.to_thread.run_sync(file_digest, staged.manifest, view)
 
     async def apply(self, version: int, mode: QuiesceMode) -> None:
         staged, _ = self.shadow.take(version)
         path = self._file(version)
+        digest = self._digests.get(version, staged.manifest.digest)
         if mode == "pause":
             await self.call("/pause?mode=keep", {})
         try:
             out = await self.call(
-                "/collective_rpc",
-                {"method": RPC_METHOD, "args": [str(path), staged.manifest.digest]},
+                "/collective_rpc", {"method": RPC_METHOD, "args": [str(path), digest]}
             )
-            self._check(version, staged.manifest.digest, out)
+            self._check(version, digest, out)
             reset = "?reset_running_requests=true" if mode == "pause" else ""
             await self.call(f"/reset_prefix_cache{reset}", {})
         except EngineError:
@@ -205,6 +214,7 @@ class VLLMBackend(HttpBackend):
             if mode == "pause":
                 await self.call("/resume", {})
         self.shadow.activated(staged)
+        self._digests = {v: d for v, d in self._digests.items() if v >= version}
         for old in self.work_dir.glob("v*.safetensors"):
             if old != path:  # the live file stays: a failed reload puts it back
                 old.unlink(missing_ok=True)

@@ -21,8 +21,9 @@ import anyio
 import pytest
 import torch
 from aiohttp import web
+from transformers import AutoModelForCausalLM
 
-from policies.board import Board
+from policies.board import Board, BoardReader, ShardedPublisher
 from policies.serve.backends.vllm_worker import SprawlWorkerExtension
 from tests.support.boards import publish_scaled, tiny_board
 from tests.support.lane import generate, loopback, standalone, wait_version
@@ -342,3 +343,28 @@ async def test_vllm_worker_extension_checks_before_it_loads(board: Board, tmp_pa
     assert (shape["ok"], shape["changed"]) == (False, False)
     assert "model.norm.weight" in shape["error"]
     assert worker.reloads == 1  # refused files never reached vLLM's loader
+
+
+async def test_vllm_workers_check_a_sharded_version_against_its_whole_tensors(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """A sharded version's manifest digest covers its pieces; the workers digest whole tensors,
+    so the sidecar hands them the digest of the view it assembled and verified."""
+    from policies.serve.backends.vllm import file_digest, write_view
+
+    pub = ShardedPublisher(str(tmp_path / "board"), "run")  # a world of one: format 3, 1 shard
+    pub.create(tiny_model_dir)
+    weights = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    pub.publish(0, {k: v for k, v in weights.items() if k != "lm_head.weight"}, view_name="bf16")
+    manifest, view = BoardReader(str(tmp_path / "board"), "run").load(0)
+    assert manifest.shards
+    write_view(view, tmp_path / "start" / "model.safetensors")
+    worker = _Worker(tmp_path / "start", _Model(view))
+    write_view(view, tmp_path / "v0.safetensors")
+    assert manifest.digest != file_digest(manifest, view)
+    refused = worker.sprawl_activate(str(tmp_path / "v0.safetensors"), manifest.digest)
+    assert refused["ok"] is False
+    out = worker.sprawl_activate(str(tmp_path / "v0.safetensors"), file_digest(manifest, view))
+    assert out["ok"] is True
+    unsharded, plain = tiny_board(tmp_path / "plain", tiny_model_dir).load(0)
+    assert file_digest(unsharded, plain) == unsharded.digest
