@@ -3,7 +3,8 @@
 Shows: an island placed by its resources serves the run's board with its own bearer token; a
 killed actor is seen as down at once and leaves no engine behind; an island pulls a board on S3
 with the credentials of the process that placed it, which appear in none of Ray's files or the
-island's logs; an island whose resources no node has fails with the resources named.
+island's logs; a vLLM island on Ray serves and takes a version as a patch, and goes with its
+actor; an island whose resources no node has fails with the resources named.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import anyio
 import boto3  # type: ignore[import-untyped]
 import pytest
 
-from orchestrator.config import RayFleetConfig, RayResourcesConfig
+from orchestrator.config import RayFleetConfig, RayResourcesConfig, VLLMIslandConfig
 from orchestrator.errors import FleetError
 from orchestrator.rayfleet.cluster import RayHead, ray_head
 from orchestrator.rayfleet.launch import connect, launcher
 from policies.board import Board
 from tests.support.boards import publish_scaled, tiny_board
+from tests.support.models import model_copy
 from tests.support.s3 import SECRET, moto_server, s3_options
 
 ray = pytest.importorskip("ray")
@@ -117,3 +119,46 @@ async def test_an_island_pulls_an_s3_board_and_its_credentials_appear_nowhere(
     assert any(f.suffix in {".log", ".out", ".err"} for f in logs)
     leaked = [str(f) for f in logs if SECRET.encode() in f.read_bytes()]
     assert leaked == []
+
+
+async def test_a_vllm_island_on_ray_serves_takes_a_patch_and_goes_with_its_actor(
+    cluster: RayHead, tmp_path: Path
+) -> None:
+    small = model_copy("small", tmp_path / "small")  # vLLM's CPU attention: head_dim >= 32
+    board = Board(str(tmp_path / "board"), "run")
+    board.create(small)
+    publish_scaled(board, 0, small)
+    fleet = RayFleetConfig(
+        address=cluster.address,
+        work_dir=str(tmp_path / "islands"),
+        engine=VLLMIslandConfig(kind="vllm", max_model_len=512),
+        startup_timeout_s=600,
+    )
+    connect(fleet, "run")
+    launch = launcher(
+        fleet, "ray-vllm", board_url=board.url, run="run", device="cpu", poll_interval_s=0.2
+    )
+    island = await launch()
+    url, token = island.ref.url, island.ref.token
+    headers = {"Authorization": f"Bearer {token}"}
+    body = {"prompt_token_ids": [5, 6, 7], "max_tokens": 4, "temperature": 1.0}
+    async with (
+        aiohttp.ClientSession(headers=headers) as s,
+        s.post(f"{url}/v1/generate", json=body) as r,
+    ):
+        assert r.status == 200, await r.text()
+        answer = await r.json()
+    assert answer["policy_version"] == {"start": 0, "end": 0}
+    assert len(answer["choices"][0]["token_ids"]) == len(answer["choices"][0]["logprobs"]) > 0
+    publish_scaled(board, 1, small, scale=0.5)
+    with anyio.fail_after(180):
+        while (await _policy(url, token))[1]["applied_version"] != 1:  # noqa: ASYNC110 (HTTP)
+            await anyio.sleep(0.5)
+    await anyio.to_thread.run_sync(ray.kill, island.actor)
+    with anyio.fail_after(60):  # the sidecar and vLLM went with their actor
+        while True:
+            try:
+                await _policy(url, token)
+            except aiohttp.ClientError:
+                break
+            await anyio.sleep(0.5)

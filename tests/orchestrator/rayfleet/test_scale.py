@@ -66,6 +66,10 @@ async def _scaler(
         tg.cancel_scope.cancel()
 
 
+def _stopped(fleet: Fleet, island: str) -> bool:
+    return fleet.current[island].stopped
+
+
 def _states(scaler: Scaler) -> list[tuple[str, str]]:
     return [(i["id"], i["state"]) for i in scaler.describe()["islands"]]
 
@@ -96,12 +100,12 @@ async def test_removal_takes_the_newest_first_and_drains_before_it_stops() -> No
         # both out of rotation at once; ray-1 (idle) is stopped, ray-2 waits for its call
         assert not fleet.in_rotation("ray-1")
         assert not fleet.in_rotation("ray-2")
-        assert fleet.current["ray-1"].stopped
-        assert not fleet.current["ray-2"].stopped
+        assert _stopped(fleet, "ray-1")
+        assert not _stopped(fleet, "ray-2")
         assert _states(scaler) == [("ray-0", "serving"), ("ray-2", "draining")]
         ep.outstanding = 0
         await anyio.sleep(0.5)
-        assert fleet.current["ray-2"].stopped
+        assert _stopped(fleet, "ray-2")
         assert _states(scaler) == [("ray-0", "serving")]
         fleet.current["ray-2"].die()  # a removed island is not restarted
         await anyio.sleep(5)
@@ -117,9 +121,9 @@ async def test_a_call_that_outlasts_the_drain_timeout_is_left_to_fail_over() -> 
         scaler.pool.endpoints["ray-1"].outstanding = 1  # never finishes
         scaler.scale(1)
         await anyio.sleep(2.5)
-        assert not fleet.current["ray-1"].stopped
+        assert not _stopped(fleet, "ray-1")
         await anyio.sleep(1)
-        assert fleet.current["ray-1"].stopped
+        assert _stopped(fleet, "ray-1")
         [removed] = [f for _, k, f in events.seen if k == "island_removed"]
         assert removed == {"endpoint": "ray-1", "drained": False}
 
