@@ -70,7 +70,7 @@ def ray_head(log_dir: Path, num_cpus: int = 2) -> Iterator[RayHead]:
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(30)
+            proc.wait(5)  # ray start --block takes its time; its process group goes anyway
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()

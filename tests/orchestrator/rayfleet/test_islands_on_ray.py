@@ -43,6 +43,12 @@ async def _policy(url: str, token: str | None) -> tuple[int, dict[str, object]]:
         return r.status, await r.json(content_type=None)
 
 
+async def _until_applied(url: str, token: str | None, version: int) -> None:
+    with anyio.fail_after(180):
+        while (await _policy(url, token))[1]["applied_version"] != version:  # noqa: ASYNC110
+            await anyio.sleep(0.5)
+
+
 async def test_an_island_serves_the_board_and_a_killed_actor_is_down(
     cluster: RayHead, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
@@ -140,6 +146,7 @@ async def test_a_vllm_island_on_ray_serves_takes_a_patch_and_goes_with_its_actor
     )
     island = await launch()
     url, token = island.ref.url, island.ref.token
+    await _until_applied(url, token, 0)  # the sidecar takes version 0 into its shadow first
     headers = {"Authorization": f"Bearer {token}"}
     body = {"prompt_token_ids": [5, 6, 7], "max_tokens": 4, "temperature": 1.0}
     async with (
@@ -151,9 +158,7 @@ async def test_a_vllm_island_on_ray_serves_takes_a_patch_and_goes_with_its_actor
     assert answer["policy_version"] == {"start": 0, "end": 0}
     assert len(answer["choices"][0]["token_ids"]) == len(answer["choices"][0]["logprobs"]) > 0
     publish_scaled(board, 1, small, scale=0.5)
-    with anyio.fail_after(180):
-        while (await _policy(url, token))[1]["applied_version"] != 1:  # noqa: ASYNC110 (HTTP)
-            await anyio.sleep(0.5)
+    await _until_applied(url, token, 1)
     await anyio.to_thread.run_sync(ray.kill, island.actor)
     with anyio.fail_after(60):  # the sidecar and vLLM went with their actor
         while True:
