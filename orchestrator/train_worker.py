@@ -81,16 +81,7 @@ def main(argv: list[str]) -> int:
     while trainer.version < cfg.trainer.max_steps:
         wire = source.batch(trainer.version)
         log.info("batch_received", version=wire.version, samples=len(wire.samples))
-        samples = [
-            TrainSample(
-                token_ids=s.token_ids,
-                mask=s.mask,
-                behaviour_logprobs=s.behaviour_logprobs,
-                reward=s.reward,
-                sampling=s.sampling,
-            )
-            for s in wire.samples
-        ]
+        samples = [TrainSample.from_wire(s) for s in wire.samples]
         metrics = trainer.step(samples)  # publishes version + 1: the announcement
         source.done(wire.version, metrics)
     return 0

@@ -39,6 +39,7 @@ from typing import Any, Protocol, TypeVar
 
 import anyio
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from anyio.abc import TaskStatus
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -100,6 +101,22 @@ def write_admin_file(path: Path, url: str, token: str) -> None:
         raise
 
 
+def bearer_auth(token: str, where: str) -> Middleware:
+    """Middleware: every route but ``/health`` needs ``Authorization: Bearer <token>``; a request
+    without it is a 401 saying the token is in ``where``."""
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        given = request.headers.get("Authorization", "")
+        if request.path != "/health" and not bearer_matches(given, token):
+            return error_response(
+                401, f"missing or wrong bearer token (see {where})", type_="unauthorized"
+            )
+        return await handler(request)
+
+    return auth
+
+
 async def _body(model: type[M], request: web.Request) -> M | web.Response:
     """The request's JSON as ``model``, or the 400 that says what is wrong with it."""
     try:
@@ -139,7 +156,7 @@ class AdminApp:
         self.token = token
         self.metrics = metrics
         self.islands = islands
-        self.app = web.Application(middlewares=[self._auth])
+        self.app = web.Application(middlewares=[bearer_auth(token, "admin.json")])
         self.app.add_routes(
             [
                 web.get("/v1/fleet", self.list),
@@ -151,15 +168,6 @@ class AdminApp:
                 web.get("/metrics", self.prometheus),
             ]
         )
-
-    @web.middleware
-    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        given = request.headers.get("Authorization", "")
-        if request.path != "/health" and not bearer_matches(given, self.token):
-            return error_response(
-                401, "missing or wrong bearer token (see admin.json)", type_="unauthorized"
-            )
-        return await handler(request)
 
     async def list(self, _request: web.Request) -> web.Response:
         return web.json_response({"endpoints": [describe(e) for e in self.pool.live()]})

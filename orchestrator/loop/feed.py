@@ -52,9 +52,9 @@ from aiohttp import web
 from anyio.abc import TaskStatus
 
 from orchestrator.errors import FeedRefused
-from orchestrator.loop.admin import Handler, error_response, serve_app
+from orchestrator.loop.admin import Handler, bearer_auth, error_response, serve_app
 from policies.errors import BadRequest, BoardError
-from policies.serve.http_body import bearer_matches, read_json
+from policies.serve.http_body import read_json
 from policies.wire.batches import BatchFile
 
 log = structlog.get_logger(__name__)
@@ -211,7 +211,7 @@ class FeedApp:
     def __init__(self, feed: BatchFeed, token: str) -> None:
         self.feed = feed
         self.token = token
-        self.app = web.Application(middlewares=[self._auth, self._refusals])
+        self.app = web.Application(middlewares=[bearer_auth(token, "feed.json"), self._refusals])
         self.app.add_routes(
             [
                 web.get("/v1/batches/next", self.next),
@@ -219,15 +219,6 @@ class FeedApp:
                 web.get("/health", self.health),
             ]
         )
-
-    @web.middleware
-    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        given = request.headers.get("Authorization", "")
-        if request.path != "/health" and not bearer_matches(given, self.token):
-            return error_response(
-                401, "missing or wrong bearer token (see feed.json)", type_="unauthorized"
-            )
-        return await handler(request)
 
     @web.middleware
     async def _refusals(self, request: web.Request, handler: Handler) -> web.StreamResponse:

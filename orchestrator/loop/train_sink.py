@@ -157,16 +157,7 @@ def batch_samples(groups: Sequence[Group]) -> list[TrainSample]:
     """Episodes as the reference trainer's samples, group-contiguous."""
     from policies.train.trainer import TrainSample
 
-    return [
-        TrainSample(
-            token_ids=s.token_ids,
-            mask=s.mask,
-            behaviour_logprobs=s.behaviour_logprobs,
-            reward=s.reward,
-            sampling=s.sampling,
-        )
-        for s in (wire_sample(ep) for g in groups for ep in g.episodes)
-    ]
+    return [TrainSample.from_wire(wire_sample(ep)) for g in groups for ep in g.episodes]
 
 
 class ExternalTrainer:

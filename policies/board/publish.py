@@ -75,6 +75,28 @@ from policies.errors import BoardError, BoardFormatError, PointerMalformed, Vers
 log = structlog.get_logger(__name__)
 
 
+def encode_patches(
+    bases: Mapping[int, tuple[Mapping[str, torch.Tensor], str]],
+    target: Mapping[str, torch.Tensor],
+    sums: Mapping[str, str],
+    opts: BoardOptions,
+) -> dict[int, tuple[bytes, PatchRef]]:
+    """The patch from each base version (its view and digest) to ``target`` (whose tensor
+    checksums are ``sums``), with the manifest's record of it, by base."""
+    patches: dict[int, tuple[bytes, PatchRef]] = {}
+    for b, (view, digest) in bases.items():
+        data = encode_patch(
+            view, target, level=opts.zstd_level, base_digest=digest, target_checksums=sums
+        )
+        hdr = read_patch_header(data)
+        ref = PatchRef(
+            base=b, file=patch_file(b), bytes=len(data), changed=hdr.changed,
+            units=hdr.units, base_digest=hdr.base_digest,
+        )  # fmt: skip
+        patches[b] = (data, ref)
+    return patches
+
+
 @dataclass
 class _Held:
     view: dict[str, torch.Tensor]
@@ -139,18 +161,10 @@ class Board(BoardReader):
         full_bytes = sum(t.nbytes for t in {storage_key(t): t for t in tensors.values()}.values())
         head = self._head if self._head is not None and self._head.version == latest else None
         held = self._held if head is not None else {}
-        patches: dict[int, tuple[bytes, PatchRef]] = {}
-        for b in board_plan.patch_bases(version, latest, held, opts.catchup_levels):
-            data = encode_patch(
-                held[b].view, tensors, level=opts.zstd_level, base_digest=held[b].digest,
-                target_checksums=sums,
-            )  # fmt: skip
-            hdr = read_patch_header(data)
-            ref = PatchRef(
-                base=b, file=patch_file(b), bytes=len(data), changed=hdr.changed,
-                units=hdr.units, base_digest=hdr.base_digest,
-            )  # fmt: skip
-            patches[b] = (data, ref)
+        bases = board_plan.patch_bases(version, latest, held, opts.catchup_levels)
+        patches = encode_patches(
+            {b: (held[b].view, held[b].digest) for b in bases}, tensors, sums, opts
+        )
         delta = patches.get(latest) if latest is not None else None
         is_anchor = (
             head is None

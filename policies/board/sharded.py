@@ -65,7 +65,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from policies.board import plan as board_plan
 from policies.board.manifest import file_entries, manifest_digest, manifest_seal, pieces_checksum
-from policies.board.publish import Board
+from policies.board.publish import Board, encode_patches
 from policies.board.read import MANIFEST, WEIGHTS, anchor_payload
 from policies.board.types import (
     MAX_VERSION,
@@ -77,10 +77,9 @@ from policies.board.types import (
     Pointer,
     ShardEntry,
     TensorEntry,
-    patch_file,
     shard_dir,
 )
-from policies.codec import CODEC, encode_patch, read_patch_header
+from policies.codec import CODEC
 from policies.codec.digests import bytes_checksum, checksums, state_digest, storage_key
 from policies.errors import BoardError
 
@@ -306,20 +305,9 @@ class ShardedPublisher:
         held: Mapping[int, _Held],
     ) -> dict[int, tuple[bytes, PatchRef]]:
         """Step 2: this rank's patches into ``version``, by base (as :meth:`Board.publish`)."""
-        opts = self.options
-        patches: dict[int, tuple[bytes, PatchRef]] = {}
-        for b in board_plan.patch_bases(version, latest, held, opts.catchup_levels):
-            data = encode_patch(
-                held[b].pieces, view, level=opts.zstd_level, base_digest=held[b].digest,
-                target_checksums=sums,
-            )  # fmt: skip
-            hdr = read_patch_header(data)
-            ref = PatchRef(
-                base=b, file=patch_file(b), bytes=len(data), changed=hdr.changed,
-                units=hdr.units, base_digest=hdr.base_digest,
-            )  # fmt: skip
-            patches[b] = (data, ref)
-        return patches
+        bases = board_plan.patch_bases(version, latest, held, self.options.catchup_levels)
+        pieces = {b: (held[b].pieces, held[b].digest) for b in bases}
+        return encode_patches(pieces, view, sums, self.options)
 
     def _anchor_due(
         self, version: int, latest: int | None, deltas: list[int | None], full_bytes: int

@@ -65,7 +65,7 @@ from policies.train.scoring import (
     score_chunked,
     token_sampling,
 )
-from policies.wire.batches import SegmentSampling
+from policies.wire.batches import BatchSample, SegmentSampling
 from staleness.config import StalenessConfig
 from staleness.corrections import correct
 from staleness.loss import aggregate, group_advantages, kl_penalty, normaliser, policy_loss
@@ -89,6 +89,17 @@ class TrainSample:
     sampling: Sequence[SegmentSampling] = ()
     """How each segment's tokens were sampled; tokens outside every segment are scored with the
     trainer's defaults (the run's ``[sampling]``)."""
+
+    @classmethod
+    def from_wire(cls, sample: BatchSample) -> TrainSample:
+        """A sample of the batch protocol (:mod:`policies.wire.batches`) as the trainer's."""
+        return cls(
+            token_ids=sample.token_ids,
+            mask=sample.mask,
+            behaviour_logprobs=sample.behaviour_logprobs,
+            reward=sample.reward,
+            sampling=sample.sampling,
+        )
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

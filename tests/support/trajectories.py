@@ -21,6 +21,36 @@ from orchestrator.types import (
 from policies.wire.lane import VersionStamp
 
 
+def two_token_episode(i: int, reward: float) -> Episode:
+    """Episode ``g0-<i>`` of group ``g0``: a 3-token prompt and one model call that sampled two
+    tokens at version 0."""
+    seg = Segment(
+        turn=0,
+        prompt_len=3,
+        token_ids=[7, 8],
+        logprobs=[-0.5, -0.25],
+        finish_reason="stop",
+        policy_version=VersionStamp(start=0, end=0),
+        endpoint="e",
+        latency_s=0.1,
+        sampling=SamplingParams(temperature=1, top_p=1, top_k=0, max_tokens=4),
+    )
+    return Episode(
+        id=f"g0-{i}",
+        group_id="g0",
+        task_id="t",
+        environment="calc",
+        token_ids=[1, 2, 3, 7, 8],
+        prompt_len=3,
+        segments=[seg],
+        reward=reward,
+        stop_reason="done",
+        admitted_at_version=0,
+        started_at=0.0,
+        finished_at=1.0,
+    )
+
+
 def make_episode(
     rng: random.Random, gid: str, i: int, version: int, *, vocab: int = 200, turns: int = 2
 ) -> Episode:

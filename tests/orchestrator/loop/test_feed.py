@@ -19,49 +19,23 @@ from orchestrator.errors import ConfigError, TrainerError
 from orchestrator.loop.feed import BatchFeed, serve_feed
 from orchestrator.loop.train_sink import FeedTrainer
 from orchestrator.train_worker import FeedSource
-from orchestrator.types import Batch, Episode, Group, SamplingParams, Segment
+from orchestrator.types import Batch, Group
 from policies.board import Board
 from policies.errors import FeedError, FeedUnavailable
 from policies.wire.batches import BatchFile
 from policies.wire.feed import FeedClient, feed_address
-from policies.wire.lane import VersionStamp
 from staleness.config import StalenessConfig, TruncatedIS
+from tests.support.trajectories import two_token_episode
 
 pytestmark = pytest.mark.anyio
 
 STALENESS = StalenessConfig(correction=TruncatedIS(cap=1.5))
 
 
-def _episode(i: int, reward: float) -> Episode:
-    seg = Segment(
-        turn=0,
-        prompt_len=3,
-        token_ids=[7, 8],
-        logprobs=[-0.5, -0.25],
-        finish_reason="stop",
-        policy_version=VersionStamp(start=0, end=0),
-        endpoint="e",
-        latency_s=0.1,
-        sampling=SamplingParams(temperature=1, top_p=1, top_k=0, max_tokens=4),
-    )
-    return Episode(
-        id=f"g0-{i}",
-        group_id="g0",
-        task_id="t",
-        environment="calc",
-        token_ids=[1, 2, 3, 7, 8],
-        prompt_len=3,
-        segments=[seg],
-        reward=reward,
-        stop_reason="done",
-        admitted_at_version=0,
-        started_at=0.0,
-        finished_at=1.0,
-    )
-
-
 def _batch(version: int = 0) -> Batch:
-    group = Group(id="g0", task_id="t", episodes=[_episode(0, 1.0), _episode(1, 0.0)])
+    group = Group(
+        id="g0", task_id="t", episodes=[two_token_episode(0, 1.0), two_token_episode(1, 0.0)]
+    )
     return Batch(trained_at_version=version, groups=[group], decisions=[])
 
 

@@ -20,46 +20,20 @@ from orchestrator.loop.train_sink import (
     consume,
     wire_sample,
 )
-from orchestrator.types import Batch, Episode, Group, GroupDecision, SamplingParams, Segment
+from orchestrator.types import Batch, Group, GroupDecision, SamplingParams
 from policies.board import Board
 from policies.errors import PointerMalformed
 from policies.wire.batches import BatchSample, metrics_path, read_batch, write_atomic
-from policies.wire.lane import VersionStamp
 from staleness.config import StalenessConfig
+from tests.support.trajectories import two_token_episode
 
 pytestmark = pytest.mark.anyio
 
 
-def _episode(i: int, reward: float) -> Episode:
-    seg = Segment(
-        turn=0,
-        prompt_len=3,
-        token_ids=[7, 8],
-        logprobs=[-0.5, -0.25],
-        finish_reason="stop",
-        policy_version=VersionStamp(start=0, end=0),
-        endpoint="e",
-        latency_s=0.1,
-        sampling=SamplingParams(temperature=1, top_p=1, top_k=0, max_tokens=4),
-    )
-    return Episode(
-        id=f"g0-{i}",
-        group_id="g0",
-        task_id="t",
-        environment="calc",
-        token_ids=[1, 2, 3, 7, 8],
-        prompt_len=3,
-        segments=[seg],
-        reward=reward,
-        stop_reason="done",
-        admitted_at_version=0,
-        started_at=0.0,
-        finished_at=1.0,
-    )
-
-
 def _batch() -> Batch:
-    group = Group(id="g0", task_id="t", episodes=[_episode(0, 1.0), _episode(1, 0.0)])
+    group = Group(
+        id="g0", task_id="t", episodes=[two_token_episode(0, 1.0), two_token_episode(1, 0.0)]
+    )
     return Batch(trained_at_version=0, groups=[group], decisions=[])
 
 
@@ -73,7 +47,7 @@ def test_masks_cover_exactly_the_sampled_tokens() -> None:
 def test_each_segment_carries_its_sampling_transforms_to_the_trainer() -> None:
     """What the engine sampled each call with reaches the batch file and the trainer's samples,
     so log probs are rescored under the same truncation."""
-    ep = _episode(0, 1.0)
+    ep = two_token_episode(0, 1.0)
     second = ep.segments[0].model_copy(
         update={
             "turn": 1,
@@ -164,7 +138,7 @@ async def test_groups_restored_by_a_restart_are_trained_first_as_decided() -> No
     group arrives, oldest first, with their logged decisions; the rest wait."""
     kept = [
         (
-            Group(id=f"g{i}", task_id="t", episodes=[_episode(0, 1.0)]),
+            Group(id=f"g{i}", task_id="t", episodes=[two_token_episode(0, 1.0)]),
             GroupDecision(group_id=f"g{i}", decision="kept", reason="", max_lag=1),
         )
         for i in range(5)

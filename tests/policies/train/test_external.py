@@ -82,15 +82,7 @@ def test_the_correction_is_the_reference_trainers(tmp_path: Path, tiny_model_dir
         temperature=1.0,
         group_size=GROUP,
     )
-    train_samples = [
-        TrainSample(
-            token_ids=s.token_ids,
-            mask=s.mask,
-            behaviour_logprobs=s.behaviour_logprobs,
-            reward=s.reward,
-        )
-        for s in batch.samples
-    ]
+    train_samples = [TrainSample.from_wire(s) for s in batch.samples]
     logp_prox, _ = trainer.logprobs(train_samples)  # the external trainer's own π_prox
     t = wire_tensors(batch)
     corrected = correction(batch, t, logp_prox)
@@ -126,18 +118,7 @@ def test_scored_logprobs_apply_each_calls_transforms_as_the_trainer(
         temperature=1.0,
         group_size=GROUP,
     )
-    theirs, _ = trainer.logprobs(
-        [
-            TrainSample(
-                token_ids=s.token_ids,
-                mask=s.mask,
-                behaviour_logprobs=s.behaviour_logprobs,
-                reward=s.reward,
-                sampling=s.sampling,
-            )
-            for s in batch.samples
-        ]
-    )
+    theirs, _ = trainer.logprobs([TrainSample.from_wire(s) for s in batch.samples])
     t = wire_tensors(batch)
     with torch.no_grad():
         logits = trainer.model(input_ids=t.ids, attention_mask=t.attention).logits[:, :-1]
