@@ -40,7 +40,10 @@ HEALTH_TIMEOUT_S = 10.0
 
 def connect(fleet: RayFleetConfig, run: str) -> str:
     """Join (or, for ``local``, start) the Ray cluster; the namespace of the run's actors."""
-    import ray
+    try:
+        import ray
+    except ImportError:
+        raise FleetError("fleet.ray needs the ray package: pip install 'sprawl[ray]'") from None
 
     namespace = fleet.namespace or f"sprawl-{run}"
     if not ray.is_initialized():

@@ -6,6 +6,7 @@ start that fails is an event, not a loop; the admin API scales it."""
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -14,11 +15,13 @@ import anyio
 import pytest
 from trio.testing import MockClock
 
-from orchestrator.errors import SprawlError
+from orchestrator.config import RayFleetConfig
+from orchestrator.errors import FleetError, SprawlError
 from orchestrator.fleet_cli import _call
 from orchestrator.loop.admin import serve_admin
 from orchestrator.loop.pool import Pool
 from orchestrator.loop.supervisor import RestartPolicy, Supervisor
+from orchestrator.rayfleet.launch import connect
 from orchestrator.rayfleet.scale import Scaler
 from tests.support.fakes import ScriptedTransport
 from tests.support.replicas import Events, Fleet
@@ -183,3 +186,9 @@ async def test_the_admin_api_scales_the_islands(tmp_path: Path) -> None:
             await _call(_args(str(tmp_path), "scale", -1))
         tg.cancel_scope.cancel()
     assert url.startswith("http://127.0.0.1:")
+
+
+def test_without_ray_installed_the_run_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    with pytest.raises(FleetError, match=r"fleet\.ray needs the ray package: pip install"):
+        connect(RayFleetConfig(), "run")
