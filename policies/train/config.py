@@ -31,6 +31,15 @@ class FeedConfig(BaseModel):
     with the URL to ``<run dir>/feed.json`` (mode 0600)."""
 
 
+MOVED_KEYS = {
+    "served_dtype": "renamed to served_view (same values, plus the quantized views fp8_block, "
+    "int4_group and nvfp4)",
+    "loss_agg": "moved to the [staleness] table (staleness.loss_agg), next to the normalizer it "
+    "works with",
+}
+"""``[trainer]`` keys of earlier sprawl, and where they went (refused, naming it)."""
+
+
 class TrainerConfig(BaseModel):
     """The ``[trainer]`` section: how the reference trainer (or an external one) steps."""
 
@@ -89,17 +98,6 @@ class TrainerConfig(BaseModel):
     this many tokens at a time, recomputed in the backward, so memory grows with this × vocab
     rather than with the batch's tokens × vocab."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _served_dtype_is_served_view(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "served_dtype" in data:
-            msg = (
-                "served_dtype: renamed to served_view (same values, plus the quantized views "
-                "fp8_block, int4_group and nvfp4)"
-            )
-            raise ValueError(msg)
-        return data
-
     @model_validator(mode="after")
     def _scale_policy_needs_a_quantized_view(self) -> TrainerConfig:
         if self.scale_policy is not None and self.served_view in FLOAT_VIEWS:
@@ -111,11 +109,9 @@ class TrainerConfig(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _loss_agg_lives_in_staleness(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "loss_agg" in data:
-            msg = (
-                "loss_agg: moved to the [staleness] table (staleness.loss_agg), next to the "
-                "normalizer it works with"
-            )
-            raise ValueError(msg)
+    def _moved_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, where in MOVED_KEYS.items():
+                if key in data:
+                    raise ValueError(f"{key}: {where}")
         return data
