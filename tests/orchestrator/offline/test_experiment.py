@@ -10,12 +10,16 @@ import pytest
 
 from orchestrator.cli import main as cli_main
 from orchestrator.config import load_config
+from orchestrator.errors import ConfigError
 from orchestrator.offline.experiment import (
     ARMS,
     ArmResult,
     arm_config,
     calculator_max_operand,
+    checks,
+    interval95,
     lag_histogram,
+    pick_arms,
     verdict,
 )
 from orchestrator.record.frames import FrameWriter
@@ -41,11 +45,16 @@ def test_arm_configs_differ_only_in_lag_and_correction(tmp_path: Path) -> None:
         for arm in ARMS
     }
     assert cfgs["on_policy"].scheduler.max_lag == 0
-    assert cfgs["lag4_tis"].scheduler.max_lag == cfgs["lag4_none"].scheduler.max_lag == 4
-    assert cfgs["lag4_tis"].staleness.correction.type == "tis"
-    assert cfgs["lag4_none"].staleness.correction.type == "none"
+    lagged = [cfg for name, cfg in cfgs.items() if name != "on_policy"]
+    assert {cfg.scheduler.max_lag for cfg in lagged} == {4}
+    assert [cfg.staleness.correction.type for cfg in lagged] == [
+        "none",
+        "tis",
+        "decoupled_ppo",
+        "token_mask",
+    ]
     for name, cfg in cfgs.items():
-        assert cfg.run_dir == tmp_path / "runs" / name
+        assert cfg.run_dir == tmp_path / "runs" / "s3" / name  # one directory per seed
         assert cfg.staleness.drop is None  # demo.toml's drop rule is cleared in every arm
         assert (cfg.trainer.max_steps, cfg.run.seed, cfg.scheduler.group_size) == (7, 3, 2)
         assert cfg.model.path == tmp_path / "model"
@@ -75,24 +84,60 @@ def test_lag_histogram_counts_model_calls_of_trained_groups(tmp_path: Path) -> N
     assert lag_histogram(tmp_path) == {0: 1, 1: 2, 2: 1}
 
 
-def _result(name: str, rewards: list[float]) -> ArmResult:
-    return ArmResult(arm=name, label=name, rewards=rewards)
+def _result(name: str, rewards: list[float], seed: int = 0) -> ArmResult:
+    return ArmResult(arm=name, label=name, rewards=rewards, seed=seed)
 
 
-def test_verdict_reports_noise_and_gaps() -> None:
-    rising = [0.1, 0.2, 0.3, 0.5, 0.52, 0.48, 0.5, 0.51, 0.49]
-    line = verdict(
-        [
-            _result("on_policy", rising),
-            _result("lag4_tis", [r + 0.005 for r in rising]),
-            _result("lag4_none", [0.1, 0.1, 0.12, 0.1, 0.11, 0.1, 0.09, 0.1, 0.11]),
+RISING = [0.1, 0.2, 0.3, 0.5, 0.52, 0.48, 0.5, 0.51, 0.49]
+FLAT_LOW = [0.1, 0.1, 0.12, 0.1, 0.11, 0.1, 0.09, 0.1, 0.11]
+
+
+def test_verdict_reports_each_arm_across_seeds_and_the_checks() -> None:
+    results = []
+    for seed in range(3):
+        shift = 0.01 * seed
+        results += [
+            _result("on_policy", [r + shift for r in RISING], seed),
+            _result("lag4_tis", [r + shift + 0.005 for r in RISING], seed),
+            _result("lag4_mask", [r + shift - 0.2 for r in RISING], seed),
+            _result("lag4_none", FLAT_LOW, seed),
         ]
-    )
-    assert "\n" not in line
-    assert line.startswith("on-policy reward, first→second half: 0.275→0.500 (rose")
-    assert "corrected lag-4 0.505" in line
-    assert "within noise of on-policy" in line.split(";")[1]
-    assert "worse than on-policy" in line.split(";")[2]
+    text = verdict(results)
+    lines = text.splitlines()
+    assert lines[0].startswith("on-policy reward, first→second half (mean of 3 seed(s)): 0.285")
+    assert lines[0].endswith("(rose beyond 2σ in 3 of 3)")
+    # second-half means 0.500 / 0.510 / 0.520 over seeds: 0.510 ± t(0.975, 2)·SE = 4.303·0.00577
+    assert "0.510 ± 0.025" in lines[2]
+    tis = next(line for line in lines if line.lstrip().startswith("lag4_tis"))
+    assert "within noise of on-policy; within noise in 3 of 3 seeds" in tis
+    mask = next(line for line in lines if line.lstrip().startswith("lag4_mask"))
+    assert "worse than on-policy" in mask
+    assert "best correction lag4_tis: not worse than on-policy beyond 2σ in 3 of 3 seeds" in text
+    assert lines[-1].startswith("uncorrected vs on-policy, pooled: Δ -0.408")
+    assert lines[-1].endswith("(worse beyond 2σ)")
+    found = checks(results)
+    assert found["best_correction"]["arm"] == "lag4_tis"
+    assert found["best_correction"]["not_worse_every_seed"] is True
+    assert found["uncorrected"]["worse_beyond_2sigma"] is True
+
+
+def test_one_seed_has_no_interval_and_the_verdict_needs_on_policy() -> None:
+    assert interval95([0.4]) == (0.4, 0.0)
+    mean, half = interval95([0.4, 0.6])
+    assert (round(mean, 6), round(half, 3)) == (0.5, 1.271)  # t(0.975, 1) = 12.706, SE 0.1
+    with pytest.raises(ValueError, match="on_policy"):
+        verdict([_result("lag4_none", FLAT_LOW)])
+
+
+def test_arms_are_picked_by_name_with_on_policy_always_run() -> None:
+    assert [a.name for a in pick_arms("lag4_mask, lag4_tis")] == [
+        "on_policy",
+        "lag4_tis",
+        "lag4_mask",
+    ]
+    assert pick_arms(None) == ARMS
+    with pytest.raises(ConfigError, match="--arms: unknown arm lag4_foo"):
+        pick_arms("lag4_foo")
 
 
 @pytest.mark.slow
@@ -106,6 +151,10 @@ def test_experiment_command_runs_at_reduced_size(tmp_path: Path) -> None:
             str(LOOP),
             "--steps",
             "2",
+            "--seeds",
+            "2",
+            "--arms",
+            "lag4_dppo",
             "--out",
             str(out),
             "--sft-steps",
@@ -129,25 +178,30 @@ def test_experiment_command_runs_at_reduced_size(tmp_path: Path) -> None:
     assert code == 0
     with (out / "rewards.csv").open() as fh:
         rows = list(csv.reader(fh))
-    assert rows[0] == ["step", "on_policy", "lag4_tis", "lag4_none"]
+    assert rows[0] == ["step", "on_policy/s0", "lag4_dppo/s0", "on_policy/s1", "lag4_dppo/s1"]
     assert [r[0] for r in rows[1:]] == ["1", "2"]
     assert (out / "rewards.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["verdict"].startswith("on-policy reward, first→second half")
+    assert summary["seeds"] == [0, 1]
+    assert [s["arm"] for s in summary["stats"]] == ["on_policy", "lag4_dppo"]
+    assert summary["checks"]["best_correction"]["arm"] == "lag4_dppo"
+    assert (out / "runs" / "s1" / "lag4_dppo" / "trajectories").is_dir()
     phases = json.loads((out / "model" / "sft.json").read_text())["phases"]
     assert [(p["steps"], p["max_operand"]) for p in phases] == [(3, 99), (2, 99), (1, 99)]
     assert phases[-1]["after"]["episodes"] == 2
-    arms = {a["arm"]: a for a in summary["arms"]}
-    assert set(arms["on_policy"]["lag_histogram"]) == {"0"}  # synchronous: never stale
-    for arm in arms.values():
+    on_policy = [a for a in summary["arms"] if a["arm"] == "on_policy"]
+    assert [set(a["lag_histogram"]) for a in on_policy] == [{"0"}, {"0"}]  # never stale
+    for arm in summary["arms"]:
         assert len(arm["rewards"]) == 2
         assert all(0 <= int(lag) <= 4 for lag in arm["lag_histogram"])
 
 
 def test_flat_rewards_do_not_count_as_a_rise() -> None:
     flat = [0.3, 0.5, 0.2, 0.6, 0.4, 0.3, 0.5, 0.2, 0.6, 0.4]
-    line = verdict([_result("on_policy", flat)])
-    assert "(within noise," in line.split("Second-half")[0]
+    assert (
+        verdict([_result("on_policy", flat)]).splitlines()[0].endswith("(rose beyond 2σ in 0 of 1)")
+    )
 
 
 def test_sft_curriculum_ends_on_the_runs_difficulty() -> None:
