@@ -10,7 +10,13 @@ every written tensor verified), ``apply_unverified_gbps`` and ``exact``; the sam
 whole view) measured in the same run. Throughputs are bytes of view per second (GB = 1e9 B);
 each timing is the best of ``--repeats``. Every timed run follows a timed memcpy, and the ratios
 ``encode_vs_memcpy``, ``apply_time_vs_copy`` and ``apply_unverified_time_vs_copy`` compare each
-codec timing with the memcpy timed next to it.
+codec timing with the memcpy timed next to it; ``apply_unverified_vs_int32_scatter`` is the
+codec's unverified apply time over the int32 scatter's of the same changes.
+
+``--device cuda`` copies the view to the GPU and the codec's encoder scans it there
+(:mod:`policies.codec.scan`; its row's ``scan_device``, and ``device_memcpy_gbps``, a copy of the
+view on the GPU, which its ``encode_vs_memcpy`` pairs with); the patch must be the CPU encoder's
+bytes for the row to be ``exact``. Applying, and the baselines, run on the host either way.
 
 The int32 baseline applies with a compiled scatter of its stored values (one thread per tensor,
 as the codec): no decoding at all, so its ``apply_time_vs_copy`` is the memory floor of any
@@ -58,6 +64,7 @@ class _Timer:
         start = time.perf_counter()
         for k, v in self._view.items():
             self._dst[k].copy_(v)
+        _sync(self._view)
         return time.perf_counter() - start
 
     def best(
@@ -73,6 +80,13 @@ class _Timer:
             best = min(best, time.perf_counter() - start)
         self.copies.append(copy)
         return best, copy
+
+
+def _sync(view: State) -> None:
+    """Wait for the device work queued on ``view``'s tensors (a no-op on CPU)."""
+    devices = {t.device for t in view.values() if t.device.type == "cuda"}
+    for device in devices:
+        torch.cuda.synchronize(device)
 
 
 def make_view(size_mb: int, seed: int) -> State:
@@ -144,25 +158,35 @@ def _row(
     }
 
 
-def _bench_sprawl(base: State, target: State, full: int, timer: _Timer) -> dict[str, Any]:
+def _bench_sprawl(
+    base: State, target: State, full: int, timer: _Timer, device: str
+) -> dict[str, Any]:
+    """The codec's row; encoding scans the copies of ``base``/``target`` on ``device`` (its
+    ``encode_vs_memcpy`` pairs with a copy of the view there), applying works on the host."""
     bsums, tsums = checksums(base), checksums(target)
     bdig = state_digest(base, known=bsums)
     patch = encode_patch(base, target, base_digest=bdig, target_checksums=tsums)
-    enc = timer.best(lambda _: encode_patch(base, target, base_digest=bdig, target_checksums=tsums))
-    cold = timer.best(lambda _: encode_patch(base, target))
+    db, dt = ({k: v.to(device) for k, v in s.items()} for s in (base, target))
+    on_device = timer if device == "cpu" else _Timer(db, timer.repeats)
+    same = encode_patch(db, dt, base_digest=bdig, target_checksums=tsums) == patch
+    enc = on_device.best(lambda _: encode_patch(db, dt, base_digest=bdig, target_checksums=tsums))
+    cold = on_device.best(lambda _: encode_patch(db, dt))
     app = timer.best(lambda s: apply_patch(s, patch, base_digest=bdig), lambda: _copy(base))
     raw = timer.best(
         lambda s: apply_patch(s, patch, base_digest=bdig, verify=False), lambda: _copy(base)
     )
     result = apply_patch(_copy(base), patch, base_digest=bdig)
     changed = read_patch_header(patch).changed
-    row = _row("sprawl", len(patch), changed, full, enc, app, _equal(result, target))
+    row = _row("sprawl", len(patch), changed, full, enc, app, same and _equal(result, target))
     row.update(
+        scan_device=device,
         changed=changed,
         encode_cold_gbps=_gbps(full, cold[0]),
         apply_unverified_gbps=_gbps(full, raw[0]),
         apply_unverified_time_vs_copy=raw[0] / raw[1],
     )
+    if device != "cpu":
+        row["device_memcpy_gbps"] = _gbps(full, min(on_device.copies))
     return row
 
 
@@ -232,28 +256,38 @@ def _bench_xor_zstd(base: State, target: State, full: int, timer: _Timer) -> dic
     return _row("dense_xor_zstd1", size, changed, full, enc, app, _equal(state, target))
 
 
-def run(size_mb: int, repeats: int, densities: tuple[float, ...] = DENSITIES) -> dict[str, Any]:
-    """Run the whole benchmark and return its report.
+def run(
+    size_mb: int, repeats: int, densities: tuple[float, ...] = DENSITIES, device: str = "cpu"
+) -> dict[str, Any]:
+    """Run the whole benchmark and return its report (the codec's scan on ``device``).
 
     Every codec timing is paired with a memcpy timed just before it (:class:`_Timer`); a row's
     ratios use those pairs and its ``memcpy_gbps`` is the best of its pairs, the report's the
-    best of all.
+    best of all. The codec's row also compares its unverified apply with the int32 scatter of
+    the same changes (``apply_unverified_vs_int32_scatter``, a ratio of times).
     """
     base = make_view(size_mb, seed=0)
     full = sum(t.numel() * t.element_size() for t in base.values())
     rows = []
     for i, density in enumerate(densities):
         target = adam_like(base, density, seed=i + 1)
-        for bench in (_bench_sprawl, _bench_index_raw, _bench_xor_zstd):
+        timer = _Timer(base, repeats)
+        sprawl = _bench_sprawl(base, target, full, timer, device)
+        sprawl.update(density=density, memcpy_gbps=_gbps(full, min(timer.copies)))
+        rows.append(sprawl)
+        for bench in (_bench_index_raw, _bench_xor_zstd):
             timer = _Timer(base, repeats)
             row = bench(base, target, full, timer)
             row.update(density=density, memcpy_gbps=_gbps(full, min(timer.copies)))
             rows.append(row)
+        scatter_gbps = rows[-2]["apply_gbps"]  # the int32 baseline of this density
+        sprawl["apply_unverified_vs_int32_scatter"] = scatter_gbps / sprawl["apply_unverified_gbps"]
     return {
         "size_mb": size_mb,
         "full_bytes": full,
         "memcpy_gbps": max(r["memcpy_gbps"] for r in rows),
         "threads": torch.get_num_threads(),
+        "scan_device": device,
         "rows": rows,
     }
 
@@ -323,6 +357,7 @@ def _table(report: dict[str, Any]) -> None:
         "apply GB/s",
         "apply/copy time",
         "unverified",
+        "unverified/scatter",
         "exact",
     ):
         table.add_column(col, justify="right")
@@ -337,6 +372,7 @@ def _table(report: dict[str, Any]) -> None:
             f"{r['apply_gbps']:.2f}",
             f"{r['apply_time_vs_copy']:.0%}",
             f"{r['apply_unverified_time_vs_copy']:.0%}" if "apply_unverified_gbps" in r else "–",
+            f"{r['apply_unverified_vs_int32_scatter']:.2f}×" if r["codec"] == "sprawl" else "–",
             str(r["exact"]),
         )
     Console().print(table)
@@ -371,7 +407,15 @@ def main(argv: list[str]) -> int:
         help="instead: changed fraction of quantized views per scale policy",
     )
     parser.add_argument("--lr", type=float, default=1e-6, help="--churn: Adam step size")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the codec's change scan runs (the view is copied there for encoding)",
+    )
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("orchestrate bench codec: --device cuda: no CUDA GPU is available here")
     if args.churn:
         with quiet_logs():
             rows = scale_churn(2048, 4096, args.lr)
@@ -381,7 +425,7 @@ def main(argv: list[str]) -> int:
             _churn_table(rows, args.lr)
         return 0
     with quiet_logs():
-        report = run(args.size_mb, args.repeats)
+        report = run(args.size_mb, args.repeats, device=args.device)
     if args.json:
         print(json.dumps(report, indent=1))
     else:

@@ -19,9 +19,14 @@ Guarantees:
 - Tensors added, or whose dtype or shape changed, are shipped whole; removed names are listed.
   Names that alias one storage in the target (tied embeddings) are encoded once and stay tied.
 
+Device tensors: a base and target tensor on another device (a trainer's GPU) are scanned there
+with torch ops (:mod:`policies.codec.scan`); only the changed positions and units, and the dense
+chunks, cross to the host, and the patch is the same bytes as from CPU copies. Checksums and
+digests read host copies: pass ``base_digest`` and ``target_checksums`` to skip them.
+
 Not covered: partially overlapping views of one storage (each is patched on its own, which is
-exact only when their target bytes agree); device tensors (encoding reads CPU copies; applying
-refuses non-CPU tensors with :class:`PatchError`).
+exact only when their target bytes agree); a base tensor and its target on different devices
+(:class:`PatchError`); applying to device tensors (refused with :class:`PatchError`).
 
 Wire format (all integers little-endian)::
 
@@ -52,7 +57,8 @@ first. The encoder picks the coding with the lowest order-0 entropy on the first
 Modules: this one encodes (the package names the public surface); :mod:`policies.codec.format` holds
 the frame and header, :mod:`policies.codec.apply` applies patches, :mod:`policies.codec.ops` reads
 and writes sections (numba-compiled loops in :mod:`policies.codec.kernels` and
-:mod:`policies.codec.kernels_apply`; vectorized numpy reference of the format alongside).
+:mod:`policies.codec.kernels_apply`; vectorized numpy reference of the format alongside);
+:mod:`policies.codec.scan` scans device tensors.
 """
 
 from __future__ import annotations
@@ -92,6 +98,7 @@ from policies.codec.ops import (
     start_changes,
     unit_view,
 )
+from policies.codec.scan import scan_tensor
 from policies.errors import PatchError
 
 log = structlog.get_logger(__name__)
@@ -121,7 +128,9 @@ def _compress(raw: bytes | memoryview, level: int) -> bytes:
     return zstandard.ZstdCompressor(level=level, threads=threads).compress(raw)
 
 
-def _section(b: UInt, t: UInt, changes: Changes, floating: bool, level: int, chunk: int) -> bytes:
+def _section(
+    b: UInt | None, t: UInt | None, changes: Changes, floating: bool, level: int, chunk: int
+) -> bytes:
     """The compressed section storing ``changes`` (empty when nothing changed)."""
     if not changes.changed:
         return b""
@@ -184,9 +193,11 @@ def encode_patch(
         # pool never idles between tensors; at most _IN_FLIGHT sections wait to be written
         # and compressed (which bounds the scanned changes held in memory).
         # (units are taken when a scan starts: a device or strided tensor is copied only then)
-        def start(k: int) -> tuple[UInt, UInt, Callable[[], Changes]]:
+        def start(k: int) -> tuple[UInt | None, UInt | None, Callable[[], Changes]]:
             _, b, t = scans[k]
             w = _width(t)
+            if b.device.type != "cpu" or t.device.type != "cpu":
+                return None, None, pool.submit(scan_tensor, b, t, w, chunk).result
             bu, tu = unit_view(raw_bytes(b), w), unit_view(raw_bytes(t), w)
             return bu, tu, start_changes(bu, tu, pool, chunk)
 

@@ -118,6 +118,49 @@ def inverse(b: np.uint64, z: np.uint64, coding: int, mask: np.uint64, sign: np.u
     return _unordered((_ordered(b, mask, sign) + d) & mask, mask, sign)
 
 
+@intrinsic
+def trailing_zeros(typingctx, x):  # type: ignore[no-untyped-def]  # numba reads the names
+    """The number of trailing zero bits of the non-zero ``uint64`` ``x`` (LLVM ``cttz``)."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.cttz(args[0], ir.Constant(ir.IntType(1), 1))  # 1: x is never zero
+
+    return types.uint64(types.uint64), codegen
+
+
+@jit
+def _changed_words(
+    bw: npt.NDArray[np.uint64],
+    tw: npt.NDArray[np.uint64],
+    w0: np.uint64,
+    w1: np.uint64,
+    out: npt.NDArray[np.uint64],
+) -> np.uint64:
+    """List the indices ``w0 … w1`` where ``bw`` and ``tw`` differ into ``out``; their count.
+
+    64 words are compared into one bit mask (a loop without stores, which vectorizes), then
+    the mask's set bits are listed: the work beyond the compare is per changed word, and the
+    only unpredictable branch is the end of each mask's bits.
+    """
+    kw = ZERO
+    w = w0
+    while w + np.uint64(64) <= w1:
+        m = ZERO
+        for i in range(64):
+            m |= np.uint64(bw[w + np.uint64(i)] != tw[w + np.uint64(i)]) << np.uint64(i)
+        while m:
+            low = m & (ZERO - m)  # the lowest set bit
+            m ^= low
+            kw += _ONE
+            out[kw - _ONE] = w + trailing_zeros(low)  # type: ignore[call-arg]  # typed by numba
+        w += np.uint64(64)
+    while w < w1:  # the last < 64 words: stores unconditional, advanced by the comparison
+        out[kw] = w
+        kw += np.uint64(bw[w] != tw[w])
+        w += _ONE
+    return kw
+
+
 @jit
 def scan_changes(
     b: UInt,
@@ -154,16 +197,11 @@ def scan_changes(
         lo = c * chunk
         hi = min(lo + chunk, n)
         whi = min(hi // lanes, nwords)
-        # Both loops store unconditionally and advance by the comparison: no data-dependent
-        # branches, which at 1-10% density would mispredict on most changed words. Their
-        # indices are unsigned: numba checks every signed index for wraparound (negative means
-        # from the end), which halves the speed of the word loop.
-        w0 = np.uint64(lo // lanes)
-        kw = np.uint64(0)
-        for i in range(whi - lo // lanes):
-            w = w0 + np.uint64(i)
-            changed_words[kw] = w
-            kw += np.uint64(bw[w] != tw[w])
+        # The unit loop stores unconditionally and advances by the comparison: no
+        # data-dependent branch, which at 1-10% density would mispredict on most changed
+        # words. Indices are unsigned: numba checks every signed index for wraparound
+        # (negative means from the end), which halves the speed of such a loop.
+        kw = _changed_words(bw, tw, np.uint64(lo // lanes), np.uint64(whi), changed_words)
         uk = np.uint64(0)
         for i in range(kw):
             u0 = changed_words[i] * np.uint64(lanes)
@@ -278,9 +316,32 @@ def _put_block(
 
 
 @jit
-def write_values(
-    svals: UInt,
-    bvals: UInt,
+def write_rows(
+    vals: UInt,
+    coding: int,
+    mask: np.uint64,
+    sign: np.uint64,
+    out: U8,
+    j: int,
+    n_vals: int,
+) -> int:
+    """The values of the changes ``vals`` ((base, target) rows) as byte planes from index ``j``
+    of the planes in ``out`` (plane k at ``k * n_vals``); returns the index after them."""
+    width = unit_bytes(vals)
+    z = np.empty(BLOCK, dtype=np.uint64)
+    for lo in range(0, vals.shape[1], BLOCK):
+        m = min(BLOCK, vals.shape[1] - lo)
+        for q in range(m):
+            z[q] = forward(
+                np.uint64(vals[0, lo + q]), np.uint64(vals[1, lo + q]), coding, mask, sign
+            )
+        _put_block(out, j, n_vals, width, z, m)
+        j += m
+    return j
+
+
+@jit
+def write_dense(
     b: UInt,
     t: UInt,
     modes: U8,
@@ -289,25 +350,13 @@ def write_values(
     mask: np.uint64,
     sign: np.uint64,
     out: U8,
-    vstart: int,
+    j: int,
     n_vals: int,
 ) -> None:
-    """Every stored value (sparse, bitmask, then dense units) as byte planes at ``out[vstart:]``.
-
-    ``svals``/``bvals`` hold (base, target) rows of the sparse and bitmask changes.
-    """
+    """The values of every unit of the dense chunks of ``b → t`` as byte planes from index
+    ``j`` on (after the sparse and bitmask values, :func:`write_rows`)."""
     width = unit_bytes(b)
     z = np.empty(BLOCK, dtype=np.uint64)
-    j = vstart
-    for vals in (svals, bvals):
-        for lo in range(0, vals.shape[1], BLOCK):
-            m = min(BLOCK, vals.shape[1] - lo)
-            for q in range(m):
-                z[q] = forward(
-                    np.uint64(vals[0, lo + q]), np.uint64(vals[1, lo + q]), coding, mask, sign
-                )
-            _put_block(out, j, n_vals, width, z, m)
-            j += m
     for c in range(modes.size):
         if modes[c] == 3:
             hi = min((c + 1) * chunk, b.size)

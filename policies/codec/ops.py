@@ -32,7 +32,8 @@ from policies.codec.kernels import (
     scan_changes,
     varint_lengths,
     write_bitmasks,
-    write_values,
+    write_dense,
+    write_rows,
     write_varints,
 )
 from policies.codec.kernels_apply import ERRORS, apply_changes
@@ -232,6 +233,10 @@ class Changes(NamedTuple):
     bvals: UInt
     dense_changed: int
     """Changed units in dense chunks (which store every unit)."""
+    dense: UInt | None = None
+    """Every unit of the dense chunks, in chunk order, as (base, target) rows, when the scan ran
+    off the host (:mod:`policies.codec.scan`); ``None``: :func:`encode_section` reads them from
+    the tensors."""
 
     @property
     def changed(self) -> int:
@@ -301,37 +306,56 @@ def start_changes(b: UInt, t: UInt, pool: ThreadPoolExecutor, chunk: int) -> Cal
     return collect
 
 
-def _sample(b: UInt, t: UInt, ch: Changes, chunk: int) -> tuple[UInt, UInt]:
-    """Base and target units of (at least) the first :data:`SAMPLE` stored values."""
+def _sample(ch: Changes, source: UInt | tuple[UInt, UInt], chunk: int) -> tuple[UInt, UInt]:
+    """Base and target units of (at least) the first :data:`SAMPLE` stored values
+    (``source``: the dense units, :func:`_dense_source`)."""
     vals = np.concatenate([ch.svals[:, :SAMPLE], ch.bvals[:, :SAMPLE]], axis=1)
     dense = np.flatnonzero(ch.modes == DENSE)
     if vals.shape[1] >= SAMPLE or not dense.size:
         return vals[0], vals[1]
-    lo = int(dense[0]) * chunk
-    return np.concatenate([vals[0], b[lo : lo + chunk]]), np.concatenate(
-        [vals[1], t[lo : lo + chunk]]
-    )
+    if isinstance(source, tuple):
+        lo = int(dense[0]) * chunk
+        first = np.stack([source[0][lo : lo + chunk], source[1][lo : lo + chunk]])
+    else:
+        first = source[:, :chunk]  # the first dense chunk (all of them when it is partial)
+    return np.concatenate([vals[0], first[0]]), np.concatenate([vals[1], first[1]])
 
 
-def encode_section(b: UInt, t: UInt, ch: Changes, floating: bool, chunk: int) -> U8:
+def _dense_source(b: UInt | None, t: UInt | None, ch: Changes) -> UInt | tuple[UInt, UInt]:
+    """Where the units of dense chunks are read: ``ch.dense`` rows, else the tensors."""
+    if ch.dense is not None:
+        return ch.dense
+    if b is None or t is None:
+        raise ValueError("encode_section needs the tensors' units or Changes.dense")
+    return b, t
+
+
+def encode_section(b: UInt | None, t: UInt | None, ch: Changes, floating: bool, chunk: int) -> U8:
     """The uncompressed section storing changes ``ch`` of ``b → t`` (empty if none).
 
     Written straight into one buffer by compiled loops: head, modes, gap planes, bitmasks,
-    value planes.
+    value planes. ``b`` and ``t`` (the tensors' units) are read for dense chunks only, and may
+    be ``None`` when ``ch.dense`` holds those units.
     """
     if not ch.changed:
         return np.empty(0, dtype=np.uint8)
-    coding = CODINGS.index(pick_coding(*_sample(b, t, ch, chunk), floating))
+    source = _dense_source(b, t, ch)
+    coding = CODINGS.index(pick_coding(*_sample(ch, source, chunk), floating))
     lens = varint_lengths(ch.spos)
     lens = lens[: np.count_nonzero(lens)]
     dense = np.flatnonzero(ch.modes == DENSE)
-    n_vals = ch.spos.size + ch.bpos.size + dense.size * chunk
-    if dense.size and dense[-1] == ch.modes.size - 1:
-        n_vals -= ch.modes.size * chunk - b.size  # the last chunk is partial
+    if isinstance(source, tuple):
+        n_dense = dense.size * chunk
+        if dense.size and dense[-1] == ch.modes.size - 1:
+            n_dense -= ch.modes.size * chunk - source[0].size  # the last chunk is partial
+    else:
+        n_dense = source.shape[1]
+    n_vals = ch.spos.size + ch.bpos.size + n_dense
     n_bm = int(np.count_nonzero(ch.modes == BITMASK))
     head = SECTION.pack(coding, lens.size, n_vals, n_bm) + lens.astype("<u8").tobytes()
     row_bytes = n_bm * (chunk // 8)
-    size = len(head) + ch.modes.size + int(lens.sum()) + row_bytes + n_vals * b.itemsize
+    width = ch.svals.dtype.itemsize
+    size = len(head) + ch.modes.size + int(lens.sum()) + row_bytes + n_vals * width
     out = np.empty(size, dtype=np.uint8)
     out[: len(head)] = np.frombuffer(head, dtype=np.uint8)
     off = len(head) + ch.modes.size
@@ -340,9 +364,14 @@ def encode_section(b: UInt, t: UInt, ch: Changes, floating: bool, chunk: int) ->
     off += int(lens.sum())
     out[off : off + row_bytes] = 0
     write_bitmasks(ch.bpos, chunk, out, off)
-    mask, sign = _mask_sign(b.itemsize)
-    vstart = off + row_bytes
-    write_values(ch.svals, ch.bvals, b, t, ch.modes, chunk, coding, mask, sign, out, vstart, n_vals)
+    mask, sign = _mask_sign(width)
+    j = off + row_bytes
+    j = write_rows(ch.svals, coding, mask, sign, out, j, n_vals)
+    j = write_rows(ch.bvals, coding, mask, sign, out, j, n_vals)
+    if isinstance(source, tuple):
+        write_dense(*source, ch.modes, chunk, coding, mask, sign, out, j, n_vals)
+    else:
+        write_rows(source, coding, mask, sign, out, j, n_vals)
     return out
 
 

@@ -310,6 +310,17 @@ def test_bench_codec_small_run_is_exact_and_complete(capsys: pytest.CaptureFixtu
     assert all(r["exact"] for r in report["rows"])
     assert sprawl[0.01]["bits_per_changed_element"] < 16
     assert sprawl[0.01]["patch_bytes"] < sprawl[0.01]["full_bytes"] / 50
+    assert report["scan_device"] == "cpu"
+    scatter = {r["density"]: r for r in report["rows"] if r["codec"] == "int32_index_raw"}
+    for density, row in sprawl.items():
+        ratio = scatter[density]["apply_gbps"] / row["apply_unverified_gbps"]
+        assert row["apply_unverified_vs_int32_scatter"] == pytest.approx(ratio)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is here")
+def test_bench_codec_on_cuda_without_a_gpu_is_one_line() -> None:
+    with pytest.raises(SystemExit, match=r"^orchestrate bench codec: --device cuda: no CUDA GPU"):
+        bench_codec.main(["--size-mb", "1", "--device", "cuda"])
 
 
 def test_encode_and_apply_log_one_line_each() -> None:

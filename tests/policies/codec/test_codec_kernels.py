@@ -56,7 +56,9 @@ def unit_pairs(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, int]:
 
 @settings(max_examples=150, deadline=None)
 @given(unit_pairs())
-def test_compiled_sections_are_the_reference_layout(case: tuple[np.ndarray, ...]) -> None:
+def test_compiled_sections_are_the_reference_layout(
+    case: tuple[np.ndarray, np.ndarray, int],
+) -> None:
     b, t, chunk = case
     changes = find_changes(b, t, _POOL, chunk)
     assert changes.changed == int(np.count_nonzero(b != t))
@@ -71,7 +73,7 @@ def test_compiled_sections_are_the_reference_layout(case: tuple[np.ndarray, ...]
 @settings(max_examples=150, deadline=None)
 @given(unit_pairs(), st.sampled_from(CODINGS))
 def test_reference_sections_apply_in_every_coding(
-    case: tuple[np.ndarray, ...], coding: Coding
+    case: tuple[np.ndarray, np.ndarray, int], coding: Coding
 ) -> None:
     b, t, chunk = case
     if np.array_equal(b, t):
