@@ -6,7 +6,7 @@ served by the engine (the reference engine in process, a live vLLM CPU server, o
 own llama-server); the engine's sidecar reads the board through a serial link of
 ``--link-mbit`` Mbit/s (:class:`~orchestrator.bench.sync.ThrottledBoard`). Then ``--versions``
 versions are published, each moving ``--density`` of the bf16 values by ±1 ulp (an Adam step),
-and for each: ``publish_to_serving_s`` (from the start of ``Board.publish`` to the sidecar
+and for each: ``sync_s`` (from the start of ``Board.publish`` to the sidecar
 serving it), ``board_bytes_read`` (what crossed the link to stage it) and ``patch_bytes``. Also:
 ``full_checkpoint_bytes`` (the anchor the engine started from), ``pause_ms`` p50 / p99 (the time
 generation was held per activation, pause mode), and ``exact``: greedy token ids and log probs
@@ -178,7 +178,7 @@ async def run(
                 rows.append(
                     {
                         "version": v,
-                        "publish_to_serving_s": round(time.perf_counter() - t0, 4),
+                        "sync_s": round(time.perf_counter() - t0, 4),
                         "board_bytes_read": link.bytes - before,
                         "patch_bytes": manifest.patches[0].bytes,
                     }
@@ -201,7 +201,7 @@ async def run(
         "full_checkpoint_bytes": full_bytes,
         "full_checkpoint_link_s": round(full_bytes * 8 / (mbit * 1e6), 3),
         "versions": rows,
-        "publish_to_serving_s_p50": statistics.median(r["publish_to_serving_s"] for r in rows),
+        "sync_s_p50": statistics.median(r["sync_s"] for r in rows),
         "board_bytes_per_patch_byte_max": round(ratio, 3),
         "pause_ms": {
             "p50": round(statistics.median(pauses), 2),
@@ -241,7 +241,7 @@ def main(argv: list[str]) -> int:
         sys.stdout.write(json.dumps(result) + "\n")
     else:
         sys.stdout.write(
-            f"{result['engine']}: publish→serving p50 {result['publish_to_serving_s_p50']} s, "
+            f"{result['engine']}: publish→serving p50 {result['sync_s_p50']} s, "
             f"board bytes ≤ {result['board_bytes_per_patch_byte_max']}× the patch, "
             f"pause p50 {result['pause_ms']['p50']} ms p99 {result['pause_ms']['p99']} ms, "
             f"exact={result['exact']} (full checkpoint: {result['full_checkpoint_bytes']} B, "

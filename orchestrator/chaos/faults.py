@@ -194,7 +194,7 @@ def _link(mode: LinkMode) -> Inject:
 
 # -- board -----------------------------------------------------------------------------------------
 def _damaged_patch(action: str) -> dict[str, str]:
-    rule = {"site": "board.write", "match": "*/versions/00000002/from-00000001.patch"}
+    rule = {"site": "board.write", "match": "*/versions/00000002/from-00000001/*.patch"}
     return {"SPRAWL_FAULTS": json.dumps([{**rule, "action": action}])}
 
 

@@ -2,8 +2,10 @@
 and reading it back (no I/O here; numpy and xxhash, not the storage edge).
 
 Guarantees: :func:`parse_manifest` returns a manifest only if it is of a format this sprawl reads
-(:data:`~policies.board.types.BOARD_FORMAT`, or :data:`~policies.board.types.SHARDED_FORMAT` with
-shards), every field validates (patch names are the layout's, base file names are
+(:data:`~policies.board.types.FORMATS`: :data:`~policies.board.types.BOARD_FORMAT`, whose patches
+are single files; :data:`~policies.board.types.SHARDED_FORMAT` with shards;
+:data:`~policies.board.types.STREAM_FORMAT`, whose patches may be stored in chunks whose sizes
+add up to the patch's), every field validates (patch names are the layout's, base file names are
 :data:`~policies.board.types.BASE_FILES`), its digest is that of its tensor entries and its seal
 that of all its fields; otherwise :class:`VersionCorrupt` or, for another format,
 :class:`BoardFormatError` saying how to proceed — each in one line naming the version. A sharded
@@ -28,7 +30,9 @@ from pydantic import BaseModel, ValidationError
 
 from policies.board.types import (
     BOARD_FORMAT,
+    FORMATS,
     SHARDED_FORMAT,
+    STREAM_FORMAT,
     FileEntry,
     Manifest,
     PieceEntry,
@@ -131,7 +135,7 @@ def parse_manifest(raw: bytes, version: int, board: str) -> Manifest:
     the board and run in a format error."""
     try:
         fmt = _Format.model_validate_json(raw).format
-        if fmt not in (BOARD_FORMAT, SHARDED_FORMAT):
+        if fmt not in FORMATS:
             raise _format_error(version, fmt, board)
         m = Manifest.model_validate_json(raw)
     except ValidationError as exc:
@@ -145,6 +149,15 @@ def parse_manifest(raw: bytes, version: int, board: str) -> Manifest:
             f"version {version}: a format {fmt} manifest "
             + ("has no shards" if fmt == SHARDED_FORMAT else "has shards")
         )
+    chunked = [p for p in m.patches if p.chunks]
+    if chunked and fmt != STREAM_FORMAT:
+        raise VersionCorrupt(f"version {version}: a format {fmt} manifest has chunked patches")
+    for ref in chunked:
+        if sum(c.bytes for c in ref.chunks) != ref.bytes:
+            raise VersionCorrupt(
+                f"version {version}: the chunks of {ref.file} do not add up to its "
+                f"{ref.bytes} bytes"
+            )
     wrong = check_shards(m) if m.shards else None
     if wrong is not None:
         raise VersionCorrupt(f"version {version}: sharded manifest inconsistent: {wrong}")
@@ -162,5 +175,5 @@ def _format_error(version: int, fmt: int, board: str) -> BoardFormatError:
         )
     return BoardFormatError(
         f"{where} was written by a newer sprawl (board format {fmt}; this sprawl reads formats "
-        f"{BOARD_FORMAT} and {SHARDED_FORMAT}): upgrade sprawl to read it"
+        f"{', '.join(map(str, FORMATS))}): upgrade sprawl to read it"
     )

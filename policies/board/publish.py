@@ -5,10 +5,14 @@ Layout under ``<url>/<run>/``::
     base/                     config.json, generation_config.json, tokenizer files (written once)
     versions/<v:08d>/         manifest.json, and
         model.safetensors     the full served view (anchors only; HF layout, tied names once)
-        from-<u:08d>.patch    bitwise patch u → v (policies.codec): the delta from the previous
-                              version and squashed catch-up patches (policies.board.plan)
+        from-<u:08d>/<i:05d>.patch  chunk i of the bitwise patch u → v (policies.codec): the
+                              delta from the previous version and squashed catch-up patches
+                              (policies.board.plan), streamed chunk by chunk
+                              (policies.board.stream); ``from-<u:08d>.patch`` (one file) in
+                              versions of format 2
         shards/<r:05d>/       a sharded version's files, rank by rank (policies.board.sharded)
     POINTER                   {"version": v, "digest": …} — the newest durable version
+    STREAM                    the version being streamed now (policies.board.stream)
 
 Publishing (:meth:`Board.publish`) writes a delta against the previous version unless an anchor
 is due (``BoardOptions.anchor_every`` versions since the last one, or the delta bytes since it
@@ -22,6 +26,8 @@ fields (:func:`~policies.board.manifest.manifest_seal`), patch names and sizes i
 
 Guarantees:
 
+- patches are streamed: ``STREAM``, then each chunk as soon as it is encoded, so replicas
+  stage chunks while the rest is encoded (:mod:`policies.board.stream`);
 - bytes are durable before the pointer moves: data files, then the manifest, then the pointer,
   each written atomically (local: temp file + fsync + rename + directory fsync; object stores:
   one PUT per object, the pointer last);
@@ -46,6 +52,7 @@ not atomic against another writer); a reader racing :meth:`gc` below ``keep_from
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -56,11 +63,12 @@ import torch
 
 from policies.board import plan as board_plan
 from policies.board.manifest import file_entries, manifest_digest, manifest_seal
-from policies.board.read import MANIFEST, WEIGHTS, BoardReader, anchor_payload
+from policies.board.read import MANIFEST, STREAM, WEIGHTS, BoardReader, anchor_payload
+from policies.board.stream import announce, write_chunks
 from policies.board.types import (
     BASE_FILES,
-    BOARD_FORMAT,
     MAX_VERSION,
+    STREAM_FORMAT,
     BoardOptions,
     Manifest,
     PatchRef,
@@ -150,7 +158,27 @@ class Board(BoardReader):
             raise BoardError(f"pointer only moves forward: version {version} <= current {latest}")
         opts = self.options
         tensors = {k: v.detach().cpu().contiguous() for k, v in view.items()}
-        sums = checksums(tensors)
+        full_bytes = sum(t.nbytes for t in {storage_key(t): t for t in tensors.values()}.values())
+        head = self._head if self._head is not None and self._head.version == latest else None
+        held = self._held if head is not None else {}
+        bases = board_plan.patch_bases(version, latest, held, opts.catchup_levels)
+        vdir = self._vdir(version)
+        patches: dict[int, PatchRef] = {}
+        if bases:  # the previous version first: replicas holding it stage chunks as they land
+            order = sorted(bases, key=lambda b: (b != latest, -b))
+            stream = announce(
+                version, tensors, {b: held[b].digest for b in order}, uuid.uuid4().hex
+            )
+            self._write(f"{self.root}/{STREAM}", stream.model_dump_json().encode())
+            sums, patches = write_chunks(
+                stream,
+                {b: held[b].view for b in order},
+                tensors,
+                opts,
+                lambda rel, data: self._write(f"{vdir}/{rel}", data),
+            )
+        else:
+            sums = checksums(tensors)
         entries = {
             k: TensorEntry(
                 dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), checksum=sums[k]
@@ -158,24 +186,14 @@ class Board(BoardReader):
             for k, t in tensors.items()
         }
         digest = manifest_digest(entries)
-        full_bytes = sum(t.nbytes for t in {storage_key(t): t for t in tensors.values()}.values())
-        head = self._head if self._head is not None and self._head.version == latest else None
-        held = self._held if head is not None else {}
-        bases = board_plan.patch_bases(version, latest, held, opts.catchup_levels)
-        patches = encode_patches(
-            {b: (held[b].view, held[b].digest) for b in bases}, tensors, sums, opts
-        )
         delta = patches.get(latest) if latest is not None else None
         is_anchor = (
             head is None
             or delta is None
             or head.anchor is None
             or version - head.anchor >= opts.anchor_every
-            or head.chain_bytes + delta[1].bytes > opts.anchor_fraction * full_bytes
+            or head.chain_bytes + delta.bytes > opts.anchor_fraction * full_bytes
         )
-        vdir = self._vdir(version)
-        for data, ref in patches.values():
-            self._write(f"{vdir}/{ref.file}", data)
         aliases: dict[str, str] = {}
         payload = b""
         if is_anchor:
@@ -189,16 +207,16 @@ class Board(BoardReader):
             codec="safetensors" if is_anchor else CODEC,
             tensors=entries,
             digest=digest,
-            bytes=len(payload) if is_anchor else delta[1].bytes if delta else 0,
+            bytes=len(payload) if is_anchor else delta.bytes if delta else 0,
             created_at=time.time(),
-            patches=[ref for _, ref in patches.values()],
+            patches=list(patches.values()),
             aliases=aliases,
             anchor=version if is_anchor else head.anchor if head else None,
             chain_bytes=0
             if is_anchor or delta is None or head is None
-            else head.chain_bytes + delta[1].bytes,
+            else head.chain_bytes + delta.bytes,
             full_bytes=full_bytes,
-            format=BOARD_FORMAT,
+            format=STREAM_FORMAT,
             base_files=file_entries(self.base_files()),
         )
         manifest = manifest.model_copy(update={"seal": manifest_seal(manifest)})
@@ -211,7 +229,7 @@ class Board(BoardReader):
         log.info(
             "board.published", board=self.safe_url, run=self.run, version=version,
             kind=manifest.kind, bytes=manifest.bytes, patches=len(patches),
-            stored=len(payload) + sum(r.bytes for _, r in patches.values()),
+            stored=len(payload) + sum(r.bytes for r in patches.values()),
         )  # fmt: skip
         if opts.retain_versions is not None:
             self.gc(version - opts.retain_versions + 1)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import shutil
 import uuid
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 
 import structlog
@@ -28,6 +28,7 @@ from safetensors.torch import save as st_save
 from policies.board import plan as board_plan
 from policies.board.manifest import file_entries, one_line, parse_manifest, pieces_checksum
 from policies.board.store import Store
+from policies.board.stream import StagedChunk, StreamSource, apply_chunk, check_chunks, follow
 from policies.board.types import (
     BASE_FILES,
     MAX_BASE_FILE_BYTES,
@@ -36,11 +37,14 @@ from policies.board.types import (
     BoardOptions,
     CatchUp,
     Manifest,
+    PatchRef,
     PieceEntry,
     Pointer,
     ShardEntry,
     Step,
+    Stream,
     check_run_name,
+    chunk_file,
     shard_dir,
 )
 from policies.codec import apply_patch, read_patch_header
@@ -57,6 +61,9 @@ log = structlog.get_logger(__name__)
 
 WEIGHTS = "model.safetensors"
 MANIFEST = "manifest.json"
+STREAM = "STREAM"
+"""The run's :class:`~policies.board.types.Stream` object: the version being streamed now."""
+MAX_STREAM_BYTES = MAX_MANIFEST_BYTES
 
 
 def anchor_payload(view: Mapping[str, torch.Tensor]) -> tuple[bytes, dict[str, str]]:
@@ -168,6 +175,33 @@ class BoardReader:
         self._seen_latest = latest
         return latest
 
+    def stream(self) -> Stream | None:
+        """The version a publisher is streaming now (the run's ``STREAM``), or None: absent,
+        or unreadable (logged as ``board.stream_unreadable``; replicas then wait for the
+        pointer). It never makes a version servable; only :meth:`advance` with it does, once the
+        version is published and its chunks match its manifest."""
+        try:
+            raw = self._read(f"{self.root}/{STREAM}", MAX_STREAM_BYTES)
+        except FileNotFoundError:
+            return None
+        try:
+            if len(raw) > MAX_STREAM_BYTES:
+                raise ValueError(f"larger than {MAX_STREAM_BYTES} bytes")
+            return Stream.model_validate_json(raw)
+        except (ValidationError, ValueError) as exc:
+            error = one_line(exc, "stream") if isinstance(exc, ValidationError) else str(exc)
+            log.warning("board.stream_unreadable", board=self.safe_url, run=self.run, error=error)
+            return None
+
+    def _chunk(self, version: int) -> Callable[[str, int], bytes | None]:
+        def read(rel: str, limit: int) -> bytes | None:
+            try:
+                return self._read(f"{self._vdir(version)}/{rel}", limit)
+            except FileNotFoundError:
+                return None
+
+        return read
+
     def versions(self) -> list[int]:
         """Every published version (a manifest at or below the pointer), ascending."""
         latest = self.latest()
@@ -246,7 +280,14 @@ class BoardReader:
 
     def read_patch(self, step: Step) -> bytes:
         """The bytes of one planned patch (verify them by applying with :meth:`advance`); no
-        more than the manifest's size of it is read."""
+        more than the manifest's size of it is read. A patch stored in chunks (format 4) is
+        refused: read each chunk, a complete patch (``PatchRef.chunks``, ``chunk_file``)."""
+        ref = next((p for p in self.manifest(step.version).patches if p.base == step.base), None)
+        if ref is not None and ref.chunks:
+            raise BoardError(
+                f"version {step.version}: {step.file} is stored in {len(ref.chunks)} chunks "
+                f"({chunk_file(step.base, 0)} …): read those, each a complete patch"
+            )
         return self._read_exact(step.version, step.file, step.bytes)
 
     def _read_exact(self, version: int, rel: str, size: int) -> bytes:
@@ -276,7 +317,13 @@ class BoardReader:
         Patches are applied bitwise into ``view``'s tensors; an anchor in the plan replaces the
         contents. ``verify_base`` hashes the held view instead of trusting that it is ``have``.
         If this raises, ``view`` may be partly advanced: reload it (``have=None``).
+
+        ``want`` may also be a version a publisher is streaming from ``have``
+        (:meth:`stream`): its chunks are applied as they land, and this returns once it is
+        published and they match its manifest (:mod:`policies.board.stream`).
         """
+        if have is not None and want is not None and want > (self.latest() or -1):
+            return self._advance_streamed(view, have, want, verify_base=verify_base)
         plan = self.catch_up(have, want)
         self._check_base(self.manifest(plan.want))
         digest: str | None = None
@@ -299,6 +346,36 @@ class BoardReader:
             self._check_digest(view, target)
         return target
 
+    def _advance_streamed(
+        self, view: MutableMapping[str, torch.Tensor], have: int, want: int, *, verify_base: bool
+    ) -> Manifest:
+        """:meth:`advance` to ``want`` while it is being streamed (or refuse: not published)."""
+        where = f"{self.safe_url}/{self.run}"
+        stream = self.stream()
+        if stream is None or stream.version != want or have not in stream.bases:
+            raise BoardError(f"version {want} is not published on {where} (newest: {have})")
+        held = self.manifest(have)
+        if verify_base:
+            self._check_digest(view, held)
+        if held.digest != stream.bases[have]:
+            raise PatchBaseMismatch(
+                f"version {want} is streamed from {have} with digest {stream.bases[have]}; "
+                f"version {have} has digest {held.digest}"
+            )
+        source = StreamSource(chunk=self._chunk(want), stream=self.stream, latest=self.latest)
+        staged = follow(view, have, stream, source, where=where)
+        target = self.manifest(want)
+        self._check_base(target)
+        ref = next((p for p in target.patches if p.base == have and p.chunks), None)
+        wrong = "no streamed patch from it" if ref is None else check_chunks(target, ref, staged)
+        if wrong is None and set(view) != set(target.tensors):
+            wrong = "the view's tensor names differ from the manifest"
+        if wrong is not None:
+            raise BoardError(
+                f"version {want} on {where} was published, but not as staged from {have}: {wrong}"
+            )
+        return target
+
     def _apply(
         self, view: MutableMapping[str, torch.Tensor], step: Step, digest: str | None
     ) -> str:
@@ -316,6 +393,9 @@ class BoardReader:
         m = self.manifest(step.version)
         if m.shards:
             return self._apply_sharded(view, step, digest, m)
+        ref = next(p for p in m.patches if p.base == step.base)
+        if ref.chunks:
+            return self._apply_chunks(view, step, digest, m, ref)
         data = self.read_patch(step)
         where = f"version {step.version}: {step.file}"
         try:
@@ -334,6 +414,33 @@ class BoardReader:
             raise PatchBaseMismatch(str(exc) if where in str(exc) else f"{where}: {exc}") from None
         except PatchError as exc:
             raise VersionCorrupt(f"{where}: {exc}") from None
+        return m.digest
+
+    def _apply_chunks(
+        self,
+        view: MutableMapping[str, torch.Tensor],
+        step: Step,
+        digest: str | None,
+        m: Manifest,
+        ref: PatchRef,
+    ) -> str:
+        """Apply a streamed patch of a published version, chunk by chunk, each verified."""
+        if digest is not None and ref.base_digest != digest:
+            raise PatchBaseMismatch(
+                f"version {step.version}: {step.file} applies to version {step.base} (digest "
+                f"{ref.base_digest}); the view held has digest {digest}: catch up from the "
+                "version actually held"
+            )
+        staged: list[StagedChunk] = []
+        for i, chunk in enumerate(ref.chunks):
+            rel = chunk_file(step.base, i)
+            data = self._read_exact(step.version, rel, chunk.bytes)
+            # the first chunk vouches for nothing unless the caller did: hash the base once
+            staged.append(apply_chunk(view, data, f"version {step.version}: {rel}", digest))
+            digest = ref.base_digest
+        wrong = check_chunks(m, ref, staged)
+        if wrong is not None:
+            raise VersionCorrupt(f"version {step.version}: {wrong}")
         return m.digest
 
     def _apply_sharded(

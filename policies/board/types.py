@@ -18,14 +18,21 @@ MAX_VERSION = 2**63 - 1
 """The largest version a board holds (an int64: engines and logs carry versions as int64)."""
 
 BOARD_FORMAT = 2
-"""The manifest format this sprawl writes for versions published by one process, and the oldest
-it reads. Format 2 seals the whole manifest (base files, patch names and sizes included); format 1
-(manifests without a ``format`` field, from earlier sprawl) covered only the tensors and is
-refused (:class:`policies.errors.BoardFormatError` says how to proceed)."""
+"""The oldest manifest format this sprawl reads (versions published by one process before
+patches were streamed; it writes :data:`STREAM_FORMAT` for those now). Format 2 seals the whole
+manifest (base files, patch names and sizes included); format 1 (manifests without a ``format``
+field, from earlier sprawl) covered only the tensors and is refused
+(:class:`policies.errors.BoardFormatError` says how to proceed)."""
 SHARDED_FORMAT = 3
 """The manifest format of a sharded version (:class:`ShardEntry` per rank): format 2 plus
 ``shards``, so a sprawl that reads only format 2 says it is too old instead of calling the
 version corrupt."""
+STREAM_FORMAT = 4
+"""The manifest format of a version published by one process whose patches are stored in chunks
+(:attr:`PatchRef.chunks`, written as they are encoded, so replicas stage them while the rest is
+encoded): format 2 plus ``chunks``. Versions of formats 2 and 3 stay readable."""
+FORMATS = (BOARD_FORMAT, SHARDED_FORMAT, STREAM_FORMAT)
+"""Every manifest format this sprawl reads."""
 
 BASE_FILES = (
     "config.json",
@@ -118,6 +125,24 @@ def patch_file(base: int) -> str:
     return f"from-{base:08d}.patch"
 
 
+def chunk_file(base: int, index: int) -> str:
+    """The name of chunk ``index`` of the patch ``base`` → v inside version v's directory (a
+    streamed patch, :data:`STREAM_FORMAT`): deterministic, so a replica can fetch chunk ``i``
+    before the manifest exists."""
+    return f"from-{base:08d}/{index:05d}.patch"
+
+
+class ChunkRef(BaseModel):
+    """One chunk of a streamed patch: a complete sprawl patch frame of some of the tensors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    bytes: int = Field(ge=0)
+    """The chunk file's exact size: a reader reads no more than this."""
+    checksum: str
+    """The chunk frame's own xxh3-128 (its last 16 bytes, hex): a reader that staged the chunk
+    before the manifest existed checks it is the chunk the manifest vouches for."""
+
+
 class PatchRef(BaseModel):
     """One patch stored in a version directory: ``base`` → this version, in the file
     :func:`patch_file` names (any other name, e.g. a path out of the directory, is refused)."""
@@ -130,6 +155,10 @@ class PatchRef(BaseModel):
     changed: int
     units: int
     base_digest: str
+    chunks: list[ChunkRef] = Field(default_factory=list)
+    """A streamed patch (format :data:`STREAM_FORMAT`): its chunks, in order, in the files
+    :func:`chunk_file` names (``file`` is then the patch's name, not a file); ``bytes`` is
+    their sum. Empty: the patch is the one file ``file``."""
 
     @model_validator(mode="after")
     def _file_is_the_layouts(self) -> PatchRef:
@@ -172,6 +201,29 @@ class ShardEntry(BaseModel):
     """The rank's patches into this version, one per base of the manifest's ``patches``."""
 
 
+class Stream(BaseModel):
+    """The run's ``STREAM`` object: the version a publisher is streaming now (written before its
+    first chunk). It never makes a version servable — only the manifest and the pointer do —;
+    it tells replicas which chunks to fetch while the rest is encoded."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    version: StrictInt = Field(ge=0, le=MAX_VERSION)
+    id: str
+    """New for every publish attempt: a replica that sees another id stops following this one."""
+    bases: dict[int, str]
+    """The patches being streamed: base version → that version's digest."""
+    chunks: list[list[str]]
+    """The tensor names of each chunk, in order (every tensor of the version in exactly one)."""
+    limits: list[int]
+    """The largest size each chunk may have (a reader reads no more than that)."""
+
+    @model_validator(mode="after")
+    def _one_limit_per_chunk(self) -> Stream:
+        if len(self.limits) != len(self.chunks):
+            raise ValueError("limits must hold one size per chunk")
+        return self
+
+
 class Manifest(BaseModel):
     """What one version directory holds; written after its data files, before the pointer."""
 
@@ -198,8 +250,9 @@ class Manifest(BaseModel):
     full_bytes: int = 0
     """Bytes of the view's tensors (what an anchor of it stores)."""
     format: int = 1
-    """The manifest format (:data:`BOARD_FORMAT`, or :data:`SHARDED_FORMAT` for a sharded
-    version); absent in manifests of format 1."""
+    """The manifest format (:data:`STREAM_FORMAT` for a version published by one process,
+    :data:`SHARDED_FORMAT` for a sharded one, :data:`BOARD_FORMAT` for one published before
+    streaming); absent in manifests of format 1."""
     base_files: dict[str, FileEntry] = Field(default_factory=dict)
     """Every file in the run's ``base/`` when the version was published, by name."""
     shards: list[ShardEntry] = Field(default_factory=list)

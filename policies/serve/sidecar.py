@@ -31,6 +31,12 @@ Guarantees:
   reconcile;
 - board URLs are logged with their credentials (``user:password@``, query strings) removed.
 
+Streaming: when the board is streaming a version from the one served (``Board.stream``), the
+sidecar stages it at once: chunks are fetched and applied to the shadow as the publisher writes
+them, each tensor verified as soon as it is whole, so activation waits only for the last chunk
+and the commit; a stream that is abandoned (publisher died or restarted) leaves the shadow
+to be rebuilt and the old version serving (``policies.board.stream``).
+
 Catch-up: the sidecar always targets the newest version; the board plans the route (squashed
 patches when far behind, an anchor when too far) and the backend applies it to a CPU
 shadow of the served view, falling back to the nearest anchor when a patch fails; a patch file
@@ -209,11 +215,17 @@ class Sidecar:
         except BoardError as exc:
             log.warning("board_unreadable", error=redact(str(exc)))
             return
+        applied = self.applied_version
+        if applied is not None and (target is None or target <= applied):
+            # nothing newer is published: stage a version being streamed from the one served,
+            # chunk by chunk as it lands (it is activated only once published and verified)
+            stream = await anyio.to_thread.run_sync(self.board.stream)
+            if stream is None or stream.version <= applied or applied not in stream.bases:
+                return
+            target = stream.version
         if target is None:
             return
-        if self.applied_version is not None and (
-            target <= self.applied_version or target in self._refused
-        ):
+        if applied is not None and (target <= applied or target in self._refused):
             return
         if anyio.current_time() < self._retry_at:  # backing off after a failed activation
             return

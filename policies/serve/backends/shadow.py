@@ -3,12 +3,13 @@
 Every backend (reference, vLLM, SGLang, llama.cpp) keeps a CPU copy of the version its engine
 serves and advances it with patches only, while the engine keeps serving:
 :meth:`Shadow.stage` brings the copy to a newer version with ``Board.advance`` (the board's plan:
-the next patch, one squashed patch when far behind, an anchor only when too far), every patch
-verified; if a patch fails, the copy is rebuilt from the nearest anchor, and if that fails too the
-version is refused and the copy dropped (the next stage starts from an anchor). The engine then
-takes, locally, only what changed: :meth:`Shadow.changed` names the tensors whose manifest
-checksum differs from the live version's, and :meth:`Shadow.activated` records that the engine
-now serves the staged version.
+the next patch, one squashed patch when far behind, an anchor only when too far; a version being
+streamed from the one held, chunk by chunk as it lands), every patch verified; if a patch fails,
+the copy is rebuilt from the nearest anchor, and if that fails too the version is refused and
+the copy dropped (the next stage starts from an anchor). The engine then takes, locally, only
+what changed: :meth:`Shadow.changed` names the tensors whose manifest checksum differs from the
+live version's, and :meth:`Shadow.activated` records that the engine now serves the staged
+version.
 
 Quantized served views (``trainer.served_view`` = ``fp8_block`` …; the manifest's ``view``) are
 staged only for the reference engine, which dequantizes them itself; every other engine kind
@@ -71,8 +72,8 @@ class Shadow:
 
     def stage(self, board: Board, version: int) -> Staged:
         """Advance the copy to ``version`` (blocking: run it in a worker thread)."""
-        if self.engine != "reference":
-            check_view(self.engine, board.manifest(version))
+        if self.engine != "reference" and self.version is None:
+            check_view(self.engine, board.manifest(version))  # before fetching a whole anchor
         before = board.store.bytes_read
         view, have = self.view, self.version
         self.view, self.version, self.staged = None, None, None  # unusable until this succeeds
@@ -91,6 +92,8 @@ class Shadow:
                 if isinstance(again, (VersionCorrupt, PatchError)):
                     raise
                 raise exc from None  # no other route: the version stays refused
+        if self.engine != "reference":  # a streamed version has no manifest before this
+            check_view(self.engine, manifest)
         self.view, self.version = view, version
         self.staged = Staged(version, manifest, board.store.bytes_read - before)
         return self.staged

@@ -50,10 +50,13 @@ def test_bench_sync_small_run(
         assert r["exact"] is True
         assert r["full"]["bytes"] >= r["view_bytes"]
         assert 0 < r["sync"]["patch_bytes"] < r["view_bytes"] / 10
-        assert r["sync"]["publish_to_serving_s"] > 0
+        assert r["sync_s"] > 0
         assert r["speedup"] == pytest.approx(  # printed to one decimal
-            r["full"]["s"] / r["sync"]["publish_to_serving_s"], rel=0.1, abs=0.051
+            r["full"]["s"] / r["sync_s"], rel=0.1, abs=0.051
         )
+        assert r["patch_link_s"] == pytest.approx(r["sync"]["patch_bytes"] * 8 / 1e8, abs=5e-4)
+        ratio = r["full"]["bytes"] / r["sync"]["patch_bytes"]
+        assert r["limit_ratio"] == pytest.approx(r["speedup"] / ratio, rel=0.1, abs=0.002)
     syn = out["synthetic"]
     assert syn["view_bytes"] == 16 * 2**20
     # 16 MiB over 100 Mbit/s cannot arrive in under 16 * 2**20 * 8 / 1e8 s

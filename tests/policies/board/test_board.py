@@ -237,7 +237,7 @@ def test_wrong_base_is_refused_with_a_clear_error(make_board: MakeBoard) -> None
     states = _chain(9)
     _publish_all(board, states)
     view = {n: t.clone() for n, t in states[3].items()}
-    with pytest.raises(PatchBaseMismatch, match=r"from-00000005\.patch: patch expects base"):
+    with pytest.raises(PatchBaseMismatch, match=r"from-00000005/00000\.patch: patch expects base"):
         board.advance(view, 5, 8, verify_base=True)
 
 
@@ -252,19 +252,19 @@ def test_any_flipped_byte_in_a_stored_patch_is_detected(
     board = Board(str(tmp_path_factory.mktemp("flip")), "run", anchor_every=100)
     states = _chain(3)
     _publish_all(board, states)
-    rel = "versions/00000001/from-00000000.patch"
+    rel = "versions/00000001/from-00000000/00000.patch"
     size = len(board.fs.cat_file(f"{board.root}/{rel}"))
     pos = data.draw(st.integers(0, size - 1))
     bit = data.draw(st.integers(0, 7))
     _flip(board, rel, lambda b: b[:pos] + bytes([b[pos] ^ (1 << bit)]) + b[pos + 1 :])
-    with pytest.raises(VersionCorrupt, match=r"from-00000000\.patch"):
+    with pytest.raises(VersionCorrupt, match=r"from-00000000/00000\.patch"):
         board.load(1)
 
 
 def test_flipped_truncated_or_missing_files_are_refused(make_board: MakeBoard) -> None:
     board = make_board(anchor_every=100)
     _publish_all(board, _chain(3))
-    patch = "versions/00000001/from-00000000.patch"
+    patch = "versions/00000001/from-00000000/00000.patch"
     _flip(board, patch, lambda b: b[: len(b) // 2])
     with pytest.raises(VersionCorrupt, match="damaged or truncated"):
         board.load(1)
@@ -274,7 +274,7 @@ def test_flipped_truncated_or_missing_files_are_refused(make_board: MakeBoard) -
     _flip(board, f"versions/00000000/{WEIGHTS}", lambda b: b[: len(b) // 2])
     with pytest.raises(VersionCorrupt, match="weights unreadable"):
         board.load(0)
-    board.fs.rm(f"{board.root}/versions/00000002/from-00000001.patch")
+    board.fs.rm(f"{board.root}/versions/00000002/from-00000001/00000.patch")
     with pytest.raises(VersionCorrupt, match="missing"):
         board.advance({}, 1, 2)
     _flip(board, "versions/00000002/manifest.json", lambda b: b.replace(b'"int64"', b'"int32"'))
@@ -296,7 +296,7 @@ def test_a_reader_routes_around_a_patch_that_failed_verification(
     states = _chain(4)
     board = make_board(anchor_every=100)
     _publish_all(board, states)
-    _flip(board, "versions/00000003/from-00000002.patch", damage)
+    _flip(board, "versions/00000003/from-00000002/00000.patch", damage)
     reader = make_board()
     held = {n: t.clone() for n, t in states[2].items()}
     with pytest.raises(VersionCorrupt, match="version 3"):
@@ -310,10 +310,10 @@ def test_a_misplaced_patch_is_refused_and_routed_around(make_board: MakeBoard) -
     states = _chain(4)
     board = make_board(anchor_every=100)
     _publish_all(board, states)
-    other = board.fs.cat_file(f"{board.root}/versions/00000002/from-00000001.patch")
-    _flip(board, "versions/00000003/from-00000002.patch", lambda _: other)  # reordered
+    other = board.fs.cat_file(f"{board.root}/versions/00000002/from-00000001/00000.patch")
+    _flip(board, "versions/00000003/from-00000002/00000.patch", lambda _: other)  # reordered
     reader = make_board()
-    with pytest.raises(VersionCorrupt, match=r"version 3: from-00000002\.patch"):
+    with pytest.raises(VersionCorrupt, match=r"version 3: from-00000002/00000\.patch"):
         reader.advance({n: t.clone() for n, t in states[2].items()}, 2, 3)
     assert _same(reader.load(3)[1], states[3])
 
@@ -383,7 +383,7 @@ def test_a_listing_taken_mid_publish_does_not_hide_the_version_later(make_board:
     publisher, reader = make_board(), make_board()
     _publish_all(publisher, states[:2])
     # the reader lists while version 2 is half written (its patch is there, its manifest not yet)
-    publisher.store.write(f"{publisher._vdir(2)}/from-00000001.patch", b"in flight")
+    publisher.store.write(f"{publisher._vdir(2)}/from-00000001/00000.patch", b"in flight")
     assert reader.versions() == [0, 1]
     publisher.publish(2, states[2], view_name="bfloat16")
     assert reader.latest() == 2
@@ -524,7 +524,7 @@ def test_a_failed_materialize_leaves_no_directory(
 
     board = Board(str(tmp_path / "b"), "run")
     _publish_all(board, _chain(2))
-    _flip(board, "versions/00000001/from-00000000.patch", lambda b: b[: len(b) // 2])
+    _flip(board, "versions/00000001/from-00000000/00000.patch", lambda b: b[: len(b) // 2])
     out = tmp_path / "out" / "ckpt"
     args = ["materialize", "--board", str(tmp_path / "b"), "--run", "run", "--version", "1"]
     assert main([*args, "--out", str(out)]) == 2

@@ -13,7 +13,7 @@ import torch
 
 from policies.board import WEIGHTS, Board, Manifest, PatchRef
 from policies.board.manifest import file_entries, manifest_seal
-from policies.board.types import SHARDED_FORMAT
+from policies.board.types import FORMATS, ChunkRef
 from policies.errors import BoardError, BoardFormatError, VersionCorrupt
 
 MakeBoard = Callable[..., Board]
@@ -61,7 +61,10 @@ def _edit_manifest(board: Board, rel: str, edit: Callable[[dict[str, Any]], None
 
 def _resealed(body: dict[str, Any]) -> None:
     """Seal ``body`` again, as a writer that knows the format would (names left unvalidated)."""
-    patches = [PatchRef.model_construct(**p) for p in body["patches"]]
+    patches = [
+        PatchRef.model_construct(**{**p, "chunks": [ChunkRef(**c) for c in p.get("chunks", [])]})
+        for p in body["patches"]
+    ]
     built = Manifest.model_validate({**body, "patches": []}).model_copy(update={"patches": patches})
     body["seal"] = manifest_seal(built)
 
@@ -196,12 +199,12 @@ def test_a_patch_larger_than_its_record_is_refused_after_reading_only_that_much(
     tmp_path: Path,
 ) -> None:
     board = _published(lambda **kw: Board(str(tmp_path / "b"), "run", **kw), tmp_path)
-    patch = Path(board.root) / "versions" / "00000001" / "from-00000000.patch"
+    patch = Path(board.root) / "versions" / "00000001" / "from-00000000" / "00000.patch"
     size = patch.stat().st_size
     patch.unlink()
     os.symlink("/dev/zero", patch)  # a file that never ends
     reader = Board(str(tmp_path / "b"), "run")
-    with pytest.raises(VersionCorrupt, match=rf"from-00000000\.patch holds more than {size} bytes"):
+    with pytest.raises(VersionCorrupt, match=rf"00000\.patch holds more than {size} bytes"):
         reader.advance(reader.load(0)[1], 0, 1)
     anchor = Path(board.root) / "versions" / "00000000" / WEIGHTS
     anchor_size = anchor.stat().st_size
@@ -215,7 +218,7 @@ def test_a_patch_larger_than_its_record_is_refused_after_reading_only_that_much(
 
 def test_a_shorter_patch_is_refused_as_truncated(make_board: MakeBoard, tmp_path: Path) -> None:
     board = _published(make_board, tmp_path)
-    _edit(board, "versions/00000001/from-00000000.patch", lambda b: b[:-1])
+    _edit(board, "versions/00000001/from-00000000/00000.patch", lambda b: b[:-1])
     reader = make_board()
     with pytest.raises(
         VersionCorrupt, match=r"holds \d+ bytes, its manifest records \d+ \(damaged"
@@ -265,7 +268,7 @@ def test_a_board_of_a_newer_format_is_refused(make_board: MakeBoard, tmp_path: P
     board = _published(make_board, tmp_path)
 
     def newer(body: dict[str, Any]) -> None:
-        body["format"] = SHARDED_FORMAT + 1
+        body["format"] = max(FORMATS) + 1
         body["something_new"] = True
 
     _edit_manifest(board, MANIFEST_1, newer)

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.anyio
 def _damage_data(board: Board, version: int) -> None:
     """Flip one byte in every data file of ``version`` (its patches, or its anchor)."""
     vdir = Path(board.root) / "versions" / f"{version:08d}"
-    for f in vdir.iterdir():
-        if f.name != "manifest.json":
+    for f in vdir.rglob("*"):
+        if f.is_file() and f.name != "manifest.json":
             raw = bytearray(f.read_bytes())
             raw[len(raw) // 2] ^= 0x01
             f.write_bytes(bytes(raw))

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import torch
 
-from policies.board import failpoints
+from policies.board import Board, failpoints
+from policies.board import stream as board_stream
+from policies.errors import BoardError, VersionCorrupt
 
 
 @pytest.fixture
@@ -64,3 +70,40 @@ def test_a_bad_rule_names_the_variable(faults: pytest.MonkeyPatch) -> None:
     failpoints.reset()
     with pytest.raises(ValueError, match="SPRAWL_FAULTS: expected a JSON list"):
         failpoints.mutate("board.write", "x", b"1")
+
+
+@pytest.mark.parametrize("action", ["corrupt", "truncate", "reorder"])
+def test_a_damaged_chunk_of_a_streamed_patch_is_never_served(
+    faults: pytest.MonkeyPatch, tmp_path: Path, action: str
+) -> None:
+    faults.setattr(board_stream, "CHUNK_VIEW_BYTES", 1)  # one tensor per chunk
+    gen = torch.Generator().manual_seed(0)
+    v0 = {f"t{i}": torch.randn(64, 64, generator=gen) for i in range(3)}
+    v1 = {k: t.clone() for k, t in v0.items()}
+    for tensor in v1.values():
+        tensor[0, :8] += 1  # a sparse step: version 1 is a delta
+    pub, reader = Board(str(tmp_path), "run"), Board(str(tmp_path), "run")
+    pub.publish(0, v0, view_name="fp32")
+    held = reader.load(0)[1]
+    # "reorder" puts chunk 0's bytes in place of chunk 1: a well-formed chunk in the wrong place
+    rule = {"site": "board.write", "match": "*/from-00000000/0000[01].patch", "action": action}
+    _set(faults, {**rule, "times": 2 if action == "reorder" else 1})
+    errors: list[BaseException] = []
+
+    def follow() -> None:
+        while (s := reader.stream()) is None or s.version != 1:
+            time.sleep(0.002)
+        try:
+            reader.advance(held, 0, 1)
+        except BoardError as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=follow)
+    t.start()
+    pub.publish(1, v1, view_name="fp32")
+    t.join(30)
+    assert pub.manifest(1).kind == "delta"
+    assert errors
+    assert "version 1" in str(errors[0])
+    with pytest.raises(VersionCorrupt, match=r"version 1: from-00000000/0000[01]\.patch"):
+        Board(str(tmp_path), "run").load(1)  # and so does any reader of the published version

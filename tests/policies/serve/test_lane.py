@@ -102,7 +102,7 @@ async def test_corrupted_version_is_never_served(board: Board, tiny_model_dir: P
     async with engine(board) as url, aiohttp.ClientSession() as s:
         publish_scaled(board, 1, tiny_model_dir, scale=0.5)
         vdir = Path(board.root) / "versions" / "00000001"
-        data = [f for f in vdir.iterdir() if f.name != "manifest.json"]  # the patch or anchor
+        data = [f for f in vdir.rglob("*") if f.is_file() and f.name != "manifest.json"]
         assert data
         for f in data:
             raw = bytearray(f.read_bytes())
@@ -259,7 +259,7 @@ async def test_a_failed_patch_falls_back_to_the_nearest_anchor(
         await _post(s, f"{url}/v1/policy/notify", {})
         await _wait_version(s, url, 1)
         assert board.publish(2, _nudged(v1, 2), view_name="bfloat16").kind == "anchor"
-        patches = list((Path(board.root) / "versions" / "00000002").glob("*.patch"))
+        patches = list((Path(board.root) / "versions" / "00000002").rglob("*.patch"))
         assert patches  # an anchor also stores the patch from the previous version
         for f in patches:
             f.write_bytes(b"garbage")

@@ -1,0 +1,297 @@
+"""Streamed patches: a version's patches written chunk by chunk, staged by replicas as they land.
+
+A publisher holding the previous view (:meth:`policies.board.Board.publish`) cuts the version's
+tensors into chunks (:func:`plan_chunks`: whole tensors in name order, names sharing a storage
+together, at least :data:`CHUNK_VIEW_BYTES` of view each) and announces them in the run's
+``STREAM`` object (:class:`~policies.board.types.Stream`: version, a new id, the bases and their
+digests, each chunk's tensor names and size limit). It then encodes the chunks one after
+another, each a complete sprawl patch frame of its tensors (:func:`policies.codec.encode_patch`
+with the base's digest and the target's checksums), and writes chunk ``i`` of the patch from
+``u`` to ``versions/<v>/from-<u:08d>/<i:05d>.patch`` (:func:`~policies.board.types.chunk_file`)
+as soon as it is encoded, while the next is encoded; the manifest (format
+:data:`~policies.board.types.STREAM_FORMAT`, each chunk's size and frame checksum under
+:attr:`~policies.board.types.PatchRef.chunks`) and then the pointer are written only once every
+chunk is durable.
+
+A replica holding ``u`` that sees the stream (:func:`follow`) fetches chunk ``i`` by its name as
+soon as it exists, applies it to its view in place and verifies every tensor it wrote against
+the chunk's checksums (:func:`apply_chunk`) while the publisher encodes the next; once the
+pointer reaches the version it checks what it staged against the manifest (:func:`check_chunks`):
+every chunk the one the manifest vouches for, every tensor's checksum the manifest's, every
+tensor covered once. Only then is the version staged: a half-published version is never
+servable.
+
+Guarantees: the reader reads at most the announced limit of a chunk; a stream whose publisher
+died (no new chunk for ``stall_s``), was replaced (another ``STREAM`` id) or was overtaken (the
+pointer reached the version without that chunk, e.g. a restarted publisher wrote an anchor), or
+whose chunks are not the manifest's, raises :class:`BoardError` saying so — the view is then
+partly advanced and must be reloaded, as after any failed :meth:`BoardReader.advance`. A chunk
+that fails its own checks is also a :class:`BoardError` while the version is unpublished (the
+normal path reads it again once the manifest vouches for it). Chunks of an attempt that never
+committed stay in the version directory until the version is published again (overwritten or
+ignored: the manifest names its chunks) or collected.
+
+Not covered: a tensor is never split across chunks (the codec encodes whole tensors), so a view
+made of one huge tensor streams as one chunk.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, MutableMapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from policies.board.types import (
+    BoardOptions,
+    ChunkRef,
+    Manifest,
+    PatchRef,
+    Stream,
+    chunk_file,
+    patch_file,
+)
+from policies.codec import apply_patch, encode_patch, read_patch_header
+from policies.codec.digests import checksums, storage_key
+from policies.errors import BoardError, PatchBaseMismatch, PatchError, VersionCorrupt
+
+CHUNK_VIEW_BYTES = 16 * 2**20
+"""A chunk holds whole tensors until it covers at least this much of the view."""
+POLL_S = 0.005
+"""How often a replica following a stream looks for the next chunk or the pointer."""
+CHECK_S = 0.1
+"""How often it also checks that the stream is still the one it follows (``STREAM``'s id, and
+that the pointer did not reach the version without the chunk it waits for)."""
+ENCODE_AHEAD = 2
+"""Chunks encoded at once by a publisher (the next while one is written)."""
+STALL_S = 60.0
+"""A stream with no new chunk (or no commit) for this long is given up as abandoned."""
+
+
+def plan_chunks(view: Mapping[str, torch.Tensor]) -> list[list[str]]:
+    """The tensor names of each chunk: name order, names sharing a storage in one chunk (the
+    codec stores a tied name once, as an alias of the first), each chunk at least
+    :data:`CHUNK_VIEW_BYTES` of view but the last."""
+    groups: dict[object, list[str]] = {}
+    for name in sorted(view):
+        groups.setdefault(storage_key(view[name]), []).append(name)
+    chunks: list[list[str]] = []
+    size = CHUNK_VIEW_BYTES
+    for names in groups.values():
+        if size >= CHUNK_VIEW_BYTES:
+            chunks.append([])
+            size = 0
+        chunks[-1].extend(names)
+        size += view[names[0]].nbytes
+    return chunks
+
+
+def chunk_limit(view: Mapping[str, torch.Tensor], names: list[str]) -> int:
+    """The most bytes a chunk of ``names`` may hold: twice their raw bytes (a ``full`` section
+    is zstd of them) plus room for the frame and its header."""
+    return 2 * sum(view[n].nbytes for n in names) + 4096 * len(names) + 2**20
+
+
+def announce(
+    version: int, view: Mapping[str, torch.Tensor], bases: Mapping[int, str], stream_id: str
+) -> Stream:
+    """The ``STREAM`` object of a version about to be streamed from ``bases`` (version → digest)."""
+    chunks = plan_chunks(view)
+    return Stream(
+        version=version,
+        id=stream_id,
+        bases=dict(bases),
+        chunks=chunks,
+        limits=[chunk_limit(view, names) for names in chunks],
+    )
+
+
+def write_chunks(
+    stream: Stream,
+    bases: Mapping[int, Mapping[str, torch.Tensor]],
+    view: Mapping[str, torch.Tensor],
+    opts: BoardOptions,
+    write: Callable[[str, bytes], None],
+) -> tuple[dict[str, str], dict[int, PatchRef]]:
+    """Encode and write every chunk of ``stream`` (``write(relative path, data)``), in order,
+    while the next :data:`ENCODE_AHEAD` are encoded; the view's checksums and the manifest's
+    record of each patch, by base. The patch from the stream's first base (the previous
+    version) is written first."""
+    last = len(stream.chunks) - 1
+
+    def encode(i: int) -> tuple[dict[str, str], list[tuple[int, bytes]]]:
+        names = stream.chunks[i]
+        target = {n: view[n] for n in names}
+        part = checksums(target)
+        out = []
+        for b, digest in stream.bases.items():
+            base = bases[b]
+            # the last chunk also carries the names the version removed
+            keep = set(names) | (set(base) - set(view) if i == last else set())
+            data = encode_patch(
+                {n: base[n] for n in sorted(keep) if n in base},
+                target,
+                level=opts.zstd_level,
+                base_digest=digest,
+                target_checksums=part,
+            )
+            out.append((b, data))
+        return part, out
+
+    sums: dict[str, str] = {}
+    refs: dict[int, list[tuple[ChunkRef, int, int]]] = {b: [] for b in stream.bases}
+    n = len(stream.chunks)
+    with ThreadPoolExecutor(max_workers=ENCODE_AHEAD, thread_name_prefix="board-chunk") as pool:
+        queued: deque[Future[tuple[dict[str, str], list[tuple[int, bytes]]]]] = deque()
+        for i in range(n):
+            while len(queued) < ENCODE_AHEAD and i + len(queued) < n:
+                queued.append(pool.submit(encode, i + len(queued)))
+            part, out = queued.popleft().result()
+            sums.update(part)
+            for b, data in out:
+                hdr = read_patch_header(data)
+                refs[b].append((chunk_ref(data), hdr.changed, hdr.units))
+                write(chunk_file(b, i), data)
+    patches = {
+        b: PatchRef(
+            base=b,
+            file=patch_file(b),
+            bytes=sum(c.bytes for c, _, _ in rows),
+            changed=sum(changed for _, changed, _ in rows),
+            units=sum(units for _, _, units in rows),
+            base_digest=stream.bases[b],
+            chunks=[c for c, _, _ in rows],
+        )
+        for b, rows in refs.items()
+    }
+    return sums, patches
+
+
+def chunk_ref(data: bytes) -> ChunkRef:
+    """How a manifest records a chunk: its size and its frame's own checksum."""
+    return ChunkRef(bytes=len(data), checksum=data[-16:].hex())
+
+
+@dataclass(frozen=True)
+class StagedChunk:
+    """A chunk applied to a view: what it was and the checksums of the tensors it wrote."""
+
+    ref: ChunkRef
+    sums: dict[str, str]
+
+
+def apply_chunk(
+    view: MutableMapping[str, torch.Tensor], data: bytes, where: str, digest: str | None
+) -> StagedChunk:
+    """Apply one chunk in place, every tensor it writes verified; ``digest`` vouches for the
+    base (the chunk's base digest must be it). A damaged chunk is :class:`VersionCorrupt` and a
+    chunk for another base :class:`PatchBaseMismatch`, each naming ``where``."""
+    try:
+        hdr = read_patch_header(data)
+        if digest is not None and hdr.base_digest != digest:
+            raise PatchBaseMismatch(
+                f"{where} applies to digest {hdr.base_digest}; the view held has digest "
+                f"{digest}: catch up from the version actually held"
+            )
+        apply_patch(view, data, base_digest=digest, verify=True)
+    except PatchBaseMismatch as exc:
+        raise PatchBaseMismatch(str(exc) if where in str(exc) else f"{where}: {exc}") from None
+    except PatchError as exc:
+        raise VersionCorrupt(f"{where}: {exc}") from None
+    return StagedChunk(chunk_ref(data), hdr.checksums)
+
+
+def check_chunks(m: Manifest, ref: PatchRef, staged: list[StagedChunk]) -> str | None:
+    """What differs between the chunks applied and the patch ``ref`` of ``m`` (module
+    docstring), or None if they are the ones it vouches for."""
+    if [s.ref for s in staged] != ref.chunks:
+        return f"the chunks of {ref.file} are not the ones its manifest records"
+    covered: dict[str, str] = {}
+    for s in staged:
+        if set(s.sums) & set(covered):
+            return f"a tensor of {ref.file} is in more than one chunk"
+        covered.update(s.sums)
+    if set(covered) != set(m.tensors):
+        return f"the chunks of {ref.file} do not hold exactly the manifest's tensors"
+    wrong = sorted(n for n, c in covered.items() if m.tensors[n].checksum != c)
+    if wrong:
+        return f"the chunks of {ref.file} make {wrong[0]} with another checksum than the manifest's"
+    return None
+
+
+@dataclass(frozen=True)
+class StreamSource:
+    """What :func:`follow` reads: a chunk by its relative path (None while it does not exist),
+    the run's ``STREAM`` (None if absent) and the pointer."""
+
+    chunk: Callable[[str, int], bytes | None]
+    stream: Callable[[], Stream | None]
+    latest: Callable[[], int | None]
+
+
+def follow(
+    view: MutableMapping[str, torch.Tensor],
+    have: int,
+    stream: Stream,
+    source: StreamSource,
+    *,
+    where: str,
+    stall_s: float | None = None,
+) -> list[StagedChunk]:
+    """Apply every chunk of ``stream``'s patch from ``have`` to ``view`` as it lands, then wait
+    until the pointer reaches the stream's version; the chunks staged (check them against the
+    manifest with :func:`check_chunks`). ``where`` names the board in errors; ``stall_s``
+    defaults to :data:`STALL_S`."""
+    stall_s = STALL_S if stall_s is None else stall_s
+    v = stream.version
+    digest = stream.bases[have]
+    staged: list[StagedChunk] = []
+
+    def gone(why: str) -> BoardError:
+        return BoardError(f"version {v} on {where}: the stream staged from {have} {why}")
+
+    def wait(ready: Callable[[], bool], what: str, overtaken: Callable[[], None]) -> None:
+        deadline = checked = time.monotonic()
+        deadline += stall_s
+        while not ready():
+            now = time.monotonic()
+            if now - checked >= CHECK_S:  # the stream's fate, less often than the next chunk
+                checked = now
+                current = source.stream()
+                # (another id once the version is published and the next one streams: not gone)
+                if (current is None or current.id != stream.id) and not ready():
+                    raise gone("was replaced by another publish")
+                overtaken()
+            if now > deadline:
+                raise gone(f"stalled: no {what} for {stall_s:g} s (the publisher died?)")
+            time.sleep(POLL_S)
+
+    for i, limit in enumerate(stream.limits):
+        rel = chunk_file(have, i)
+        got: list[bytes] = []
+
+        def landed(rel: str = rel, limit: int = limit, got: list[bytes] = got) -> bool:
+            data = None if got else source.chunk(rel, limit)
+            if data is not None:
+                got.append(data)
+            return bool(got)
+
+        def overtaken(rel: str = rel) -> None:
+            latest = source.latest()
+            if latest is not None and latest >= v and not landed():  # committed without it
+                raise gone(f"was overtaken: the version was published without {rel}")
+
+        wait(landed, f"chunk {i}", overtaken)
+        if len(got[0]) > limit:
+            raise gone(f"read {rel} larger than its announced {limit} bytes")
+        try:
+            staged.append(apply_chunk(view, got[0], f"version {v}: {rel}", digest))
+        except PatchError as exc:
+            raise gone(f"failed at {rel} ({exc}): it is read again once published") from None
+        except VersionCorrupt as exc:
+            raise gone(f"failed ({exc}): it is read again once published") from None
+    wait(lambda: (source.latest() or -1) >= v, "commit", lambda: None)
+    return staged

@@ -1,0 +1,268 @@
+"""Streamed publish: replicas stage chunks while the publisher encodes the rest, and never serve a
+version before it is published (policies/board/stream.py)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from policies.board import Board
+from policies.board import stream as board_stream
+from policies.board.manifest import manifest_digest, manifest_seal
+from policies.board.types import BOARD_FORMAT, Manifest, PatchRef, Pointer, TensorEntry
+from policies.codec import CODEC, encode_patch, read_patch_header
+from policies.codec.digests import checksums
+from policies.errors import BoardError, VersionCorrupt
+from tests.support.stream import Gate
+
+MakeBoard = Callable[..., Board]
+State = dict[str, torch.Tensor]
+NAMES = [f"layers.{i}.weight" for i in range(4)]
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One tensor per chunk, and a stalled stream given up after 3 s."""
+    monkeypatch.setattr(board_stream, "CHUNK_VIEW_BYTES", 1)
+    monkeypatch.setattr(board_stream, "STALL_S", 3.0)
+
+
+def _view(seed: int) -> State:
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(64, 256, generator=gen).to(torch.bfloat16) for n in NAMES}
+
+
+def _step(view: State, seed: int) -> State:
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for n, t in view.items():
+        bits = t.clone().view(torch.int16).reshape(-1)
+        bits[torch.randint(0, bits.numel(), (200,), generator=gen)] ^= 1
+        out[n] = bits.view(torch.bfloat16).reshape(t.shape)
+    return out
+
+
+def _same(a: State, b: State) -> bool:
+    return set(a) == set(b) and all(
+        torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a
+    )
+
+
+def _wait_staged(held: State, target: State, name: str, done: list[object] | None = None) -> None:
+    deadline = time.monotonic() + 30
+    while not torch.equal(held[name].view(torch.int16), target[name].view(torch.int16)):
+        assert time.monotonic() < deadline, f"{name} was not staged ({done})"
+        time.sleep(0.005)
+
+
+def _streaming(reader: Board, version: int) -> bool:
+    stream = reader.stream()
+    return stream is not None and stream.version == version
+
+
+def test_a_reader_stages_the_first_tensor_before_the_publisher_wrote_the_last(
+    make_board: MakeBoard,
+) -> None:
+    v0 = _view(0)
+    v1 = _step(v0, 1)
+    pub = make_board()
+    gate = Gate(pub, at=len(NAMES) - 1)
+    pub.publish(0, v0, view_name="bfloat16")
+    reader = make_board()
+    held = reader.load(0)[1]
+    done: list[object] = []
+
+    def follow() -> None:
+        while not _streaming(reader, 1):
+            time.sleep(0.002)
+        try:
+            done.append(reader.advance(held, 0, 1))
+        except BaseException as exc:  # reported by the assertion below
+            done.append(exc)
+
+    t = threading.Thread(target=follow)
+    t.start()
+    publish = threading.Thread(target=pub.publish, args=(1, v1), kwargs={"view_name": "bfloat16"})
+    publish.start()
+    assert gate.reached.wait(30)
+    _wait_staged(held, v1, NAMES[0], done)  # staged while the last chunk is not written
+    # half published: nothing serves it, and the reader is still waiting
+    assert make_board().latest() == 0
+    assert make_board().versions() == [0]
+    with pytest.raises(BoardError, match="version 1 is not published"):
+        make_board().load(1)
+    assert not done
+    gate.go.set()
+    publish.join(30)
+    t.join(30)
+    assert isinstance(done[0], Manifest), done
+    assert done[0].version == 1
+    assert _same(held, v1)
+    assert _same(make_board().load(1)[1], v1)  # and the published version reads the usual way
+
+
+def test_a_publisher_that_dies_mid_stream_leaves_nothing_servable(make_board: MakeBoard) -> None:
+    v0 = _view(0)
+    v1 = _step(v0, 1)
+    pub = make_board()
+    gate = Gate(pub, at=2, crash=True)
+    gate.go.set()
+    pub.publish(0, v0, view_name="bfloat16")
+    reader = make_board()
+    held = reader.load(0)[1]
+    with pytest.raises(BoardError, match="publisher died"):
+        pub.publish(1, v1, view_name="bfloat16")
+    assert _streaming(reader, 1)
+    with pytest.raises(BoardError, match="stalled: no chunk 2"):
+        reader.advance(held, 0, 1)  # chunks 0 and 1 applied, then nothing more
+    assert reader.latest() == 0
+    assert reader.versions() == [0]
+    # a restarted trainer holds no views: it publishes the version again, as an anchor
+    restarted = make_board()
+    restarted.publish(1, v1, view_name="bfloat16")
+    assert restarted.manifest(1).kind == "anchor"
+    view: State = {}
+    reader.advance(view, None, 1)
+    assert _same(view, v1)
+
+
+def test_a_stream_replaced_by_another_attempt_is_never_served(make_board: MakeBoard) -> None:
+    v0 = _view(0)
+    first, second = _step(v0, 1), _step(v0, 2)
+    pub = make_board()
+    gate = Gate(pub, at=2, crash=True)
+    pub.publish(0, v0, view_name="bfloat16")
+    reader = make_board()
+    held = reader.load(0)[1]
+    errors: list[BaseException] = []
+
+    def attempt() -> None:
+        with pytest.raises(BoardError, match="publisher died"):
+            pub.publish(1, first, view_name="bfloat16")
+
+    def follow() -> None:
+        try:
+            reader.advance(held, 0, 1)
+        except BoardError as exc:
+            errors.append(exc)
+
+    dying = threading.Thread(target=attempt)
+    dying.start()
+    assert gate.reached.wait(30)
+    following = threading.Thread(target=follow)
+    following.start()
+    _wait_staged(held, first, NAMES[1])
+    gate.go.set()
+    dying.join(30)
+    gate.at = -1  # the publisher tries again (it still holds version 0), with other weights
+    pub.publish(1, second, view_name="bfloat16")
+    following.join(30)
+    assert errors, "the first attempt's chunks were served"
+    assert "version 1" in str(errors[0])
+    assert not _same(held, second)
+    view = reader.load(0)[1]
+    reader.advance(view, 0, 1)
+    assert _same(view, second)
+
+
+def _format_2_delta(board: Board, v0: State, v1: State) -> None:
+    """Version 1 as a sprawl before streaming wrote it: one patch file, manifest format 2."""
+    m0 = board.manifest(0)
+    sums = checksums(v1)
+    data = encode_patch(v0, v1, base_digest=m0.digest, target_checksums=sums)
+    hdr = read_patch_header(data)
+    entries = {
+        k: TensorEntry(dtype="bfloat16", shape=list(t.shape), checksum=sums[k])
+        for k, t in v1.items()
+    }
+    ref = PatchRef(
+        base=0,
+        file="from-00000000.patch",
+        bytes=len(data),
+        changed=hdr.changed,
+        units=hdr.units,
+        base_digest=m0.digest,
+    )
+    m = Manifest(
+        version=1,
+        kind="delta",
+        base=0,
+        view="bfloat16",
+        codec=CODEC,
+        tensors=entries,
+        digest=manifest_digest(entries),
+        bytes=len(data),
+        created_at=0.0,
+        patches=[ref],
+        anchor=0,
+        chain_bytes=len(data),
+        full_bytes=m0.full_bytes,
+        format=BOARD_FORMAT,
+        base_files=m0.base_files,
+    )
+    m = m.model_copy(update={"seal": manifest_seal(m)})
+    vdir = f"{board.root}/versions/00000001"
+    board.store.write(f"{vdir}/from-00000000.patch", data)
+    board.store.write(f"{vdir}/manifest.json", m.model_dump_json().encode())
+    board.store.write(
+        f"{board.root}/POINTER", Pointer(version=1, digest=m.digest).model_dump_json().encode()
+    )
+
+
+def test_a_version_of_the_single_file_format_still_reads(make_board: MakeBoard) -> None:
+    v0 = _view(0)
+    v1 = _step(v0, 1)
+    board = make_board()
+    board.publish(0, v0, view_name="bfloat16")
+    _format_2_delta(board, v0, v1)
+    reader = make_board()
+    assert reader.manifest(1).format == BOARD_FORMAT
+    held = reader.load(0)[1]
+    reader.advance(held, 0, 1)
+    assert _same(held, v1)
+    assert _same(make_board().load(1)[1], v1)
+
+
+def test_chunked_patches_in_a_format_2_manifest_are_refused(make_board: MakeBoard) -> None:
+    v0 = _view(0)
+    board = make_board()
+    board.publish(0, v0, view_name="bfloat16")
+    board.publish(1, _step(v0, 1), view_name="bfloat16")
+    rel = f"{board.root}/versions/00000001/manifest.json"
+    body = json.loads(board.store.read(rel, 2**20))
+    body["format"] = BOARD_FORMAT
+    m = Manifest.model_validate(body)
+    board.store.write(
+        rel, m.model_copy(update={"seal": manifest_seal(m)}).model_dump_json().encode()
+    )
+    with pytest.raises(VersionCorrupt, match="version 1: a format 2 manifest has chunked patches"):
+        make_board().manifest(1)
+
+
+def test_the_stream_is_announced_and_recorded_chunk_by_chunk(
+    make_board: MakeBoard, tmp_path: Path
+) -> None:
+    v0 = _view(0)
+    board = make_board()
+    board.publish(0, v0, view_name="bfloat16")
+    m = board.publish(1, _step(v0, 1), view_name="bfloat16")
+    (ref,) = m.patches
+    assert m.format == 4
+    assert len(ref.chunks) == len(NAMES)
+    assert ref.bytes == sum(c.bytes for c in ref.chunks) == m.bytes
+    stream = make_board().stream()
+    assert stream is not None
+    assert stream.version == 1
+    assert stream.chunks == [[n] for n in NAMES]
+    assert stream.bases == {0: board.manifest(0).digest}
+    for i, c in enumerate(ref.chunks):
+        raw = board.store.read(
+            f"{board.root}/versions/00000001/from-00000000/{i:05d}.patch", c.bytes
+        )
+        assert len(raw) == c.bytes <= stream.limits[i]

@@ -1,0 +1,72 @@
+"""A sidecar stages a version while it is being streamed and serves it only once published."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from policies.board import Board
+from policies.board import stream as board_stream
+from policies.serve.backends.reference import ReferenceBackend
+from policies.serve.engine import Engine
+from policies.serve.sidecar import Sidecar
+from tests.support.boards import adam_like_step, tiny_board
+from tests.support.stream import Gate
+
+pytestmark = pytest.mark.anyio
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.int16)
+
+
+async def test_a_sidecar_stages_a_streamed_version_and_activates_it_once_published(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(board_stream, "CHUNK_VIEW_BYTES", 1)  # one tensor per chunk
+    pub = tiny_board(tmp_path, tiny_model_dir)
+    v0 = pub.load(0)[1]
+    v1 = adam_like_step(v0, seed=1, density=0.05)
+    engine = Engine(tiny_model_dir, dtype=torch.bfloat16)
+    board = Board(pub.url, pub.run)
+    sidecar = Sidecar(
+        ReferenceBackend(engine), board, poll_interval_s=3600, registry=CollectorRegistry()
+    )
+    try:
+        await sidecar.reconcile()
+        assert sidecar.applied_version == 0
+        last = len(board_stream.plan_chunks(v1)) - 1
+        gate = Gate(pub, at=last)
+        publish = threading.Thread(target=pub.publish, args=(1, v1), kwargs={"view_name": "bf16"})
+        publish.start()
+        assert await anyio.to_thread.run_sync(gate.reached.wait, 30)
+        fetched = threading.Event()
+        read = board._read
+
+        def spy(path: str, limit: int) -> bytes:
+            data = read(path, limit)
+            if path.endswith("/from-00000000/00000.patch"):
+                fetched.set()
+            return data
+
+        board._read = spy  # type: ignore[method-assign]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sidecar.reconcile)
+            # chunk 0 is fetched while the last one is not written yet
+            assert await anyio.to_thread.run_sync(fetched.wait, 30)
+            assert sidecar.state == "staging"
+            assert sidecar.staged_version == 1
+            assert sidecar.applied_version == 0  # not served: the version is not published
+            assert sidecar.policy_state().applied_version == 0
+            gate.go.set()
+        await anyio.to_thread.run_sync(publish.join, 30)
+        assert sidecar.applied_version == 1
+        live = engine.live_tensors()
+        assert all(torch.equal(_bits(live[k]), _bits(t)) for k, t in v1.items() if k in live)
+    finally:
+        engine.close()
