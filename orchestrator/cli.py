@@ -8,7 +8,7 @@
                       [--body-timeout S] [--max-connections N]
     orchestrate versions --board URL [--run NAME] [--json]
     orchestrate materialize --board URL [--run NAME] --version N --out DIR
-    orchestrate bench codec|engine|sync|publish|fleet|sparsity|scheduler|async [...]
+    orchestrate bench codec|engine|sync|publish|fleet|sparsity|router-replay|scheduler|async [...]
     orchestrate fleet list|add|remove|up|scale|down --orchestrator URL|RUN_DIR [...]
     orchestrate train --config X.toml [--section.key V …]   (an external reference trainer)
     orchestrate sidecar --engine-url URL --engine-kind vllm|sglang|openai --board URL [--port P]
@@ -81,7 +81,7 @@ def _init_model(argv: list[str]) -> int:
         prog="orchestrate init-model", description="Build sprawl's own tiny model and tokenizer."
     )
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    parser.add_argument("--size", choices=["tiny", "small", "tiny-moe"], default="tiny")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--sft-steps", type=int, default=0, help="SFT warm start on the calculator format (0: none)"
@@ -142,6 +142,17 @@ def _serve(argv: list[str]) -> int:
         default="wait",
         help="drain in-flight requests before a version switch, or pause them at a step boundary",
     )
+    parser.add_argument(
+        "--base-model",
+        type=Path,
+        help="with --board: the model dir whose weights a run's LoRA versions adapt (trainer.lora)",
+    )
+    parser.add_argument(
+        "--max-adapters",
+        type=int,
+        default=4,
+        help="LoRA versions resident at once (least recently used evicted; fleet.max_adapters)",
+    )
     parser.add_argument("--tls-cert", type=Path, help="PEM certificate (serve over HTTPS)")
     parser.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
     parser.add_argument(
@@ -159,6 +170,12 @@ def _serve(argv: list[str]) -> int:
         parser.error(f"argument --port: {args.port} is not a port (0-65535; 0 picks a free one)")
     if not 0 < args.poll_interval < float("inf"):
         parser.error(f"argument --poll-interval: {args.poll_interval} is not a positive number")
+    if args.max_adapters < 1:
+        parser.error(f"argument --max-adapters: {args.max_adapters} is below 1")
+    if args.base_model is not None and not (args.base_model / "config.json").is_file():
+        parser.error(
+            f"argument --base-model: {args.base_model} is not a model dir (no config.json)"
+        )
     configure(args.log_format)
     from policies.serve.server import serve_board, serve_model, tls_context
 
@@ -174,7 +191,8 @@ def _serve(argv: list[str]) -> int:
             await serve_board(
                 args.board, args.run, host=args.host, port=args.port, device=args.device,
                 token=args.token, poll_interval_s=args.poll_interval,
-                activation=args.activation, tls=tls, limits=limits, task_status=task_status,
+                activation=args.activation, tls=tls, limits=limits, base_model=args.base_model,
+                max_adapters=args.max_adapters, task_status=task_status,
             )  # fmt: skip
 
     async def main() -> None:
@@ -213,6 +231,7 @@ def _bench(argv: list[str]) -> int:
         "publish": "orchestrator.bench.publish",
         "fleet": "orchestrator.bench.fleet",
         "sparsity": "orchestrator.bench.sparsity",
+        "router-replay": "orchestrator.bench.router_replay",
         "async": "orchestrator.bench.async_rl",
         "scheduler": "orchestrator.bench.scheduler",
     }

@@ -82,7 +82,7 @@ class WarmStartConfig(_Section):
 class ModelConfig(_Section):
     path: Path = Path("runs/models/tiny")
     """HF causal-LM directory (safetensors) the trainer starts from."""
-    init: Literal["tiny", "small"] | None = "tiny"
+    init: Literal["tiny", "small", "tiny-moe"] | None = "tiny"
     """Build sprawl's own model of this size at ``path`` if it is missing (None: require it)."""
     warm_start: WarmStartConfig | None = None
     """Warm-start the model sprawl builds at ``path`` by SFT (``[model.warm_start]``); the model
@@ -236,6 +236,10 @@ class FleetConfig(_Section):
     ``"llamacpp"``), launched beside the reference engines; endpoint ids ``<kind>-<i>``."""
     startup_timeout_s: float = Field(default=120.0, gt=0)
     """How long a local engine may take to report ready."""
+    max_adapters: int = Field(default=4, ge=1, le=256)
+    """LoRA versions (``trainer.lora``) each engine of the run (reference engines, vLLM islands)
+    keeps resident at once, the least recently used evicted: a request is served at the newest
+    resident version its bounds admit, and gets a 409 when none is (docs/fleet.md#lora-versions)."""
     max_inflight_per_endpoint: int = Field(default=4, ge=1)
     """Concurrent model calls sent to one endpoint at most (the adaptive limit's ceiling)."""
     breaker_failures: int = Field(default=3, ge=1)
@@ -447,6 +451,28 @@ class Config(_Section):
                 f"trainer.served_view = {view!r} is served only by the reference engines: "
                 f"fleet.islands[0] (kind {kind!r}) cannot serve quantized views here; use "
                 "trainer.served_view = 'bfloat16' or drop the islands"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _lora_islands_are_vllm(self) -> Config:
+        if self.trainer.lora is None:
+            return self
+        engines = [(f"fleet.islands[{i}]", s) for i, s in enumerate(self.fleet.islands)]
+        if self.fleet.ray is not None and self.fleet.ray.engine is not None:
+            engines.append(("fleet.ray.engine", self.fleet.ray.engine))
+        for key, spec in engines:
+            if spec.kind != "vllm":
+                raise ValueError(
+                    f"trainer.lora: {key} (kind {spec.kind!r}) cannot serve LoRA versions; of "
+                    "the islands only kind 'vllm' does (docs/fleet.md#lora-versions)"
+                )
+        from policies.serve.backends.vllm_launch import LORA_RANKS
+
+        if engines and self.trainer.lora.rank > LORA_RANKS[-1]:
+            raise ValueError(
+                f"trainer.lora.rank = {self.trainer.lora.rank}: vLLM islands ({engines[0][0]}) "
+                f"serve LoRA ranks up to {LORA_RANKS[-1]}"
             )
         return self
 

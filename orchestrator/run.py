@@ -40,6 +40,7 @@ from orchestrator.loop.client import HttpTransport
 from orchestrator.loop.episode import EpisodeRunner
 from orchestrator.loop.feed import BatchFeed, serve_feed
 from orchestrator.loop.fleet import fleet_supervisor, local_fleet
+from orchestrator.loop.islands import LoraServing
 from orchestrator.loop.mixture import Source
 from orchestrator.loop.pool import Pool
 from orchestrator.loop.rl import Leftovers, rl_loop
@@ -149,6 +150,7 @@ async def run(cfg: Config) -> RunSummary:
             summary.cover(await anyio.to_thread.run_sync(resume.read_run, run_dir))
             return summary
     log.info("run_started", run_dir=str(run_dir), board=cfg.board_url)
+    lora = _lora_serving(cfg, model_dir)
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(_cancel_on_signal, tg.cancel_scope, summary)
@@ -165,8 +167,9 @@ async def run(cfg: Config) -> RunSummary:
                     startup_timeout_s=cfg.fleet.startup_timeout_s,
                     islands=cfg.fleet.islands,
                     island_dir=run_dir / "islands",
+                    lora=lora,
                 ) as local,
-                _ray_islands(cfg) as rays,
+                _ray_islands(cfg, lora) as rays,
             ):
                 transport = HttpTransport(
                     session, connect_s=cfg.timeouts.connect_s, call_s=cfg.timeouts.call_s
@@ -458,8 +461,17 @@ async def _trainer_sink(
     return InProcessTrainer(trainer)
 
 
+def _lora_serving(cfg: Config, model_dir: Path) -> LoraServing | None:
+    """How the run's engines serve its LoRA versions (``trainer.lora``), or None."""
+    if cfg.trainer.lora is None:
+        return None
+    return LoraServing(
+        base_model=model_dir, max_adapters=cfg.fleet.max_adapters, rank=cfg.trainer.lora.rank
+    )
+
+
 @asynccontextmanager
-async def _ray_islands(cfg: Config) -> AsyncIterator[RayFleet | None]:
+async def _ray_islands(cfg: Config, lora: LoraServing | None) -> AsyncIterator[RayFleet | None]:
     """The run's Ray islands (``[fleet.ray]``), or None."""
     if cfg.fleet.ray is None:
         yield None
@@ -472,6 +484,7 @@ async def _ray_islands(cfg: Config) -> AsyncIterator[RayFleet | None]:
         run=cfg.run.name,
         device=cfg.fleet.device,
         poll_interval_s=cfg.board.poll_interval_s,
+        lora=lora,
     ) as rays:
         yield rays
 

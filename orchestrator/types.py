@@ -69,6 +69,15 @@ class Segment(_Record):
     latency_s: float
     attempts: int = 1
     sampling: SamplingParams
+    routed_experts: str | None = Field(
+        default=None,
+        description="MoE engines: the experts positions [routed_experts_start, prompt_len + "
+        "len(token_ids) - 1) of the episode's sequence were routed to, vLLM's routed_experts "
+        "(policies.wire.routing); None when the endpoint does not report routing",
+    )
+    routed_experts_start: int = Field(
+        default=0, ge=0, description="the first position routed_experts covers"
+    )
 
 
 class ErrorRecord(_Record):

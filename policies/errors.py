@@ -52,6 +52,11 @@ class ModelBuildError(PolicyError):
     rendered or closes no assistant turn with a control token, or the tool parser is unknown."""
 
 
+class AdapterError(PolicyError):
+    """A LoRA adapter does not fit the model: ``trainer.lora.target_modules`` names no layer of
+    it, or a LoRA version's tensors are not an adapter of the engine's model."""
+
+
 class CheckpointError(PolicyError):
     """A trainer checkpoint is unreadable or does not fit the trainer resuming from it."""
 

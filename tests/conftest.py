@@ -19,6 +19,11 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return model_copy("tiny-moe", tmp_path_factory.mktemp("models") / "tiny-moe")
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 

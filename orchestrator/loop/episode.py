@@ -234,6 +234,8 @@ class EpisodeRunner:
             return None
         segments: list[Segment] = rec["segments"]
         turn = len(segments)
+        # MoE routing of the positions earlier calls forwarded is in their segments already
+        routed = segments[-1].prompt_len + len(segments[-1].token_ids) - 1 if segments else 0
         req = GenerateRequest(
             prompt_token_ids=list(ids),
             max_tokens=min(self.sampling.max_tokens, room),
@@ -242,6 +244,7 @@ class EpisodeRunner:
             top_k=self.sampling.top_k,
             seed=None if seed is None else seed + turn,
             policy_version=bounds(),
+            routed_experts_prompt_start=routed,
         )
         affinity = segments[-1].endpoint if segments else None
         t0 = time.perf_counter()
@@ -262,6 +265,8 @@ class EpisodeRunner:
                 latency_s=time.perf_counter() - t0,
                 attempts=attempts,
                 sampling=self.sampling.model_copy(update={"seed": req.seed}),
+                routed_experts=choice.routed_experts,
+                routed_experts_start=routed,
             )
         )
         ids.extend(choice.token_ids)

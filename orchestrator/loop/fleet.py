@@ -28,7 +28,7 @@ import structlog
 
 from orchestrator.config import FleetConfig, IslandConfig
 from orchestrator.loop.children import Children, LocalReplica, read_ready
-from orchestrator.loop.islands import island_ids, start_island
+from orchestrator.loop.islands import LoraServing, island_ids, start_island
 from orchestrator.loop.pool import Pool
 from orchestrator.loop.supervisor import Launch, RestartPolicy, Supervisor
 from orchestrator.types import EndpointRef, EventSink
@@ -74,10 +74,12 @@ async def local_fleet(
     startup_timeout_s: float,
     islands: Sequence[IslandConfig] = (),
     island_dir: Path | None = None,
+    lora: LoraServing | None = None,
 ) -> AsyncIterator[LocalFleet]:
     """Start ``n`` engines and the ``islands`` serving ``board_url``/``run``; yield them once
     every one serves. Island ``<id>`` works in ``<island_dir>/<id>`` (default
-    ``<log_dir>/../islands``)."""
+    ``<log_dir>/../islands``). ``lora``: every engine and island serves LoRA versions; unset
+    for full versions."""
     island_dir = island_dir or log_dir.parent / "islands"
     ids = island_ids(islands)
     async with Children(log_dir) as children:
@@ -88,6 +90,8 @@ async def local_fleet(
                 "--run", run, "--port", "0", "--device", device,
                 "--poll-interval", str(poll_interval_s), "--parent-stdin", "--log-format", "json",
             ]  # fmt: skip
+            if lora is not None:
+                argv += lora.engine_args()
             child = await children.spawn(f"engine-{i}", argv)
             try:
                 url = await read_ready(child, startup_timeout_s, "fleet.startup_timeout_s")
@@ -107,6 +111,7 @@ async def local_fleet(
                 run=run,
                 island_dir=island_dir / ids[j],
                 poll_interval_s=poll_interval_s,
+                lora=lora,
             )
 
         launchers: list[Callable[[], Awaitable[LocalReplica]]]

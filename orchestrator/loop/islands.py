@@ -2,7 +2,9 @@
 an ``orchestrate sidecar`` subprocess, as endpoints of the pool.
 
 - **vLLM** (``vllm-<i>``): the board's newest version (version 0 on a fresh run) is
-  materialized into ``<island dir>/model``; the vLLM API server is started on it under
+  materialized into ``<island dir>/model`` (a run of LoRA versions, :class:`LoraServing`: vLLM
+  starts on the base model instead, with run-time LoRA adapters, and the sidecar loads each
+  version as one); the vLLM API server is started on it under
   :mod:`orchestrator.loop.guard` (its engine core and workers die with the orchestrator) with the
   flags of :func:`~policies.serve.backends.vllm_launch.vllm_command`; once its ``/health``
   answers, ``orchestrate sidecar --engine-kind vllm`` is started in front of it, writing staged
@@ -31,6 +33,7 @@ from pathlib import Path
 import aiohttp
 import anyio
 import structlog
+from pydantic import BaseModel, ConfigDict
 
 from orchestrator.config import IslandConfig, LlamaCppIslandConfig, VLLMIslandConfig
 from orchestrator.errors import FleetError
@@ -42,6 +45,24 @@ log = structlog.get_logger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
 HEALTH_EVERY_S = 0.5
 """vLLM gives no readiness signal but ``/health``: how often it is asked while starting."""
+
+
+class LoraServing(BaseModel):
+    """How the run's engines serve LoRA versions (``trainer.lora``; docs/fleet.md#lora-versions).
+    It travels to Ray islands in their spec, so ``base_model`` must be a path on their nodes."""
+
+    model_config = ConfigDict(frozen=True)
+
+    base_model: Path
+    """The weights every version adapts (the run's ``model.path``)."""
+    max_adapters: int
+    """Versions resident at once (``fleet.max_adapters``)."""
+    rank: int
+    """The adapters' rank (``trainer.lora.rank``)."""
+
+    def engine_args(self) -> list[str]:
+        """``orchestrate serve``'s arguments for it."""
+        return ["--base-model", str(self.base_model), "--max-adapters", str(self.max_adapters)]
 
 
 def island_ids(islands: Sequence[IslandConfig]) -> list[str]:
@@ -65,9 +86,11 @@ async def start_island(
     island_dir: Path,
     poll_interval_s: float,
     host: str = "127.0.0.1",
+    lora: LoraServing | None = None,
 ) -> LocalReplica:
     """Start island ``fleet.islands[index]`` and return it once it serves (its sidecar bound to
-    ``host``); what it started is stopped again when it fails to."""
+    ``host``; ``lora`` set: serving LoRA versions); what it started is stopped again when it
+    fails to."""
     key = f"fleet.islands[{index}]"
     own: list[Child] = []
     await anyio.Path(island_dir).mkdir(parents=True, exist_ok=True)
@@ -81,7 +104,7 @@ async def start_island(
         with anyio.move_on_after(spec.startup_timeout_s):
             if isinstance(spec, VLLMIslandConfig):
                 sidecar += await _vllm_engine(
-                    spec, binary, children, own, island_id, island_dir, run, board_url
+                    spec, binary, children, own, island_id, island_dir, run, board_url, lora
                 )
             else:
                 sidecar += _llamacpp_args(spec, binary, island_dir)
@@ -124,44 +147,59 @@ async def _vllm_engine(
     island_dir: Path,
     run: str,
     board_url: str,
+    lora: LoraServing | None,
 ) -> list[str]:
-    """Start vLLM on the board's newest version; the sidecar arguments that point at it."""
+    """Start vLLM on the board's newest version, or with ``lora`` on the base model with
+    run-time adapters; the sidecar arguments that point at it."""
     from policies.board import Board
     from policies.serve.backends.base import free_port
-    from policies.serve.backends.vllm_launch import vllm_command, vllm_env
+    from policies.serve.backends.vllm_launch import vllm_command, vllm_env, vllm_lora_rank
 
-    board = Board(board_url, run)
-    model_dir = island_dir / "model"
-    version = await anyio.to_thread.run_sync(board.latest)
-    if version is None:
-        raise FleetError("the board has no version to start vLLM from")
-    await anyio.to_thread.run_sync(board.materialize, version, model_dir)
+    if lora is None:
+        board = Board(board_url, run)
+        model_dir = island_dir / "model"
+        version = await anyio.to_thread.run_sync(board.latest)
+        if version is None:
+            raise FleetError("the board has no version to start vLLM from")
+        await anyio.to_thread.run_sync(board.materialize, version, model_dir)
+        adapters = None
+    else:
+        model_dir, version = lora.base_model, None
+        adapters = (lora.max_adapters, vllm_lora_rank(lora.rank))
     port = free_port()
-    argv = vllm_command(python, model_dir, name=run, port=port, max_model_len=spec.max_model_len)
+    argv = vllm_command(
+        python, model_dir, name=run, port=port, max_model_len=spec.max_model_len, lora=adapters
+    )
     engine = await children.spawn(
         f"{island_id}-engine",
         [sys.executable, "-m", "orchestrator.loop.guard", *argv],
-        env=vllm_env(),
+        env=vllm_env(lora=lora is not None),
         ready_line=False,
         grace_s=30.0,  # longer than the guard's own grace for vLLM
     )
     own.append(engine)
     url = f"http://127.0.0.1:{port}"
     await _until_healthy(url, engine)
-    log.info("vllm_started", island=island_id, url=url, version=version, pid=engine.proc.pid)
-    return [
+    log.info(
+        "vllm_started", island=island_id, url=url, version=version, lora=lora is not None,
+        pid=engine.proc.pid,
+    )  # fmt: skip
+    args = [
         "--engine-url", url, "--model", run, "--activation", spec.activation,
         "--materialize-dir", str(island_dir / "versions"),
     ]  # fmt: skip
+    return args + (["--max-adapters", str(lora.max_adapters)] if lora is not None else [])
 
 
 async def _until_healthy(url: str, engine: Child) -> None:
     """Return once ``url``/health answers 200; raise if the engine exits first."""
+    code: int | None = None
     async with aiohttp.ClientSession() as session, anyio.create_task_group() as tg:
 
-        async def exited() -> None:
+        async def exited() -> None:  # raised below: out of the task group, it stays one error
+            nonlocal code
             code = await engine.proc.wait()
-            raise FleetError(f"vLLM exited with {code} while starting; see {engine.log_path}")
+            tg.cancel_scope.cancel()
 
         tg.start_soon(exited)
         while True:
@@ -175,6 +213,8 @@ async def _until_healthy(url: str, engine: Child) -> None:
                 pass  # not listening yet
             await anyio.sleep(HEALTH_EVERY_S)
         tg.cancel_scope.cancel()
+    if code is not None:
+        raise FleetError(f"vLLM exited with {code} while starting; see {engine.log_path}")
 
 
 def _llamacpp_args(spec: LlamaCppIslandConfig, server: Path, island_dir: Path) -> list[str]:

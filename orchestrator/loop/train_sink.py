@@ -34,6 +34,7 @@ from policies.wire.batches import (
     read_metrics,
     write_batch,
 )
+from policies.wire.routing import join_routing
 
 if TYPE_CHECKING:
     from orchestrator.config import Config
@@ -150,6 +151,9 @@ def wire_sample(ep: Episode) -> BatchSample:
         reward=ep.reward,
         policy_versions=spans,
         sampling=sampling,
+        routed_experts=join_routing(
+            [(seg.routed_experts_start, seg.routed_experts) for seg in ep.segments]
+        ),
     )
 
 

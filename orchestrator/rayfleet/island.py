@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict
 
 from orchestrator.config import IslandConfig
 from orchestrator.loop.children import Child, Children, read_ready
-from orchestrator.loop.islands import start_island
+from orchestrator.loop.islands import LoraServing, start_island
 
 log = structlog.get_logger(__name__)
 
@@ -44,6 +44,8 @@ class IslandSpec(BaseModel):
     startup_timeout_s: float
     island: IslandConfig | None = None
     """``None``: the reference engine (``orchestrate serve``); else a sidecar island (vLLM)."""
+    lora: LoraServing | None = None
+    """Set: the run publishes LoRA versions (its base model a path on the island's node)."""
 
 
 class Secrets:
@@ -91,6 +93,7 @@ class IslandActor:
                 island_dir=work,
                 poll_interval_s=spec.poll_interval_s,
                 host=_node_ip(),
+                lora=spec.lora,
             )
             url = replica.ref.url
         self.url = url
@@ -104,6 +107,8 @@ class IslandActor:
             "--run", spec.run, "--host", _node_ip(), "--port", "0", "--device", spec.device,
             "--poll-interval", str(spec.poll_interval_s), "--parent-stdin", "--log-format", "json",
         ]  # fmt: skip
+        if spec.lora is not None:
+            argv += spec.lora.engine_args()
         child = await children.spawn(spec.id, argv)
         return await read_ready(child, spec.startup_timeout_s, "fleet.ray.startup_timeout_s")
 

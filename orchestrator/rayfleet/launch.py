@@ -29,6 +29,7 @@ import structlog
 
 from orchestrator.config import RayFleetConfig
 from orchestrator.errors import FleetError
+from orchestrator.loop.islands import LoraServing
 from orchestrator.loop.supervisor import Down, Launch
 from orchestrator.rayfleet.island import IslandActor, IslandSpec, Secrets
 from orchestrator.types import EndpointRef
@@ -110,9 +111,10 @@ def launcher(
     device: str,
     poll_interval_s: float,
     placed: Callable[[Any], None] = lambda actor: None,
+    lora: LoraServing | None = None,
 ) -> Callable[[], Awaitable[RayIsland]]:
     """Start island ``island_id`` (a new actor each call, handed to ``placed`` as soon as it is
-    created) and return it once it serves."""
+    created) and return it once it serves (``lora``: serving LoRA versions)."""
     spec = IslandSpec(
         id=island_id,
         board_url=board_url,
@@ -122,6 +124,7 @@ def launcher(
         work_dir=str(Path(fleet.work_dir) / run / island_id),
         startup_timeout_s=fleet.startup_timeout_s,
         island=fleet.engine,
+        lora=lora,
     )
     creds = Secrets({k: os.environ[k] for k in fleet.env if k in os.environ})
     res = fleet.resources
@@ -176,6 +179,7 @@ class RayFleet:
     run: str
     device: str
     poll_interval_s: float
+    lora: LoraServing | None = None
     replicas: list[RayIsland] = field(default_factory=list)
     actors: list[Any] = field(default_factory=list)
 
@@ -189,6 +193,7 @@ class RayFleet:
             device=self.device,
             poll_interval_s=self.poll_interval_s,
             placed=self.actors.append,
+            lora=self.lora,
         )
 
     @property
@@ -198,12 +203,19 @@ class RayFleet:
 
 @asynccontextmanager
 async def ray_fleet(
-    fleet: RayFleetConfig, *, board_url: str, run: str, device: str, poll_interval_s: float
+    fleet: RayFleetConfig,
+    *,
+    board_url: str,
+    run: str,
+    device: str,
+    poll_interval_s: float,
+    lora: LoraServing | None = None,
 ) -> AsyncIterator[RayFleet]:
-    """Start ``fleet.islands`` islands (``ray-<i>``) concurrently; yield them once every one
-    serves; kill every actor started meanwhile (replacements too) on exit."""
+    """Start ``fleet.islands`` islands (``ray-<i>``) concurrently, serving LoRA versions with
+    ``lora``; yield them once every one serves; kill every actor started meanwhile
+    (replacements too) on exit."""
     await anyio.to_thread.run_sync(connect, fleet, run)
-    out = RayFleet(fleet, board_url, run, device, poll_interval_s)
+    out = RayFleet(fleet, board_url, run, device, poll_interval_s, lora)
     try:
         ids = [f"ray-{i}" for i in range(fleet.islands)]
         started: dict[str, RayIsland] = {}

@@ -10,7 +10,9 @@ Nothing may come from a model hub, so ``init_model(out, size, seed)`` makes one 
    ``tokenizer_config.json``;
 3. a randomly initialised ``Qwen2ForCausalLM`` (tied embeddings, float32) whose vocabulary is the
    tokenizer's, saved in HF layout: ``config.json``, ``generation_config.json``,
-   ``model.safetensors``.
+   ``model.safetensors``. Size ``tiny-moe`` is a ``Qwen3MoeForCausalLM`` instead (the tiny
+   model's tokenizer, attention and depth; every layer's MLP a mixture of 8 experts, 2 routed per
+   token), the model router replay is measured on (:mod:`policies.model.moe`).
 
 ``init_model(..., chat_template=T)`` stores another Jinja template instead (a ``Path`` is read
 from that file, a ``str`` is the template itself; ``examples/chat_templates/`` has one per model
@@ -76,7 +78,16 @@ from tokenizers import (
     pre_tokenizers,
     trainers,
 )
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 from transformers.utils import logging as hf_logging
 
@@ -100,7 +111,7 @@ from policies.wire.toolcalls import (
 
 log = structlog.get_logger(__name__)
 
-ModelSize = Literal["tiny", "small"]
+ModelSize = Literal["tiny", "small", "tiny-moe"]
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -123,7 +134,9 @@ _SPLIT_PATTERN: str = PRETOKENIZE_REGEX
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Shape of one model size; ``vocab_size`` counts the special and tool tokens."""
+    """Shape of one model size; ``vocab_size`` counts the special and tool tokens; ``experts``
+    > 0 makes it a Qwen3-MoE model, ``experts_per_token`` of them routed per token, each an MLP
+    of ``expert_intermediate_size``."""
 
     vocab_size: int
     hidden_size: int
@@ -133,12 +146,29 @@ class ModelSpec:
     intermediate_size: int
     max_position_embeddings: int
     corpus_docs: int
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
 
 
 SPECS: dict[ModelSize, ModelSpec] = {
     # Small enough that an RL demo runs on 2 CPU cores.
     "tiny": ModelSpec(2048, 64, 2, 4, 2, 176, 2048, corpus_docs=20_000),
     "small": ModelSpec(4096, 256, 4, 8, 4, 688, 2048, corpus_docs=40_000),
+    # The tiny model's tokenizer and attention, with a mixture of experts for its MLPs.
+    "tiny-moe": ModelSpec(
+        2048,
+        64,
+        2,
+        4,
+        2,
+        176,
+        2048,
+        corpus_docs=20_000,
+        experts=8,
+        experts_per_token=2,
+        expert_intermediate_size=64,
+    ),
 }
 
 
@@ -234,7 +264,29 @@ def _stop_ids(tokenizer: PreTrainedTokenizerFast, chat: ChatSpec) -> int | list[
 
 def _model_config(
     spec: ModelSpec, tokenizer: PreTrainedTokenizerFast, chat: ChatSpec
-) -> Qwen2Config:
+) -> PretrainedConfig:
+    bos = None if chat.bos is None else _token_id(tokenizer, chat.bos)
+    eos, pad = _stop_ids(tokenizer, chat), _token_id(tokenizer, PAD_TOKEN)
+    if spec.experts:
+        return Qwen3MoeConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size,
+            moe_intermediate_size=spec.expert_intermediate_size,
+            num_experts=spec.experts,
+            num_experts_per_tok=spec.experts_per_token,
+            norm_topk_prob=True,
+            num_hidden_layers=spec.num_hidden_layers,
+            num_attention_heads=spec.num_attention_heads,
+            num_key_value_heads=spec.num_key_value_heads,
+            max_position_embeddings=spec.max_position_embeddings,
+            tie_word_embeddings=True,
+            dtype="float32",
+            architectures=["Qwen3MoeForCausalLM"],
+            bos_token_id=bos,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
     return Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
@@ -245,11 +297,11 @@ def _model_config(
         max_position_embeddings=spec.max_position_embeddings,
         max_window_layers=spec.num_hidden_layers,
         tie_word_embeddings=True,
-        bos_token_id=None if chat.bos is None else _token_id(tokenizer, chat.bos),
-        eos_token_id=_stop_ids(tokenizer, chat),
-        pad_token_id=_token_id(tokenizer, PAD_TOKEN),
         dtype="float32",
         architectures=["Qwen2ForCausalLM"],
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
     )
 
 
@@ -258,7 +310,7 @@ def _write_json(path: Path, obj: object) -> None:
 
 
 def _save(
-    staging: Path, tokenizer: PreTrainedTokenizerFast, model: Qwen2ForCausalLM, chat: ChatSpec
+    staging: Path, tokenizer: PreTrainedTokenizerFast, model: PreTrainedModel, chat: ChatSpec
 ) -> None:
     tokenizer.save_pretrained(staging, save_jinja_files=False)
     saved = json.loads((staging / "tokenizer_config.json").read_text())
@@ -293,7 +345,8 @@ def init_model(
     chat_template: str | Path | None = None,
     tool_parser: str | None = None,
 ) -> Path:
-    """Build the tokenizer and a random ``Qwen2ForCausalLM`` for ``(size, seed)`` in ``out``.
+    """Build the tokenizer and a random model (``Qwen2ForCausalLM``; ``Qwen3MoeForCausalLM`` for
+    ``tiny-moe``) for ``(size, seed)`` in ``out``.
 
     ``chat_template``: a template file (``Path``) or text (``str``) to use instead of sprawl's
     own; ``tool_parser``: the parser name to record in ``sprawl.json``.
@@ -310,7 +363,11 @@ def init_model(
     config = _model_config(spec, tokenizer, chat)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model: PreTrainedModel = (
+            Qwen3MoeForCausalLM(config)
+            if isinstance(config, Qwen3MoeConfig)
+            else Qwen2ForCausalLM(config)  # type: ignore[arg-type]
+        )
     model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,

@@ -41,6 +41,16 @@ Guarantees:
   the new weights), mode ``"wait"`` stops admitting and lets in-flight rows finish first. Either
   way every request is stamped with the version applied when it joined and when it left.
 
+For an MoE model (Qwen2-MoE / Qwen3-MoE routers, :mod:`policies.model.moe`) every forward records
+the experts each token was routed to, and each choice returns them as ``routed_experts`` in
+vLLM's form (:mod:`policies.wire.routing`): the prompt's positions from the request's
+``routed_experts_prompt_start`` on (from its prefill, shared by its ``n`` choices), then each
+sampled token but the last (from the decode step that forwarded it).
+
+On an engine serving LoRA versions (:mod:`policies.serve.adapters`) a joining request is given the
+newest resident adapter its bounds admit (none: :class:`OutOfBounds`), its rows run through that
+adapter in every forward of the mixed batch, and it is stamped with that version at start and end.
+
 Not covered: prefix sharing between requests, chunked prefill (a long prompt's prefill delays
 one step for everybody), and preemption when memory runs out (``max_rows`` bounds the batch).
 """
@@ -61,7 +71,10 @@ import torch
 from transformers import DynamicCache
 
 from policies.errors import EngineError
+from policies.model.moe import RoutingRecorder
+from policies.serve.adapters import ResidentAdapters
 from policies.wire.lane import FinishReason, GenerateChoice, GenerateRequest
+from policies.wire.routing import encode_routing
 
 log = structlog.get_logger(__name__)
 
@@ -95,6 +108,8 @@ class _Job:
     start: int | None = None
     end: int | None = None
     choices: dict[int, GenerateChoice] = field(default_factory=dict)
+    prompt_routes: torch.Tensor | None = None  # [prompt tokens, layers, top_k] (MoE models)
+    adapter: int | None = None  # the LoRA version its rows run through (LoRA engines)
 
 
 @dataclass(eq=False)
@@ -106,6 +121,7 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: FinishReason | None = None
+    routes: list[torch.Tensor] = field(default_factory=list)  # [layers, top_k] per forwarded token
 
     def take(self, token: int, logprob: float) -> None:
         self.tokens.append(token)
@@ -124,8 +140,10 @@ class DecodeBatcher:
         self.device = device
         self.max_rows = max_rows
         self.version: int | None = None
+        self.adapters: ResidentAdapters | None = None  # set once the engine serves LoRA versions
         self.steps = 0
         self.cancelled = 0  # requests whose caller went away before they finished
+        self._routing = RoutingRecorder(model)
         self._cv = threading.Condition()
         self._waiting: deque[_Job] = deque()
         self._rows: list[_Row] = []
@@ -250,13 +268,21 @@ class DecodeBatcher:
         if job.future.cancelled():
             self._count_cancelled(job, [])
             return None
-        if self.version is not None and not job.req.policy_version.admits(self.version):
+        if self.adapters is not None:
+            job.adapter = self.adapters.pick(job.req.policy_version)
+            admitted = job.adapter is not None
+        else:
+            admitted = self.version is None or job.req.policy_version.admits(self.version)
+        if not admitted:
             _fail(job, OutOfBounds(self.version))
             return None
-        job.start = self.version
+        job.start = self.version if job.adapter is None else job.adapter
         req = job.req
         ids = torch.tensor([req.prompt_token_ids], device=self.device)
-        out = self.model(ids, use_cache=True)
+        self._routing.discard()
+        out = self.model(ids, use_cache=True, **self._lora([job]))
+        if self._routing.active:
+            job.prompt_routes = self._routing.take()
         logits = out.logits[0, -1].float()
         kv = [(layer.keys, layer.values) for layer in out.cache.layers]
         rows = []
@@ -301,7 +327,16 @@ class DecodeBatcher:
         pos = torch.tensor([[r.cached] for r in rows], device=self.device)
         mask = torch.cat([self._mask, self._mask.new_ones(len(rows), 1)], dim=1)
         cache = DynamicCache(self._kv)
-        out = self.model(last, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+        self._routing.discard()
+        out = self.model(
+            last,
+            attention_mask=mask,
+            position_ids=pos,
+            cache=cache,
+            use_cache=True,
+            **self._lora([r.job for r in rows]),
+        )
+        routes = self._routing.take() if self._routing.active else None
         self._kv = [(layer.keys, layer.values) for layer in out.cache.layers]
         self._mask = mask
         logits = out.logits[:, -1].float()
@@ -310,6 +345,8 @@ class DecodeBatcher:
             req = row.job.req
             if row.finish is not None:  # its request failed on another of its rows
                 continue
+            if routes is not None:
+                row.routes.append(routes[i])
             try:
                 row.take(*sample_token(logits[i], req.temperature, req.top_k, req.top_p, row.gen))
             except Exception as exc:  # this row's failure fails its request, no other
@@ -371,12 +408,34 @@ class DecodeBatcher:
         job = row.job
         assert row.finish is not None
         job.choices[row.index] = GenerateChoice(
-            index=row.index, token_ids=row.tokens, logprobs=row.logprobs, finish_reason=row.finish
+            index=row.index,
+            token_ids=row.tokens,
+            logprobs=row.logprobs,
+            finish_reason=row.finish,
+            routed_experts=self._routed_experts(row),
         )
-        job.end = self.version
+        job.end = self.version if job.adapter is None else job.adapter
         if len(job.choices) == job.req.n:
             choices = [job.choices[i] for i in range(job.req.n)]
             _resolve(job, Generation(choices, job.start, job.end))
+
+    def adapters_in_use(self) -> set[int]:
+        """The LoRA versions in-flight rows run through (call at a step boundary)."""
+        return {r.job.adapter for r in self._rows if r.job.adapter is not None}
+
+    def _lora(self, jobs: list[_Job]) -> dict[str, list[str]]:
+        """The forward's keyword that runs each row through its job's adapter (none without)."""
+        if self.adapters is None:
+            return {}
+        return self.adapters.forward_args([j.adapter for j in jobs if j.adapter is not None])
+
+    def _routed_experts(self, row: _Row) -> str | None:
+        """The row's routing in vLLM's ``routed_experts`` form; None for a dense model."""
+        prompt = row.job.prompt_routes
+        if prompt is None:
+            return None
+        ids = torch.cat([prompt[row.job.req.routed_experts_prompt_start :], *map(_one, row.routes)])
+        return encode_routing(ids.numpy(), self._routing.experts)
 
     def _fail_all(self, exc: EngineError) -> None:
         jobs = {id(r.job): r.job for r in self._rows}
@@ -398,6 +457,10 @@ def _fail(job: _Job, exc: Exception) -> None:
     """Fail ``job`` unless it is already finished or its caller has gone (see :func:`_resolve`)."""
     with suppress(concurrent.futures.InvalidStateError):
         job.future.set_exception(exc)
+
+
+def _one(route: torch.Tensor) -> torch.Tensor:
+    return route[None]
 
 
 def _pad_left(kv: KV, mask: torch.Tensor, pad: int) -> tuple[KV, torch.Tensor]:

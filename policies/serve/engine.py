@@ -15,7 +15,12 @@ Guarantees:
 - :meth:`Engine.activate` replaces the weights in place, bit for bit, from a served view, at a
   decode-step boundary (``mode="pause"`` holds in-flight generations there, ``mode="wait"``
   drains them first), and sets the engine's ``version`` in the same critical section, so every
-  request's version stamp names the weights that actually produced its tokens.
+  request's version stamp names the weights that actually produced its tokens;
+- for an MoE model each choice carries ``routed_experts`` (the experts every forwarded position
+  was routed to, vLLM's shape: :mod:`policies.serve.decode`);
+- :meth:`Engine.load_adapter` serves LoRA versions: each is an adapter beside the base weights
+  (never touched), several resident at once (``max_adapters``, least recently used evicted), and a
+  request runs through the newest resident one its bounds admit (:mod:`policies.serve.adapters`).
 
 Not covered here: version bookkeeping against the board (the sidecar owns it).
 """
@@ -29,14 +34,19 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
 import torch
+from peft import LoraConfig
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from policies.errors import BadRequest
+from policies.serve.adapters import ResidentAdapters, adapter_config
 from policies.serve.decode import DecodeBatcher, Generation, QuiesceMode, sample_token
 from policies.wire.lane import GenerateChoice, GenerateRequest
 
 __all__ = ["Activation", "Engine", "Generation", "QuiesceMode", "sample_token"]
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -61,18 +71,27 @@ class Engine:
         device: str = "cpu",
         dtype: torch.dtype | None = None,
         max_rows: int = 64,
+        base_weights: Path | None = None,
+        max_adapters: int = 4,
     ):
+        """``base_weights``: a model directory whose weights to start from (what LoRA versions
+        adapt; :meth:`load_adapter`); unset, the weights are random until the first
+        :meth:`activate`. ``max_adapters``: LoRA versions resident at once."""
         self.model_dir = model_dir
         self.device = torch.device(device)
         self.config = AutoConfig.from_pretrained(model_dir)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(model_dir)
         self.dtype = dtype or torch.float32
-        self.model = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype)  # type: ignore[no-untyped-call]
+        if base_weights is None:
+            self.model = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype)  # type: ignore[no-untyped-call]
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(base_weights, dtype=self.dtype)
         self.model.to(self.device).eval()
         self.max_context = int(getattr(self.config, "max_position_embeddings", 2048))
         self.eos_ids = set(_eos_ids(model_dir, self.tokenizer))
         self.name = model_dir.name
         self.batcher = DecodeBatcher(self.model, device=self.device, max_rows=max_rows)
+        self.adapters = ResidentAdapters(self.model, max_resident=max_adapters)
 
     def live_tensors(self) -> dict[str, torch.Tensor]:
         """The live parameters by served-view name (tied aliases left out); patch them in place."""
@@ -93,6 +112,10 @@ class Engine:
         version); the view must then hold at least those, else every live tensor. The view is
         checked before the model is touched, so a bad view changes nothing.
         """
+        if self.batcher.adapters is not None:
+            raise BadRequest(
+                f"version {version} is a full view; this engine serves LoRA versions", "view"
+            )
         params = self.live_tensors()
         missing = [name for name in (params if only is None else only) if name not in view]
         if missing:
@@ -112,6 +135,40 @@ class Engine:
                     dst.copy_(view[name].to(device=dst.device, dtype=dst.dtype))
 
         return self.apply(copy, version=version, mode=mode)
+
+    def load_adapter(
+        self, view: Mapping[str, torch.Tensor], *, version: int, mode: QuiesceMode = "pause"
+    ) -> Activation:
+        """Make the LoRA version ``view`` (its adapter) resident beside the base weights, which
+        stay untouched, and serve ``version`` as the newest; requests keep running on the
+        adapters they picked. Evicts the least recently used adapter beyond ``max_adapters``
+        (draining in-flight rows first, ``"wait"``, only when each candidate is in use, and on
+        the first adapter). A view that is not an adapter of this model changes nothing."""
+        config = adapter_config(view)
+        adapters = self.adapters
+        first = self.batcher.adapters is None
+        mode = "wait" if first else mode
+        with self.batcher.quiesce(mode) as waited, torch.no_grad():
+            t0 = time.perf_counter()
+            if first or adapters.evictable(self.batcher.adapters_in_use()):
+                self._load_adapter(view, version, config)
+                return Activation(wait_s=waited, held_s=time.perf_counter() - t0)
+        with self.batcher.quiesce("wait") as waited, torch.no_grad():
+            t0 = time.perf_counter()
+            self._load_adapter(view, version, config)
+            return Activation(wait_s=waited, held_s=time.perf_counter() - t0)
+
+    def _load_adapter(
+        self, view: Mapping[str, torch.Tensor], version: int, config: LoraConfig
+    ) -> None:
+        """At a step boundary: load, evict, and serve through the adapters from now on."""
+        evicted = self.adapters.load(version, view, config, self.batcher.adapters_in_use())
+        self.batcher.model = self.adapters.model or self.batcher.model
+        self.batcher.adapters = self.adapters
+        self.batcher.version = version
+        log.info(
+            "adapter_loaded", version=version, evicted=evicted, resident=self.adapters.versions()
+        )
 
     def apply(
         self,
@@ -152,6 +209,12 @@ class Engine:
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise BadRequest(f"token id {bad[0]} outside the vocabulary [0, {vocab})", field)
+        if req.routed_experts_prompt_start > len(req.prompt_token_ids):
+            raise BadRequest(
+                f"routed_experts_prompt_start {req.routed_experts_prompt_start} is past the "
+                f"prompt's {len(req.prompt_token_ids)} tokens",
+                "routed_experts_prompt_start",
+            )
         room = self.max_context - len(req.prompt_token_ids)
         if room <= 0:
             raise BadRequest(

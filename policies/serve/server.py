@@ -51,6 +51,7 @@ from transformers import PreTrainedTokenizerBase
 from policies.board import Board
 from policies.codec.views import quantized_kind
 from policies.errors import BadRequest, BoardError, EngineError
+from policies.serve.adapters import is_lora_version
 from policies.serve.backends.reference import ReferenceBackend
 from policies.serve.connections import ConnectionLimiter, LaneLimits, LaneSite
 from policies.serve.decode import QuiesceMode
@@ -333,9 +334,14 @@ async def serve_board(
     activation: QuiesceMode = "wait",
     tls: ssl.SSLContext | None = None,
     limits: LaneLimits | None = None,
+    base_model: Path | None = None,
+    max_adapters: int = 4,
     task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the board's newest version until cancelled; ``started`` with the bound port."""
+    """Serve the board's newest version until cancelled; ``started`` with the bound port.
+
+    A run of LoRA versions (``trainer.lora``) needs ``base_model``, the model directory whose
+    weights its adapters adapt; the engine keeps ``max_adapters`` of them resident."""
     board = Board(board_url, run)
     with tempfile.TemporaryDirectory(prefix="sprawl-engine-") as tmp:
         model_dir = Path(tmp) / run
@@ -345,8 +351,19 @@ async def serve_board(
         for name, data in base.items():
             (model_dir / name).write_bytes(data)
         dtype = await anyio.to_thread.run_sync(_served_dtype, board, latest)
+        if base_model is None and await anyio.to_thread.run_sync(is_lora_version, board, latest):
+            raise EngineError(
+                f"version {latest} of run {run!r} is a LoRA version (an adapter, "
+                "trainer.lora): serve it with --base-model DIR, the model it adapts"
+            )
         engine = await anyio.to_thread.run_sync(
-            lambda: Engine(model_dir, device=device, dtype=dtype)
+            lambda: Engine(
+                model_dir,
+                device=device,
+                dtype=dtype,
+                base_weights=base_model,
+                max_adapters=max_adapters,
+            )
         )
         registry = engine_registry(engine)
         sidecar = Sidecar(

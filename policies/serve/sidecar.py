@@ -43,13 +43,19 @@ shadow of the served view, falling back to the nearest anchor when a patch fails
 that failed verification is never planned again by this sidecar (a damaged, truncated or
 misplaced patch is routed around through squashed patches or a later anchor).
 
+LoRA versions (``trainer.lora``): an engine that holds several adapters at once
+(:class:`MultiVersion`: the reference engine, :mod:`policies.serve.adapters`, and vLLM,
+``backends.vllm_lora``) serves a request at
+the newest resident version its bounds admit, so one island is a mixed-version fleet; the 409
+then says no resident version fits. ``applied_version`` is the newest one activated.
+
 Not covered: more than one staged version at a time (a newer version published while one is
 being staged is picked up by the next reconcile).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import anyio
 import structlog
@@ -112,6 +118,15 @@ class Backend(Protocol):
 
     async def aclose(self) -> None:
         """Release resources."""
+
+
+@runtime_checkable
+class MultiVersion(Protocol):
+    """A backend whose engine serves several versions at once (LoRA adapters)."""
+
+    def resident_versions(self) -> list[int]:
+        """The versions a request can be served at now."""
+        ...
 
 
 class SidecarMetrics:
@@ -330,11 +345,22 @@ class Sidecar:
             return None
 
     # -- serving --------------------------------------------------------------------------------
+    def _resident(self) -> list[int]:
+        """The versions the engine serves at once (LoRA adapters); empty for one full version."""
+        backend = self.backend
+        return backend.resident_versions() if isinstance(backend, MultiVersion) else []
+
     def _conflict(self, req: GenerateRequest, applied: int | None) -> VersionNotServed:
         self.metrics.conflicts.inc()
         staged = self.staged_version
+        resident = self._resident()
+        served = (
+            f"no resident adapter version ({', '.join(map(str, resident))}) is"
+            if resident
+            else f"applied version {applied} is"
+        )
         return VersionNotServed(
-            f"applied version {applied} is outside the requested bounds "
+            f"{served} outside the requested bounds "
             f"[{req.policy_version.min}, {req.policy_version.max}]",
             applied,
             staged,
@@ -344,7 +370,8 @@ class Sidecar:
     async def run_request(self, req: GenerateRequest) -> Generation:
         """Serve ``req`` at a version inside its bounds; the generation carries its stamps."""
         applied = self.applied_version
-        if applied is None or not req.policy_version.admits(applied):
+        admits = req.policy_version.admits
+        if applied is None or not (admits(applied) or any(map(admits, self._resident()))):
             raise self._conflict(req, applied)
         try:
             gen = await self.backend.generate(req)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 FLOAT_VIEWS = ("bfloat16", "float16", "float32")
 """``served_view`` values that are a plain cast of the weights (no scales)."""
@@ -29,6 +29,35 @@ class FeedConfig(BaseModel):
     token: str | None = Field(default=None, min_length=1)
     """Bearer token the batch feed requires; unset: a random one per run. Either way it is written
     with the URL to ``<run dir>/feed.json`` (mode 0600)."""
+
+
+class LoraConfig(BaseModel):
+    """The ``[trainer.lora]`` table: train a LoRA adapter (``peft``) on frozen base weights; each
+    version is the adapter (docs/trainer.md#lora-versions)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    rank: int = Field(default=8, ge=1, le=1024)
+    """Rank ``r`` of every adapter matrix."""
+    alpha: int = Field(default=16, ge=1)
+    """LoRA scaling numerator: the adapter adds ``alpha / rank · B A`` (published with the
+    scaling folded into ``lora_B``)."""
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1
+    )
+    """Names (last component) of the linear layers that get an adapter, e.g. ``q_proj``."""
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    """Dropout on the adapter's input while training (engines serve without it)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _plain_names(cls, v: list[str]) -> list[str]:
+        bad = [m for m in v if not m or not m.replace("_", "").isalnum()]
+        if bad:
+            raise ValueError(f"{bad[0]!r} is not a module name (letters, digits and _)")
+        if len(set(v)) != len(v):
+            raise ValueError(f"names a module twice: {v}")
+        return v
 
 
 MOVED_KEYS = {
@@ -93,6 +122,14 @@ class TrainerConfig(BaseModel):
     """Gradient accumulation: each forward/backward takes consecutive samples whose padded size
     (samples × the longest one's tokens) stays within this (a longer sample goes alone); the loss
     is normalized over the whole batch, so the step equals one unsplit pass. Unset: one pass."""
+    lora: LoraConfig | None = None
+    """Train a LoRA adapter instead of every weight (``[trainer.lora]``); unset: full-parameter
+    training. Needs a float ``served_view``."""
+    router_replay: bool = False
+    """MoE models: score every sampled token with the experts the engine routed it to (each
+    sample's ``routed_experts``), not the trainer's own top-k; the router's probabilities of
+    those experts stay the differentiable expert weights (docs/trainer.md#moe-router-replay).
+    Needs an MoE model and engines that report routing."""
     logit_chunk_tokens: int = Field(default=1024, ge=1)
     """Tokens whose fp32 logits exist at once when scoring: the output head and log-softmax run
     this many tokens at a time, recomputed in the backward, so memory grows with this × vocab
@@ -104,6 +141,15 @@ class TrainerConfig(BaseModel):
             raise ValueError(
                 f"scale_policy applies to quantized served views; served_view is "
                 f"{self.served_view!r}, which has no scales"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _lora_needs_a_float_view(self) -> TrainerConfig:
+        if self.lora is not None and self.served_view not in FLOAT_VIEWS:
+            raise ValueError(
+                f"lora: a LoRA version is its adapter, published as a float view; served_view "
+                f"is {self.served_view!r} (use one of {', '.join(FLOAT_VIEWS)})"
             )
         return self
 

@@ -26,6 +26,10 @@ One :meth:`Trainer.step` per batch:
 
 Version ``v`` is the number of optimizer steps taken.
 
+With ``trainer.lora`` set the model carries a fresh peft LoRA adapter and only the adapter is
+trained (the base weights stay frozen, bit for bit); each version's served view is the adapter,
+published through the board like any view (:mod:`policies.train.lora`).
+
 Checkpoints (when ``checkpoint_dir`` is set): after every step, one file ``trainer.pt`` holding the
 model state, the optimizer state, the torch CPU RNG state and the version, written to a temporary
 sibling, fsynced and renamed over the old one, so a crash loses at most the step in progress and
@@ -55,7 +59,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from policies.board import Board, Manifest
 from policies.codec.views import ViewSpec, build_view, weight_sources
 from policies.errors import CheckpointError, ScoringError
+from policies.model.moe import replay_routing, routers
 from policies.train.config import TrainerConfig
+from policies.train.lora import adapter_view, with_lora
 from policies.train.scoring import (
     Scored,
     TokenSampling,
@@ -66,6 +72,7 @@ from policies.train.scoring import (
     token_sampling,
 )
 from policies.wire.batches import BatchSample, SegmentSampling
+from policies.wire.routing import decode_routing
 from staleness.config import StalenessConfig
 from staleness.corrections import correct
 from staleness.loss import aggregate, group_advantages, kl_penalty, normaliser, policy_loss
@@ -89,6 +96,9 @@ class TrainSample:
     sampling: Sequence[SegmentSampling] = ()
     """How each segment's tokens were sampled; tokens outside every segment are scored with the
     trainer's defaults (the run's ``[sampling]``)."""
+    routed_experts: torch.Tensor | None = None
+    """MoE: the experts positions ``0 .. R-1`` were routed to by the engine, ``[R, layers,
+    top_k]`` int64 (``trainer.router_replay`` forces them); None: not reported."""
 
     @classmethod
     def from_wire(cls, sample: BatchSample) -> TrainSample:
@@ -99,10 +109,20 @@ class TrainSample:
             behaviour_logprobs=sample.behaviour_logprobs,
             reward=sample.reward,
             sampling=sample.sampling,
+            routed_experts=None
+            if sample.routed_experts is None
+            else torch.from_numpy(decode_routing(sample.routed_experts)),
         )
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
+        routed = self.routed_experts
+        if routed is not None and (routed.ndim != 3 or routed.shape[0] > n):
+            msg = (
+                f"routed_experts of shape {tuple(routed.shape)}: expected [positions <= {n}, "
+                "layers, top_k]"
+            )
+            raise ScoringError(msg)
         for seg in self.sampling:
             if not 0 <= seg.start <= seg.end <= n:
                 msg = f"sampling segment [{seg.start}, {seg.end}) lies outside the {n} tokens"
@@ -148,10 +168,20 @@ class Trainer:
         self.staleness = staleness
         self.correction = staleness.correction
         self.model = _load(model_dir, config)
+        if config.lora is not None:
+            self.model = with_lora(self.model, config.lora)
         check_head(self.model)
+        if config.router_replay and not routers(self.model):
+            msg = (
+                f"trainer.router_replay = true needs a mixture-of-experts model (Qwen2-MoE / "
+                f"Qwen3-MoE routers); {model_dir} is a {type(self.model).__name__}"
+            )
+            raise ScoringError(msg)
         self.model.train()
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=config.lr,
+            weight_decay=config.weight_decay,
         )
         self.reference: PreTrainedModel | None = None
         if config.kl_coef > 0:
@@ -169,7 +199,10 @@ class Trainer:
     def served_view(self) -> dict[str, torch.Tensor]:
         """The tensors engines serve (``trainer.served_view``), on the CPU, tied weights once:
         the state cast to a float dtype, or its quantized view (``policies.codec.views``) with
-        ``trainer.scale_policy``'s scales."""
+        ``trainer.scale_policy``'s scales. With ``trainer.lora`` set: the adapter's tensors
+        (:func:`policies.train.lora.adapter_view`)."""
+        if self.config.lora is not None:
+            return adapter_view(self.model, self.config.lora, DTYPES[self.config.served_view])
         state: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
         for name, t in self.model.state_dict().items():
@@ -286,11 +319,22 @@ class Trainer:
         return ids, attn
 
     def _score(
-        self, model: PreTrainedModel, ids: torch.Tensor, attn: torch.Tensor, how: TokenSampling
+        self,
+        model: PreTrainedModel,
+        ids: torch.Tensor,
+        attn: torch.Tensor,
+        how: TokenSampling,
+        routed: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Log probs [B, T-1] of tokens 1..T under the distribution each was sampled from (its
-        segment's transforms, ``how`` [B, T]) and that distribution's entropy; 0 on padding."""
-        hidden = model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state
+        segment's transforms, ``how`` [B, T]) and that distribution's entropy; 0 on padding.
+        ``routed`` [B, T, layers, top_k]: the experts to route each position to (-1: the
+        router's own choice; :func:`policies.model.moe.replay_routing`)."""
+        if routed is None:
+            hidden = model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state
+        else:
+            with replay_routing(model, routed):
+                hidden = model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state
         live = attn[:, 1:].bool()
         logp, ent = score_chunked(
             hidden[:, :-1][live],
@@ -306,13 +350,39 @@ class Trainer:
         rows = [s.sampling for s in samples]
         return token_sampling(rows, width, self.sampling, self.config.device)
 
+    def _check_routing(self, samples: Sequence[TrainSample]) -> None:
+        """With ``trainer.router_replay`` on, refuse a batch of which no sample carries routing."""
+        if self.config.router_replay and all(s.routed_experts is None for s in samples):
+            msg = (
+                "trainer.router_replay = true, but no sample of the batch carries "
+                "routed_experts: the engines do not report MoE routing (the reference engine "
+                "does; vLLM needs --enable-return-routed-experts)"
+            )
+            raise ScoringError(msg)
+
+    def _routing(self, samples: Sequence[TrainSample], width: int) -> torch.Tensor | None:
+        """The engine's routing [B, width, layers, top_k] to replay (-1 where a sample has none)
+        when ``trainer.router_replay`` is on; None when it is off or no sample has any."""
+        known = [s.routed_experts for s in samples if s.routed_experts is not None]
+        if not self.config.router_replay or not known:
+            return None
+        layers, k = known[0].shape[1:]
+        out = torch.full((len(samples), width, layers, k), -1, dtype=torch.long)
+        for i, sample in enumerate(samples):
+            if sample.routed_experts is not None:
+                out[i, : sample.routed_experts.shape[0]] = sample.routed_experts
+        return out.to(self.config.device)
+
     @torch.no_grad()
     def logprobs(self, samples: Sequence[TrainSample]) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log probs [B, T-1] of tokens 1..T under the current weights, and the mask.
 
         For inspection (no gradient); :meth:`step` scores with gradients itself."""
+        self._check_routing(samples)
         ids, attn = self._batch(samples)
-        logp, _ = self._score(self.model, ids, attn, self._sampling(samples, ids.shape[1]))
+        width = ids.shape[1]
+        how, routed = self._sampling(samples, width), self._routing(samples, width)
+        logp, _ = self._score(self.model, ids, attn, how, routed)
         return logp, attn[:, 1:].bool()
 
     # -- the update ----------------------------------------------------------------------------
@@ -338,6 +408,7 @@ class Trainer:
         s, st = self.config, self.staleness
         ids, attn = self._batch(samples)
         how = self._sampling(samples, ids.shape[1])
+        routed = self._routing(samples, ids.shape[1])
         width = ids.shape[1] - 1
         mask = torch.zeros(len(samples), width, dtype=torch.bool, device=s.device)
         behav = torch.zeros(len(samples), width, device=s.device)
@@ -346,7 +417,7 @@ class Trainer:
             mask[i, :n] = torch.tensor(sample.mask[1:], dtype=torch.bool)
             behav[i, :n] = torch.tensor(sample.behaviour_logprobs[1:])
 
-        logp, entropy = self._score(self.model, ids, attn, how)
+        logp, entropy = self._score(self.model, ids, attn, how, routed)
         logp_prox = logp.detach()
         corrected = correct(self.correction, logp_prox=logp_prox, logp_behav=behav, mask=mask)
         kept = corrected.mask
@@ -379,7 +450,7 @@ class Trainer:
         excluded = 0
         if self.reference is not None:
             with torch.no_grad():
-                logp_ref, _ = self._score(self.reference, ids, attn, how)
+                logp_ref, _ = self._score(self.reference, ids, attn, how, routed)
             outside = kept & ~torch.isfinite(logp_ref)  # π_ref's truncated set lacks the token
             excluded = int(outside.sum())
             kl = kl_penalty(logp, logp_ref, kept & ~outside, estimator=s.kl_estimator)
@@ -392,6 +463,7 @@ class Trainer:
         s, st = self.config, self.staleness
         rewards = torch.tensor([sample.reward for sample in samples], device=s.device)
         advantages = group_advantages(rewards, self.group_size, normalize_std=st.scales_rewards)
+        self._check_routing(samples)
         self.optimizer.zero_grad(set_to_none=True)
         parts = [
             self._backward([samples[i] for i in rows], advantages[rows.start : rows.stop])
@@ -466,6 +538,9 @@ class Trainer:
             version_bytes=float(manifest.bytes),
             micro_batches=float(len(parts)),
         )
+        if s.router_replay:  # scored by the trainer's own routing: the engine reported none
+            unrouted = sum(sample.routed_experts is None for sample in samples)
+            metrics["router_replay/unrouted_samples"] = float(unrouted)
         log.info(
             "trainer_step",
             version=self.version,

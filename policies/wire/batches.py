@@ -28,6 +28,10 @@ trainers); None in files of older sprawls.
 ``sampling`` gives, per sampled segment, ``[start_token, end_token, temperature, top_k, top_p]``:
 the transforms the engine sampled those tokens with, which a trainer applies when it recomputes
 their log probs (empty in files of older sprawls: the trainer then uses the run's ``[sampling]``).
+``routed_experts`` (MoE engines that report routing; None otherwise) is the experts positions
+``0 .. R-1`` of ``token_ids`` were routed to when the engine forwarded them, in vLLM's
+``routed_experts`` form (:mod:`policies.wire.routing`, ``[R, layers, top_k]``); the positions
+after ``R`` (the last sampled token and any environment reply after it) have none.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class BatchSample(BaseModel):
     reward: float
     policy_versions: list[tuple[int, int, int, int]] = Field(default_factory=list)
     sampling: list[SegmentSampling] = Field(default_factory=list)
+    routed_experts: str | None = None
 
 
 class BatchFile(BaseModel):

@@ -69,15 +69,26 @@ class GenerateRequest(_Wire):
     stop_token_ids: list[int] = Field(default_factory=list)
     n: int = Field(default=1, ge=1, le=64)
     policy_version: VersionBounds = Field(default_factory=VersionBounds)
+    routed_experts_prompt_start: int = Field(
+        default=0,
+        ge=0,
+        description="MoE engines: leave the routing of the first this many prompt tokens out of "
+        "routed_experts (vLLM's field; a multi-turn caller sets it to the positions it has)",
+    )
 
 
 class GenerateChoice(_Wire):
-    """One sampled continuation with the log prob of each sampled token."""
+    """One sampled continuation with the log prob of each sampled token.
+
+    ``routed_experts`` (MoE engines that report routing; None otherwise): the experts every
+    position was routed to, in vLLM 0.32's form, base64 ``.npy`` ``[len(prompt) + len(token_ids)
+    - 1 - routed_experts_prompt_start, layers, top_k]`` (:mod:`policies.wire.routing`)."""
 
     index: int
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
+    routed_experts: str | None = None
 
 
 class Usage(_Wire):

@@ -114,7 +114,9 @@ def test_external_trainer_needs_a_shared_board() -> None:
     assert cfg.board_url == "/tmp/b"
 
 
-@pytest.mark.parametrize("bench", ["codec", "engine", "sync", "sparsity", "scheduler", "async"])
+@pytest.mark.parametrize(
+    "bench", ["codec", "engine", "sync", "sparsity", "router-replay", "scheduler", "async"]
+)
 def test_every_documented_bench_is_a_command(bench: str) -> None:
     """Each ``orchestrate bench NAME`` of the README and the CLI docstring answers ``--help``."""
     with pytest.raises(SystemExit) as done:

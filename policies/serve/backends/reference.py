@@ -10,6 +10,9 @@ and each activation recomputes, with :func:`policies.codec.views.dequantize` and
 engine pauses, only the weights whose codes or scales changed (all of them on the first), so
 the live weights are always ``dequantize(view)`` of the staged version, cast to the engine's
 dtype (exactly that in fp32, which ``orchestrate serve --board`` picks for quantized views).
+
+A LoRA version (its view is an adapter: :mod:`policies.serve.adapters`) is loaded beside the base
+weights as one more resident adapter (:meth:`Engine.load_adapter`), never copied into them.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 
 from policies.board import Board
 from policies.codec.views import ViewKind, ViewSpec, dequantize, quantized_kind, weight_sources
+from policies.serve.adapters import is_adapter_view
 from policies.serve.backends.shadow import Shadow
 from policies.serve.decode import Generation, QuiesceMode
 from policies.serve.engine import Engine
@@ -39,6 +43,12 @@ class ReferenceBackend:
 
     async def activate(self, version: int, mode: QuiesceMode) -> float:
         staged, view = self.shadow.take(version)
+        if is_adapter_view(staged.manifest.tensors):
+            loaded = await anyio.to_thread.run_sync(
+                lambda: self.engine.load_adapter(view, version=version, mode=mode)
+            )
+            self.shadow.activated(staged)
+            return loaded.held_s
         changed = self.shadow.changed(staged)
         kind = quantized_kind(staged.manifest.view)
         if kind is not None:
@@ -51,6 +61,10 @@ class ReferenceBackend:
 
     async def generate(self, req: GenerateRequest) -> Generation:
         return await self.engine.agenerate(req)
+
+    def resident_versions(self) -> list[int]:
+        """The LoRA versions the engine holds (empty while it serves full versions)."""
+        return self.engine.adapters.versions() if self.engine.batcher.adapters else []
 
     async def recover(self) -> None:
         """The engine lives in this process: it cannot restart on other weights."""

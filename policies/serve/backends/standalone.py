@@ -44,6 +44,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from policies.board import Board
 from policies.board.store import redact
 from policies.errors import BoardError
+from policies.serve.adapters import is_lora_version
 from policies.serve.backends.base import HttpBackend
 from policies.serve.backends.llamacpp import LlamaCppBackend
 from policies.serve.backends.llamacpp_wire import LlamaOptions
@@ -51,6 +52,7 @@ from policies.serve.backends.openai import OpenAIBackend
 from policies.serve.backends.sglang import SGLangBackend
 from policies.serve.backends.shadow import check_view
 from policies.serve.backends.vllm import VLLMBackend
+from policies.serve.backends.vllm_lora import VLLMLoraBackend
 from policies.serve.connections import LaneLimits, add_limit_flags, limits_from
 from policies.serve.decode import QuiesceMode
 from policies.serve.server import run_lane, tls_context
@@ -95,7 +97,15 @@ def make_backend(
     tokenizer: PreTrainedTokenizerBase | None,
     llama: LlamaOptions | None = None,
     base_dir: Path | None = None,
+    max_adapters: int | None = None,
 ) -> HttpBackend:
+    """The backend of ``kind``; ``max_adapters`` set: the board holds LoRA versions (vLLM only),
+    that many resident."""
+    if max_adapters is not None and kind != "vllm":
+        raise BoardError(
+            f"run {board.run!r} publishes LoRA versions (trainer.lora); of the sidecar's engine "
+            f"kinds only vllm serves them, not {kind}"
+        )
     if kind == "llamacpp":
         if llama is None or base_dir is None:
             raise BoardError("--engine-kind llamacpp needs its llama-server options")
@@ -111,6 +121,10 @@ def make_backend(
     common = {"model": model, "max_context": max_context, "api_key": api_key}
     if kind == "sglang":
         return SGLangBackend(engine_url, materialize_dir=materialize_dir, **common)
+    if kind == "vllm" and max_adapters is not None:
+        return VLLMLoraBackend(
+            engine_url, work_dir=materialize_dir, max_adapters=max_adapters, **common
+        )
     if kind == "vllm":
         return VLLMBackend(engine_url, work_dir=materialize_dir, **common)
     if kind == "openai":
@@ -138,15 +152,19 @@ async def serve_sidecar(
     tls: ssl.SSLContext | None = None,
     llama: LlamaOptions | None = None,
     limits: LaneLimits | None = None,
+    max_adapters: int = 4,
     task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the sidecar until cancelled; ``started`` with the bound port."""
+    """Run the sidecar until cancelled; ``started`` with the bound port. A board of LoRA
+    versions is served through the engine's adapters, ``max_adapters`` resident (vLLM)."""
     board = Board(board_url, run)
     log.info("sidecar_starting", engine=engine_kind, board=redact(board_url), run=run)
     with tempfile.TemporaryDirectory(prefix="sprawl-sidecar-") as tmp:
         tokenizer, max_context = await anyio.to_thread.run_sync(_load_base, board, Path(tmp))
         if engine_kind != "openai":  # a frozen OpenAI engine serves no board weights
             await anyio.to_thread.run_sync(_check_latest_view, board, engine_kind)
+        latest = await anyio.to_thread.run_sync(board.latest)
+        lora = latest is not None and await anyio.to_thread.run_sync(is_lora_version, board, latest)
         backend = make_backend(
             engine_kind,
             engine_url,
@@ -159,6 +177,7 @@ async def serve_sidecar(
             tokenizer=tokenizer,
             llama=llama,
             base_dir=Path(tmp),
+            max_adapters=max_adapters if lora else None,
         )
         try:
             await backend.connect()
@@ -208,6 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", type=int, help="the fixed version an openai endpoint serves")
     p.add_argument("--model", help="model name the engine serves (default: the run name)")
+    p.add_argument(
+        "--max-adapters",
+        type=int,
+        default=4,
+        help="LoRA versions resident at once (vLLM started with --enable-lora)",
+    )
     p.add_argument("--tls-cert", type=Path)
     p.add_argument("--tls-key", type=Path)
     p.add_argument("--log-format", choices=["auto", "pretty", "json"], default="auto")
@@ -284,6 +309,7 @@ def main(argv: list[str]) -> int:
                     tls=tls,
                     llama=llama,
                     limits=limits,
+                    max_adapters=args.max_adapters,
                     task_status=task_status,
                 )
             )

@@ -30,6 +30,7 @@ Start the engine as in ``docs/fleet.md`` (``--worker-extension-cls``, ``VLLM_SER
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,8 @@ from policies.wire.lane import FinishReason, GenerateRequest
 
 log = structlog.get_logger(__name__)
 STATUS_EVERY_S = 1.0
+ADAPTER: ContextVar[str | None] = ContextVar("sprawl_vllm_adapter", default=None)
+"""The LoRA adapter the current request runs through (set by ``vllm_lora.VLLMLoraBackend``)."""
 
 
 def token_ids_of(choice: dict[str, Any]) -> list[int]:
@@ -117,7 +120,7 @@ class VLLMBackend(HttpBackend):
         if self.lost:
             raise EngineUnavailable("vllm went away; the live version is put back when it returns")
         body: dict[str, object] = {
-            "model": self.name,
+            "model": ADAPTER.get() or self.name,
             "prompt": req.prompt_token_ids,
             "max_tokens": req.max_tokens,
             "n": 1,

@@ -28,6 +28,8 @@ from policies.serve.backends.base import free_port
 
 BUILD_SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "build-vllm-env.sh"
 WORKER_EXTENSION = "policies.serve.backends.vllm_worker.SprawlWorkerExtension"
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM 0.32 takes for ``--max-lora-rank``."""
 
 
 def engine_python() -> Path:
@@ -48,10 +50,10 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def vllm_env() -> dict[str, str]:
+def vllm_env(*, lora: bool = False) -> dict[str, str]:
     """The process environment vLLM is started with: this one plus the dev routes on, a 1 GiB
-    KV cache, no usage stats and no model hub."""
-    return {
+    KV cache, no usage stats and no model hub; ``lora``: adapters loaded at run time too."""
+    env = {
         **os.environ,
         "VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /collective_rpc, /reset_prefix_cache
         "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
@@ -59,13 +61,34 @@ def vllm_env() -> dict[str, str]:
         "DO_NOT_TRACK": "1",
         "HF_HUB_OFFLINE": "1",
     }
+    if lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter
+    return env
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The ``--max-lora-rank`` that serves adapters of ``rank``: the smallest vLLM takes."""
+    fits = [r for r in LORA_RANKS if r >= rank]
+    if not fits:
+        raise EngineError(f"vLLM serves LoRA ranks up to {LORA_RANKS[-1]}, not {rank}")
+    return fits[0]
 
 
 def vllm_command(
-    python: Path, model: Path, *, name: str, port: int, max_model_len: int
+    python: Path,
+    model: Path,
+    *,
+    name: str,
+    port: int,
+    max_model_len: int,
+    lora: tuple[int, int] | None = None,
 ) -> list[str]:
-    """The API server's command line, serving ``model`` as ``name`` on ``127.0.0.1:port``."""
-    return [
+    """The API server's command line, serving ``model`` as ``name`` on ``127.0.0.1:port``;
+    ``lora`` = (adapters resident, their largest rank): with run-time LoRA adapters
+    (:mod:`policies.serve.backends.vllm_lora`; the environment needs
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``: :func:`vllm_env` with ``lora``; the rank one of
+    :data:`LORA_RANKS`, :func:`vllm_lora_rank`)."""
+    argv = [
         str(python), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--served-model-name", name,
         "--host", "127.0.0.1", "--port", str(port),
@@ -73,6 +96,9 @@ def vllm_command(
         "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
         "--enforce-eager", "--worker-extension-cls", WORKER_EXTENSION,
     ]  # fmt: skip
+    if lora is not None:
+        argv += ["--enable-lora", "--max-loras", str(lora[0]), "--max-lora-rank", str(lora[1])]
+    return argv
 
 
 @contextlib.contextmanager
@@ -85,11 +111,13 @@ def vllm_server(
     port: int | None = None,
     max_model_len: int = 2048,
     startup_timeout_s: float = 300.0,
+    lora: tuple[int, int] | None = None,
 ) -> Iterator[str]:
-    """vLLM serving ``model`` as ``name`` on loopback; its URL once healthy."""
+    """vLLM serving ``model`` as ``name`` on loopback; its URL once healthy (``lora``: as for
+    :func:`vllm_command`)."""
     port = port or free_port()
-    env = vllm_env()
-    argv = vllm_command(python, model, name=name, port=port, max_model_len=max_model_len)
+    env = vllm_env(lora=lora is not None)
+    argv = vllm_command(python, model, name=name, port=port, max_model_len=max_model_len, lora=lora)
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
         proc = subprocess.Popen(

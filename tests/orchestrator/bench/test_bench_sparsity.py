@@ -1,4 +1,5 @@
-"""``orchestrate bench sparsity``: every served view under every scale policy, on the same steps."""
+"""``orchestrate bench sparsity``: every served view under every scale policy, on the same steps,
+for AdamW and Muon."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from orchestrator.bench import sparsity
 
@@ -53,3 +56,54 @@ def test_an_unknown_scale_policy_is_named(
         sparsity.main(["--model", str(tiny_model_dir), "--scale-policies", "pow2,pow3"])
     assert exit_.value.code == 2
     assert "--scale-policies: 'pow3' is not one of" in capsys.readouterr().err
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(tiny_model_dir: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    muon, adamw = sparsity.optimizers(model, "muon", lr=1e-6)
+    assert isinstance(muon, torch.optim.Muon)
+    assert isinstance(adamw, torch.optim.AdamW)
+    hidden = [p for g in muon.param_groups for p in g["params"]]
+    rest = [p for g in adamw.param_groups for p in g["params"]]
+    assert all(p.ndim == 2 for p in hidden)
+    embed = model.get_input_embeddings().weight
+    assert all(p is not embed for p in hidden)
+    assert any(p is embed for p in rest)
+    assert any(p.ndim == 1 for p in rest)
+    assert {id(p) for p in hidden} | {id(p) for p in rest} == {id(p) for p in model.parameters()}
+    assert muon.param_groups[0]["lr"] == sparsity.MUON_LR
+    assert adamw.param_groups[0]["lr"] == 1e-6
+
+
+@pytest.mark.slow
+def test_both_optimizers_are_reported_on_the_same_steps(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--model", str(tiny_model_dir), "--steps", "2", "--ks", "1", "--lr", "1e-6"]
+    args += ["--optimizer", "adamw,muon", "--scale-policies", "pow2", "--json"]
+    assert sparsity.main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["optimizers"] == ["adamw", "muon"]
+    assert (report["muon_lr"], report["muon_adjust_lr"]) == (0.02, "original")
+    rows = report["rows"]
+    for optimizer in ("adamw", "muon"):
+        mine = [r for r in rows if r["optimizer"] == optimizer]
+        assert {(r["view"], r["step"]) for r in mine} == {
+            (v, s) for v in sparsity.VIEWS for s in (1, 2)
+        }
+
+    def bf16(optimizer: str) -> float:
+        (s,) = [s for s in report["summary"] if (s["optimizer"], s["view"]) == (optimizer, "bf16")]
+        return float(s["mean_changed_fraction"])
+
+    # Muon's orthogonalised steps at lr 0.02 are far above half a bf16 ulp; AdamW's at 1e-6 are not
+    assert bf16("muon") > 4 * bf16("adamw")
+
+
+def test_an_unknown_optimizer_is_named(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        sparsity.main(["--model", str(tiny_model_dir), "--optimizer", "adamw,lion"])
+    assert exit_.value.code == 2
+    assert "--optimizer: 'lion' is not one of adamw, muon" in capsys.readouterr().err
