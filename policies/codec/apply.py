@@ -147,7 +147,7 @@ def apply_patch(
                 out[rec.name] = out[rec.alias_of]
             else:
                 raise PatchCorrupt(f"{rec.name}: alias of unknown tensor {rec.alias_of}")
-    log.info(
+    log.debug(
         "patch.applied",
         base=header.base_digest,
         target=header.target_digest,

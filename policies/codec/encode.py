@@ -230,7 +230,7 @@ def encode_patch(
     }
     hbytes = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     frame = b"".join([MAGIC, U32.pack(len(hbytes)), hbytes, *body])
-    log.info(
+    log.debug(
         "patch.encoded",
         base=bdig,
         target=tdig,
