@@ -44,9 +44,11 @@ async def engine(
     activation: QuiesceMode = "wait",
     tls: ssl.SSLContext | None = None,
     limits: LaneLimits | None = None,
+    base_model: Path | None = None,
+    max_adapters: int = 4,
 ) -> AsyncIterator[str]:
     """A reference engine with its sidecar serving ``board`` on loopback; its base URL
-    (``https`` with ``tls``)."""
+    (``https`` with ``tls``; ``base_model``: serving LoRA versions, ``max_adapters`` resident)."""
     async with anyio.create_task_group() as tg:
         port = await tg.start(
             lambda task_status: serve_board(
@@ -60,6 +62,8 @@ async def engine(
                 activation=activation,
                 tls=tls,
                 limits=limits,
+                base_model=base_model,
+                max_adapters=max_adapters,
                 task_status=task_status,
             )
         )
