@@ -28,7 +28,7 @@ from safetensors.torch import save as st_save
 from policies.board import plan as board_plan
 from policies.board.manifest import file_entries, one_line, parse_manifest, pieces_checksum
 from policies.board.store import Store
-from policies.board.stream import StagedChunk, StreamSource, apply_chunk, check_chunks, follow
+from policies.board.stream import StagedChunk, StreamSource, apply_frame, check_chunks, follow
 from policies.board.types import (
     BASE_FILES,
     MAX_BASE_FILE_BYTES,
@@ -397,23 +397,7 @@ class BoardReader:
         if ref.chunks:
             return self._apply_chunks(view, step, digest, m, ref)
         data = self.read_patch(step)
-        where = f"version {step.version}: {step.file}"
-        try:
-            hdr = read_patch_header(data)
-            if hdr.target_digest != m.digest:
-                raise VersionCorrupt(
-                    f"{where} makes {hdr.target_digest}, the manifest says {m.digest}"
-                )
-            if digest is not None and hdr.base_digest != digest:
-                raise PatchBaseMismatch(
-                    f"{where} applies to version {step.base} (digest {hdr.base_digest}); the view "
-                    f"held has digest {digest}: catch up from the version actually held"
-                )
-            apply_patch(view, data, base_digest=digest, verify=True)
-        except PatchBaseMismatch as exc:
-            raise PatchBaseMismatch(str(exc) if where in str(exc) else f"{where}: {exc}") from None
-        except PatchError as exc:
-            raise VersionCorrupt(f"{where}: {exc}") from None
+        apply_frame(view, data, f"version {step.version}: {step.file}", digest, m.digest)
         return m.digest
 
     def _apply_chunks(
@@ -436,7 +420,7 @@ class BoardReader:
             rel = chunk_file(step.base, i)
             data = self._read_exact(step.version, rel, chunk.bytes)
             # the first chunk vouches for nothing unless the caller did: hash the base once
-            staged.append(apply_chunk(view, data, f"version {step.version}: {rel}", digest))
+            staged.append(apply_frame(view, data, f"version {step.version}: {rel}", digest))
             digest = ref.base_digest
         wrong = check_chunks(m, ref, staged)
         if wrong is not None:

@@ -15,7 +15,7 @@ chunk is durable.
 
 A replica holding ``u`` that sees the stream (:func:`follow`) fetches chunk ``i`` by its name as
 soon as it exists, applies it to its view in place and verifies every tensor it wrote against
-the chunk's checksums (:func:`apply_chunk`) while the publisher encodes the next; once the
+the chunk's checksums (:func:`apply_frame`) while the publisher encodes the next; once the
 pointer reaches the version it checks what it staged against the manifest (:func:`check_chunks`):
 every chunk the one the manifest vouches for, every tensor's checksum the manifest's, every
 tensor covered once. Only then is the version staged: a half-published version is never
@@ -183,14 +183,24 @@ class StagedChunk:
     sums: dict[str, str]
 
 
-def apply_chunk(
-    view: MutableMapping[str, torch.Tensor], data: bytes, where: str, digest: str | None
+def apply_frame(
+    view: MutableMapping[str, torch.Tensor],
+    data: bytes,
+    where: str,
+    digest: str | None,
+    target_digest: str | None = None,
 ) -> StagedChunk:
-    """Apply one chunk in place, every tensor it writes verified; ``digest`` vouches for the
-    base (the chunk's base digest must be it). A damaged chunk is :class:`VersionCorrupt` and a
-    chunk for another base :class:`PatchBaseMismatch`, each naming ``where``."""
+    """Apply one patch frame (a chunk, or a whole single-file patch) in place, every tensor it
+    writes verified; ``digest`` vouches for the base (the frame's base digest must be it) and
+    ``target_digest``, when given, for what it makes. A damaged frame, or one making another
+    target, is :class:`VersionCorrupt` and a frame for another base :class:`PatchBaseMismatch`,
+    each naming ``where``."""
     try:
         hdr = read_patch_header(data)
+        if target_digest is not None and hdr.target_digest != target_digest:
+            raise VersionCorrupt(
+                f"{where} makes {hdr.target_digest}, the manifest says {target_digest}"
+            )
         if digest is not None and hdr.base_digest != digest:
             raise PatchBaseMismatch(
                 f"{where} applies to digest {hdr.base_digest}; the view held has digest "
@@ -288,7 +298,7 @@ def follow(
         if len(got[0]) > limit:
             raise gone(f"read {rel} larger than its announced {limit} bytes")
         try:
-            staged.append(apply_chunk(view, got[0], f"version {v}: {rel}", digest))
+            staged.append(apply_frame(view, got[0], f"version {v}: {rel}", digest))
         except PatchError as exc:
             raise gone(f"failed at {rel} ({exc}): it is read again once published") from None
         except VersionCorrupt as exc:
