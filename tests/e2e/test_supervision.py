@@ -28,17 +28,30 @@ def _metrics(run_dir: Path) -> str:
         return str(r.read().decode())
 
 
+def _served_by_replacement(run_dir: Path, endpoint: str) -> bool:
+    """Whether a call was served by ``endpoint`` after its ``engine_restarted`` event."""
+    restarted = None
+    for e in read_events(run_dir):
+        if e["kind"] == "engine_restarted" and e["endpoint"] == endpoint:
+            restarted = e["seq"]
+        elif restarted is not None and e["kind"] == "served" and e["endpoint"] == endpoint:
+            return True
+    return False
+
+
 @pytest.mark.slow
 def test_a_killed_engine_is_replaced_and_the_run_accounts_for_every_group(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
+    """The run is stopped (SIGTERM) once the replacement has served a call, so how long a restart
+    takes on a busy machine does not decide whether the replacement gets to serve."""
     run_dir = tmp_path / "demo"
     proc = subprocess.Popen(
         orchestrate_cmd(
             tmp_path,
             tiny_model_dir,
             "--trainer.max_steps",
-            "12",  # a restart takes ≈ 5 steps' time on 2 busy cores: room for it to serve
+            "200",  # an upper bound: the test stops the run well before
             "--fleet.restart_backoff_s",
             "0.5",
         ),
@@ -50,6 +63,8 @@ def test_a_killed_engine_is_replaced_and_the_run_accounts_for_every_group(
     started: dict[str, list[int]] = {}  # engine → pids, in start order
     killed: int | None = None
     metrics = ""
+    stopped = False
+    checked = 0.0
     lines: list[str] = []
     deadline = time.monotonic() + 600
     for line in proc.stderr:
@@ -63,10 +78,18 @@ def test_a_killed_engine_is_replaced_and_the_run_accounts_for_every_group(
             os.kill(killed, signal.SIGKILL)
         elif '"engine_restarted"' in line and not metrics:
             metrics = _metrics(run_dir)  # while the run goes on
+        if metrics and not stopped and time.monotonic() - checked > 0.5:
+            checked = time.monotonic()
+            if _served_by_replacement(run_dir, "engine-0"):
+                proc.send_signal(signal.SIGTERM)
+                stopped = True
     out, _ = proc.communicate(timeout=120)
     stderr = "".join(lines)
-    assert proc.returncode == 0, stderr[-3000:]
     assert killed is not None, "the run ended before its first step"
+    assert stopped, "the replacement served no call before the run's 200 steps: " + stderr[-3000:]
+    assert proc.returncode == 130, stderr[-3000:]  # stopped by the test's SIGTERM
+    assert "status:    interrupted" in out
+    assert "Traceback" not in stderr
 
     # replaced under the same id by a new process, which is gone with the run
     assert len(started["engine-0"]) == 2
@@ -86,19 +109,15 @@ def test_a_killed_engine_is_replaced_and_the_run_accounts_for_every_group(
     # out of rotation from the death on: no route chose it until it was registered again
     between = [e for e in events if died["seq"] < e["seq"] < restarted["seq"]]
     assert not [e for e in between if e["kind"] == "route" and e["chosen"] == "engine-0"]
-    # and the replacement served calls of this run
-    after = [e for e in events if e["seq"] > restarted["seq"]]
-    assert any(e["kind"] == "served" and e["endpoint"] == "engine-0" for e in after)
 
     assert 'sprawl_engine_deaths_total{endpoint="engine-0"} 1.0' in metrics
     assert 'sprawl_engine_restarts_total{endpoint="engine-0"} 1.0' in metrics
 
-    acc = account(run_dir)
+    acc = account(run_dir)  # the groups in flight at the stop are recorded as dropped
     assert acc.ok, acc.problems
     counts = acc.counts()
     assert counts["unaccounted"] == counts["duplicated"] == 0
-    assert counts["batches"] == 12
-    assert "steps:     12" in out
+    assert counts["batches"] >= 2  # the kill came after the first step, the stop later still
 
 
 @pytest.mark.slow

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 
 import numpy as np
 import pytest
+import structlog
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -324,11 +326,19 @@ def test_bench_codec_on_cuda_without_a_gpu_is_one_line() -> None:
 
 
 def test_encode_and_apply_log_one_line_each() -> None:
+    """At debug level (they are per chunk with a streamed publish), whatever level an earlier
+    test of this process configured."""
     base, patch = _PAIR
-    with capture_logs() as logs:
-        apply_patch(dict(base), patch, in_place=False)
+    old = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    try:
+        with capture_logs() as logs:
+            apply_patch(dict(base), patch, in_place=False)
+    finally:
+        structlog.configure(**old)
     applied = [e for e in logs if e["event"] == "patch.applied"]
     assert len(applied) == 1
+    assert applied[0]["log_level"] == "debug"
     assert applied[0]["target"] == read_patch_header(patch).target_digest
 
 
