@@ -8,9 +8,8 @@ thread pool, one tensor per task.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, MutableMapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, wait
 
 import structlog
 import torch
@@ -25,6 +24,7 @@ from policies.codec.digests import (
 )
 from policies.codec.format import TensorRecord, parse_patch
 from policies.codec.ops import apply_section, unit_view
+from policies.codec.workers import workers
 from policies.errors import PatchBaseMismatch, PatchChecksumMismatch, PatchCorrupt, PatchError
 
 log = structlog.get_logger("policies.codec")
@@ -113,7 +113,8 @@ def apply_patch(
     ``in_place=True`` writes into the base tensors and the base mapping (no copy of the view);
     ``in_place=False`` leaves ``base`` untouched. ``base_digest`` vouches for the base (e.g. the
     digest a previous apply returned) instead of hashing it. Tensors are decoded and verified on
-    a thread pool. If a checksum check fails after writing in place, the base is partially
+    the process's codec threads (:mod:`policies.codec.workers`), all of them done when this
+    returns or raises. If a checksum check fails after writing in place, the base is partially
     patched: reload it from a verified version.
     """
     header, body = parse_patch(patch)
@@ -128,8 +129,9 @@ def apply_patch(
         base_groups.setdefault(storage_key(t), []).append(name)
     target_group = {r.name: r.alias_of or r.name for r in header.tensors}
     out: dict[str, torch.Tensor] = {}
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        jobs = {}
+    pool = workers("scan")
+    jobs: dict[str, Future[torch.Tensor]] = {}
+    try:
         for rec in header.tensors:
             if rec.op not in ("patch", "full", "alias"):
                 raise PatchCorrupt(f"{rec.name}: unknown op {rec.op}")
@@ -147,6 +149,8 @@ def apply_patch(
                 out[rec.name] = out[rec.alias_of]
             else:
                 raise PatchCorrupt(f"{rec.name}: alias of unknown tensor {rec.alias_of}")
+    finally:
+        wait(jobs.values())  # no job writes into the base once this returns or raises
     log.debug(
         "patch.applied",
         base=header.base_digest,

@@ -64,10 +64,9 @@ and writes sections (numba-compiled loops in :mod:`policies.codec.kernels` and
 from __future__ import annotations
 
 import json
-import os
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import structlog
@@ -99,6 +98,7 @@ from policies.codec.ops import (
     unit_view,
 )
 from policies.codec.scan import scan_tensor
+from policies.codec.workers import workers
 from policies.errors import PatchError
 
 log = structlog.get_logger(__name__)
@@ -162,65 +162,62 @@ def encode_patch(
     sections: list[Future[bytes] | None] = []
     scans: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (record index, base, target)
     primary: dict[StorageKey, str] = {}
-    with (
-        ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool,
-        ThreadPoolExecutor(max_workers=1) as writer,
-    ):
-        for name in sorted(target):
-            t = target[name]
-            rec: dict[str, Any] = {
-                "name": name,
-                "dtype": dtype_name(t),
-                "shape": list(t.shape),
-                "checksum": sums[name],
-                "width": _width(t),
-                "alias_of": None,
-            }
-            rec["units"] = t.numel() * t.element_size() // rec["width"]
-            key = storage_key(t)
-            b = base.get(name)
-            section: Future[bytes] | None = None
-            if key in primary:
-                rec.update(op="alias", alias_of=primary[key], changed=0)
-            elif b is None or dtype_name(b) != rec["dtype"] or tuple(b.shape) != tuple(t.shape):
-                section = pool.submit(_compress, raw_bytes(t).data, level)
-                rec.update(op="full", changed=rec["units"])
-            else:
-                scans.append((len(records), b, t))
-                rec.update(op="patch")
-            primary.setdefault(key, name)
-            records.append(rec)
-            sections.append(section)
+    pool, writer = workers("scan"), workers("write")
+    for name in sorted(target):
+        t = target[name]
+        rec: dict[str, Any] = {
+            "name": name,
+            "dtype": dtype_name(t),
+            "shape": list(t.shape),
+            "checksum": sums[name],
+            "width": _width(t),
+            "alias_of": None,
+        }
+        rec["units"] = t.numel() * t.element_size() // rec["width"]
+        key = storage_key(t)
+        b = base.get(name)
+        section: Future[bytes] | None = None
+        if key in primary:
+            rec.update(op="alias", alias_of=primary[key], changed=0)
+        elif b is None or dtype_name(b) != rec["dtype"] or tuple(b.shape) != tuple(t.shape):
+            section = pool.submit(_compress, raw_bytes(t).data, level)
+            rec.update(op="full", changed=rec["units"])
+        else:
+            scans.append((len(records), b, t))
+            rec.update(op="patch")
+        primary.setdefault(key, name)
+        records.append(rec)
+        sections.append(section)
 
-        # Each tensor's scan is queued _AHEAD tensors before its section is written, so the
-        # pool never idles between tensors; at most _IN_FLIGHT sections wait to be written
-        # and compressed (which bounds the scanned changes held in memory). Sections go to
-        # their own thread: queued on the scan pool they waited behind the next tensors'
-        # scans (the memory-bound scan leaves a core's compute free for them).
-        # (units are taken when a scan starts: a device or strided tensor is copied only then)
-        def start(k: int) -> tuple[UInt | None, UInt | None, Callable[[], Changes]]:
-            _, b, t = scans[k]
-            w = _width(t)
-            if b.device.type != "cpu" or t.device.type != "cpu":
-                return None, None, pool.submit(scan_tensor, b, t, w, chunk).result
-            bu, tu = unit_view(raw_bytes(b), w), unit_view(raw_bytes(t), w)
-            return bu, tu, start_changes(bu, tu, pool, chunk)
+    # Each tensor's scan is queued _AHEAD tensors before its section is written, so the
+    # pool never idles between tensors; at most _IN_FLIGHT sections wait to be written
+    # and compressed (which bounds the scanned changes held in memory). Sections go to
+    # their own thread: queued on the scan pool they waited behind the next tensors'
+    # scans (the memory-bound scan leaves a core's compute free for them).
+    # (units are taken when a scan starts: a device or strided tensor is copied only then)
+    def start(k: int) -> tuple[UInt | None, UInt | None, Callable[[], Changes]]:
+        _, b, t = scans[k]
+        w = _width(t)
+        if b.device.type != "cpu" or t.device.type != "cpu":
+            return None, None, pool.submit(scan_tensor, b, t, w, chunk).result
+        bu, tu = unit_view(raw_bytes(b), w), unit_view(raw_bytes(t), w)
+        return bu, tu, start_changes(bu, tu, pool, chunk)
 
-        queued = deque(start(k) for k in range(min(_AHEAD, len(scans))))
-        pending: deque[Future[bytes]] = deque()
-        for k, (i, _, t) in enumerate(scans):
-            if k + _AHEAD < len(scans):
-                queued.append(start(k + _AHEAD))
-            bu, tu, collect = queued.popleft()
-            changes = collect()
-            records[i]["changed"] = changes.changed
-            floating = t.dtype.is_floating_point
-            section = writer.submit(_section, bu, tu, changes, floating, level, chunk)
-            sections[i] = section
-            pending.append(section)
-            if len(pending) > _IN_FLIGHT:
-                pending.popleft().result()
-        body = [s.result() if s is not None else b"" for s in sections]
+    queued = deque(start(k) for k in range(min(_AHEAD, len(scans))))
+    pending: deque[Future[bytes]] = deque()
+    for k, (i, _, t) in enumerate(scans):
+        if k + _AHEAD < len(scans):
+            queued.append(start(k + _AHEAD))
+        bu, tu, collect = queued.popleft()
+        changes = collect()
+        records[i]["changed"] = changes.changed
+        floating = t.dtype.is_floating_point
+        section = writer.submit(_section, bu, tu, changes, floating, level, chunk)
+        sections[i] = section
+        pending.append(section)
+        if len(pending) > _IN_FLIGHT:
+            pending.popleft().result()
+    body = [s.result() if s is not None else b"" for s in sections]
     offset = 0
     for rec, data in zip(records, body, strict=True):
         rec.update(offset=offset, length=len(data))

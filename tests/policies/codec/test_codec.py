@@ -5,6 +5,9 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -347,3 +350,31 @@ def test_header_checksums_match_the_target() -> None:
     target = _step(base, seed=12)
     header = read_patch_header(encode_patch(base, target))
     assert header.checksums == checksums(target)
+
+
+def test_a_forked_child_applies_with_workers_of_its_own() -> None:
+    """The codec's threads are shared by a process and do not survive a fork: a child that
+    applies a patch after its parent did must not wait on the parent's threads forever."""
+    base, patch = _PAIR
+    expected = apply_patch(dict(base), patch, in_place=False)  # the parent's workers started
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report whether it made the target, and exit at once
+        try:
+            got = apply_patch(dict(base), patch, in_place=False)
+            same = all(
+                torch.equal(got[k].view(torch.uint8), expected[k].view(torch.uint8)) for k in got
+            )
+            os.write(write, b"1" if same else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + 60
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.05)
+    assert os.read(read, 1) == b"1", "the forked child did not apply the patch within 60 s"
+    os.close(read)
