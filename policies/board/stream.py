@@ -14,12 +14,13 @@ as soon as it is encoded, while the next is encoded; the manifest (format
 chunk is durable.
 
 A replica holding ``u`` that sees the stream (:func:`follow`) fetches chunk ``i`` by its name as
-soon as it exists, applies it to its view in place and verifies every tensor it wrote against
-the chunk's checksums (:func:`apply_frame`) while the publisher encodes the next; once the
-pointer reaches the version it checks what it staged against the manifest (:func:`check_chunks`):
-every chunk the one the manifest vouches for, every tensor's checksum the manifest's, every
-tensor covered once. Only then is the version staged: a half-published version is never
-servable.
+soon as it exists (on a thread of its own, up to :data:`FETCH_AHEAD` chunks ahead of the one it
+applies, so its link carries the next chunk meanwhile), applies it to its view in place and
+verifies every tensor it wrote against the chunk's checksums (:func:`apply_frame`) while the
+publisher encodes the next; once the pointer reaches the version it checks what it staged
+against the manifest (:func:`check_chunks`): every chunk the one the manifest vouches for, every
+tensor's checksum the manifest's, every tensor covered once. Only then is the version staged: a
+half-published version is never servable.
 
 Guarantees: the reader reads at most the announced limit of a chunk; a stream whose publisher
 died (no new chunk for ``stall_s``), was replaced (another ``STREAM`` id) or was overtaken (the
@@ -37,6 +38,7 @@ made of one huge tensor streams as one chunk.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, MutableMapping
@@ -67,6 +69,8 @@ CHECK_S = 0.1
 that the pointer did not reach the version without the chunk it waits for)."""
 ENCODE_AHEAD = 2
 """Chunks encoded at once by a publisher (the next while one is written)."""
+FETCH_AHEAD = 2
+"""Chunks a replica fetches ahead of the one it applies (the link busy while it applies)."""
 STALL_S = 60.0
 """A stream with no new chunk (or no commit) for this long is given up as abandoned."""
 
@@ -259,6 +263,7 @@ def follow(
     v = stream.version
     digest = stream.bases[have]
     staged: list[StagedChunk] = []
+    stop = threading.Event()  # set when the applying side gives up: the fetcher stops waiting
 
     def gone(why: str) -> BoardError:
         return BoardError(f"version {v} on {where}: the stream staged from {have} {why}")
@@ -279,17 +284,19 @@ def follow(
                 raise gone(f"stalled: no {what} for {stall_s:g} s (the publisher died?)")
             time.sleep(POLL_S)
 
-    for i, limit in enumerate(stream.limits):
-        rel = chunk_file(have, i)
+    def fetch(i: int) -> bytes:
+        rel, limit = chunk_file(have, i), stream.limits[i]
         got: list[bytes] = []
 
-        def landed(rel: str = rel, limit: int = limit, got: list[bytes] = got) -> bool:
+        def landed() -> bool:
+            if stop.is_set():  # the applying side raised: nothing waits for this chunk
+                raise gone("was given up")
             data = None if got else source.chunk(rel, limit)
             if data is not None:
                 got.append(data)
             return bool(got)
 
-        def overtaken(rel: str = rel) -> None:
+        def overtaken() -> None:
             latest = source.latest()
             if latest is not None and latest >= v and not landed():  # committed without it
                 raise gone(f"was overtaken: the version was published without {rel}")
@@ -297,11 +304,27 @@ def follow(
         wait(landed, f"chunk {i}", overtaken)
         if len(got[0]) > limit:
             raise gone(f"read {rel} larger than its announced {limit} bytes")
-        try:
-            staged.append(apply_frame(view, got[0], f"version {v}: {rel}", digest))
-        except PatchError as exc:
-            raise gone(f"failed at {rel} ({exc}): it is read again once published") from None
-        except VersionCorrupt as exc:
-            raise gone(f"failed ({exc}): it is read again once published") from None
+        return got[0]
+
+    # One thread fetches the chunks in order, FETCH_AHEAD ahead of the one being applied, so
+    # the link carries the next chunk while this one is applied and verified.
+    n = len(stream.limits)
+    fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="board-fetch")
+    try:
+        ahead: deque[Future[bytes]] = deque()
+        for i in range(n):
+            while len(ahead) < FETCH_AHEAD and i + len(ahead) < n:
+                ahead.append(fetcher.submit(fetch, i + len(ahead)))
+            data = ahead.popleft().result()
+            rel = chunk_file(have, i)
+            try:
+                staged.append(apply_frame(view, data, f"version {v}: {rel}", digest))
+            except PatchError as exc:
+                raise gone(f"failed at {rel} ({exc}): it is read again once published") from None
+            except VersionCorrupt as exc:
+                raise gone(f"failed ({exc}): it is read again once published") from None
+    finally:
+        stop.set()
+        fetcher.shutdown(wait=True, cancel_futures=True)
     wait(lambda: (source.latest() or -1) >= v, "commit", lambda: None)
     return staged

@@ -15,7 +15,15 @@ import torch
 from policies.board import Board
 from policies.board import stream as board_stream
 from policies.board.manifest import manifest_digest, manifest_seal
-from policies.board.types import BOARD_FORMAT, Manifest, PatchRef, Pointer, TensorEntry
+from policies.board.types import (
+    BOARD_FORMAT,
+    Manifest,
+    PatchRef,
+    Pointer,
+    Stream,
+    TensorEntry,
+    chunk_file,
+)
 from policies.codec import CODEC, encode_patch, read_patch_header
 from policies.codec.digests import checksums
 from policies.errors import BoardError, VersionCorrupt
@@ -266,3 +274,67 @@ def test_the_stream_is_announced_and_recorded_chunk_by_chunk(
             f"{board.root}/versions/00000001/from-00000000/{i:05d}.patch", c.bytes
         )
         assert len(raw) == c.bytes <= stream.limits[i]
+
+
+def _source_of(
+    chunks: dict[str, bytes], stream: Stream, latest: list[int], reads: dict[str, float]
+) -> board_stream.StreamSource:
+    """A stream source over ``chunks`` (relative path → bytes; absent = not written yet) that
+    records when each chunk was first read."""
+
+    def chunk(rel: str, limit: int) -> bytes | None:
+        data = chunks.get(rel)
+        if data is not None:
+            reads.setdefault(rel, time.monotonic())
+        return data
+
+    return board_stream.StreamSource(chunk=chunk, stream=lambda: stream, latest=lambda: latest[0])
+
+
+def test_a_replica_fetches_the_next_chunk_while_it_applies_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Over a slow link, fetching chunk i + 1 only after chunk i is applied and verified would
+    leave the link idle for every apply."""
+    stream = Stream(
+        version=1, id="s", bases={0: "d0"}, chunks=[["a"], ["b"], ["c"]], limits=[9] * 3
+    )
+    chunks = {chunk_file(0, i): bytes([i]) for i in range(3)}
+    applied: dict[int, tuple[float, float]] = {}
+
+    def slow_apply(view: State, data: bytes, where: str, digest: str | None) -> object:
+        start = time.monotonic()
+        time.sleep(0.3)
+        applied[data[0]] = (start, time.monotonic())
+        return board_stream.StagedChunk(board_stream.chunk_ref(data), {})
+
+    monkeypatch.setattr(board_stream, "apply_frame", slow_apply)
+    reads: dict[str, float] = {}
+    staged = board_stream.follow(
+        {}, 0, stream, _source_of(chunks, stream, [1], reads), where="test"
+    )
+    assert len(staged) == 3
+    for i in (1, 2):  # each next chunk was on hand before the one before it was applied
+        assert reads[chunk_file(0, i)] < applied[i - 1][1]
+
+
+def test_a_replica_whose_apply_fails_stops_fetching_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fetcher waiting for a chunk that never lands must not hold the failure back for the
+    stall timeout."""
+    monkeypatch.setattr(board_stream, "STALL_S", 30.0)
+    stream = Stream(
+        version=1, id="s", bases={0: "d0"}, chunks=[["a"], ["b"], ["c"]], limits=[9] * 3
+    )
+    chunks = {chunk_file(0, 0): b"\x00"}  # chunks 1 and 2 are never written
+
+    def failing_apply(view: State, data: bytes, where: str, digest: str | None) -> object:
+        time.sleep(0.1)  # the fetcher is waiting for chunk 1 by now
+        raise VersionCorrupt(f"{where}: damaged")
+
+    monkeypatch.setattr(board_stream, "apply_frame", failing_apply)
+    start = time.monotonic()
+    with pytest.raises(BoardError, match="damaged"):
+        board_stream.follow({}, 0, stream, _source_of(chunks, stream, [0], {}), where="test")
+    assert time.monotonic() - start < 5
