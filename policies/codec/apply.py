@@ -2,8 +2,8 @@
 
 Integrity is checked in this order: the frame checksum (:func:`parse_patch`), the base digest,
 then, with ``verify=True``, every written tensor against the target's xxh3-128 checksum. Tensors
-are decompressed, patched (compiled, :func:`policies.codec.ops.apply_section`) and verified on a
-thread pool, one tensor per task.
+are decompressed, patched (compiled, :func:`policies.codec.ops.apply_section`) and verified on the
+process's codec threads (:mod:`policies.codec.workers`), one tensor per task.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ The wire format is the one specified in the :mod:`policies.codec` docstring; the
 make it fast (:mod:`policies.codec.kernels_apply` holds the decoder). Every kernel works on
 unsigned unit arrays (``uint8`` … ``uint64``) and does its arithmetic in ``uint64`` masked to the
 unit width, so one body serves every width. They release the GIL (``nogil``) so the codec runs
-them on a thread pool, and are compiled on first use and cached on disk (``cache=True``): the
-first process pays the compile time once per unit width, later ones load the machine code.
+them on its threads (:mod:`policies.codec.workers`), and are compiled on first use and cached on
+disk (``cache=True``): the first process pays the compile time once per unit width, later ones
+load the machine code.
 Hot loops index arrays with unsigned integers: numba checks every signed index for wraparound
 (a negative index counts from the end), which keeps a loop from vectorizing.
 
