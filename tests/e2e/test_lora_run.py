@@ -62,6 +62,9 @@ def test_a_lora_run_on_a_vllm_island_serves_every_call_at_an_adapter(
     island = '\n[[fleet.islands]]\nkind = "vllm"\nmax_model_len = 512\n'
     config.write_text(Path(LOOP).read_text() + island)
     args = ["--trainer.lora.rank", "4", "--trainer.max_steps", "2", "--fleet.local_engines", "0"]
+    # No lag: the second batch must be sampled at version 1, so the running vLLM has to load
+    # that adapter (with lag 1 both batches may come from version 0 before it does).
+    args += ["--scheduler.max_lag", "0", "--staleness.drop.max_lag", "0"]
     proc = subprocess.run(
         orchestrate_cmd(tmp_path, model, *args, "--fleet.max_adapters", "2", config=config),
         capture_output=True,
@@ -91,6 +94,7 @@ def test_a_lora_run_on_a_vllm_island_serves_every_call_at_an_adapter(
     activated = {json.loads(line)["version"] for line in sidecar_log if "version_activated" in line}
     assert {s["policy_version"]["start"] for s in segments} <= activated
     assert {0, 1} <= activated  # adapters loaded into the running vLLM
+    assert 1 in {s["policy_version"]["start"] for s in segments}  # and served
 
     acc = account(run_dir)
     assert acc.ok, acc.problems
