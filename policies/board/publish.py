@@ -45,6 +45,15 @@ Guarantees:
   credentials and any configured secret removed (the original exception is not chained);
 - :meth:`gc` keeps every version a replica holding ``≥ keep_from`` (or starting fresh) needs.
 
+A view on a device (a GPU trainer's) is never copied to the host whole when the publisher holds
+the previous version: the changes are found on the device and only they cross
+(:func:`policies.codec.scan.host_copy` builds the host copy the checksums, the catch-up patches
+and the next publish need from the previous host copy), and the delta from the previous
+version is scanned on the device too; the publisher then also keeps a reference to the
+device view (one more served view of device memory; the caller must not modify it after
+publishing). ``board.published`` logs the bytes that crossed to the host as ``to_host_bytes``.
+Anchors, and a publisher's first version, copy the view whole.
+
 Not covered: concurrent publishers to one run (one trainer publishes; the forward-only check is
 not atomic against another writer); a reader racing :meth:`gc` below ``keep_from``.
 """
@@ -64,7 +73,7 @@ import torch
 from policies.board import plan as board_plan
 from policies.board.manifest import file_entries, manifest_digest, manifest_seal
 from policies.board.read import MANIFEST, STREAM, WEIGHTS, BoardReader, anchor_payload
-from policies.board.stream import announce, write_chunks
+from policies.board.stream import ScanOn, announce, write_chunks
 from policies.board.types import (
     BASE_FILES,
     MAX_VERSION,
@@ -77,7 +86,8 @@ from policies.board.types import (
     patch_file,
 )
 from policies.codec import CODEC, encode_patch, read_patch_header
-from policies.codec.digests import checksums, storage_key
+from policies.codec import scan as device_scan
+from policies.codec.digests import StorageKey, checksums, storage_key
 from policies.errors import BoardError, BoardFormatError, PointerMalformed, VersionCorrupt
 
 log = structlog.get_logger(__name__)
@@ -88,13 +98,19 @@ def encode_patches(
     target: Mapping[str, torch.Tensor],
     sums: Mapping[str, str],
     opts: BoardOptions,
+    *,
+    scan_on: ScanOn | None = None,
 ) -> dict[int, tuple[bytes, PatchRef]]:
     """The patch from each base version (its view and digest) to ``target`` (whose tensor
-    checksums are ``sums``), with the manifest's record of it, by base."""
+    checksums are ``sums``), with the manifest's record of it, by base; ``scan_on`` has one
+    base's patch scanned on a device."""
     patches: dict[int, tuple[bytes, PatchRef]] = {}
     for b, (view, digest) in bases.items():
+        scanned = target
+        if scan_on is not None and scan_on[0] == b:
+            view, scanned = scan_on[1], scan_on[2]
         data = encode_patch(
-            view, target, level=opts.zstd_level, base_digest=digest, target_checksums=sums
+            view, scanned, level=opts.zstd_level, base_digest=digest, target_checksums=sums
         )
         hdr = read_patch_header(data)
         ref = PatchRef(
@@ -109,6 +125,23 @@ def encode_patches(
 class _Held:
     view: dict[str, torch.Tensor]
     digest: str
+
+
+def on_device(view: Mapping[str, torch.Tensor]) -> bool:
+    """Whether any tensor of ``view`` lives off the host (a publisher then scans it there)."""
+    return any(t.device.type != "cpu" for t in view.values())
+
+
+def host_view(view: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``view`` on the host, contiguous, each storage copied once (tied names stay tied)."""
+    made: dict[StorageKey, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in view.items():
+        key = storage_key(t)
+        if key not in made:
+            made[key] = device_scan.to_host(t.detach()).contiguous()
+        out[name] = made[key]
+    return out
 
 
 class Board(BoardReader):
@@ -127,6 +160,8 @@ class Board(BoardReader):
         super().__init__(url, run, options=options, storage_options=storage_options, **fields)
         self._held: dict[int, _Held] = {}
         self._head: Manifest | None = None
+        self._device: tuple[int, dict[str, torch.Tensor]] | None = None
+        """The newest version's view on its device, when it was published from one."""
 
     def _write(self, path: str, data: bytes) -> None:
         self.store.write(path, data)
@@ -157,11 +192,28 @@ class Board(BoardReader):
         if latest is not None and version <= latest:
             raise BoardError(f"pointer only moves forward: version {version} <= current {latest}")
         opts = self.options
-        tensors = {k: v.detach().cpu().contiguous() for k, v in view.items()}
-        full_bytes = sum(t.nbytes for t in {storage_key(t): t for t in tensors.values()}.values())
         head = self._head if self._head is not None and self._head.version == latest else None
         held = self._held if head is not None else {}
+        before = device_scan.host_bytes.total
+        device = None
+        if on_device(view):
+            device = {k: v.detach() for k, v in view.items()}
+            prev = self._device if self._device is not None and latest in held else None
+            if prev is not None and prev[0] == latest:  # only the changes cross to the host
+                tensors = device_scan.host_copy(held[latest].view, prev[1], device)
+            else:
+                tensors = host_view(device)
+        else:
+            tensors = host_view(view)
+        full_bytes = sum(t.nbytes for t in {storage_key(t): t for t in tensors.values()}.values())
         bases = board_plan.patch_bases(version, latest, held, opts.catchup_levels)
+        # the delta from the previous version is scanned where both views live
+        scan_on = (
+            (latest, self._device[1], device)
+            if device is not None and self._device is not None and latest in bases
+            and self._device[0] == latest
+            else None
+        )  # fmt: skip
         vdir = self._vdir(version)
         patches: dict[int, PatchRef] = {}
         if bases:  # the previous version first: replicas holding it stage chunks as they land
@@ -176,6 +228,7 @@ class Board(BoardReader):
                 tensors,
                 opts,
                 lambda rel, data: self._write(f"{vdir}/{rel}", data),
+                scan_on=scan_on,
             )
         else:
             sums = checksums(tensors)
@@ -226,10 +279,12 @@ class Board(BoardReader):
         held = {**held, version: _Held(tensors, digest)}
         self._held = {v: held[v] for v in board_plan.keep_views(version, held, opts.catchup_levels)}
         self._head = manifest
+        self._device = (version, device) if device is not None else None
+        crossed = {"to_host_bytes": device_scan.host_bytes.total - before} if device else {}
         log.info(
             "board.published", board=self.safe_url, run=self.run, version=version,
             kind=manifest.kind, bytes=manifest.bytes, patches=len(patches),
-            stored=len(payload) + sum(r.bytes for r in patches.values()),
+            stored=len(payload) + sum(r.bytes for r in patches.values()), **crossed,
         )  # fmt: skip
         if opts.retain_versions is not None:
             self.gc(version - opts.retain_versions + 1)

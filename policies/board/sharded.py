@@ -34,6 +34,10 @@ Commit protocol (every step a collective over the process group, so all ranks ag
    every rank; each then keeps its pieces' view for later patches (at most
    ``catchup_levels + 1`` views of its own shard, never the full model).
 
+A rank whose shard lives on a GPU casts it there and, holding its previous version, moves only
+the changes to the host (as :meth:`policies.board.Board.publish` does for a device view; the rank
+then also keeps its previous shard view on the device).
+
 Guarantees: a version is visible (a manifest at or below the pointer) only after every rank's
 files are durable; a failure on any rank (an error, which every rank then raises as
 :class:`BoardError` naming the rank; or a rank that dies, which ends the collective) before
@@ -65,8 +69,9 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from policies.board import plan as board_plan
 from policies.board.manifest import file_entries, manifest_digest, manifest_seal, pieces_checksum
-from policies.board.publish import Board, encode_patches
+from policies.board.publish import Board, encode_patches, host_view, on_device
 from policies.board.read import MANIFEST, WEIGHTS, anchor_payload
+from policies.board.stream import ScanOn
 from policies.board.types import (
     MAX_VERSION,
     SHARDED_FORMAT,
@@ -80,6 +85,7 @@ from policies.board.types import (
     shard_dir,
 )
 from policies.codec import CODEC
+from policies.codec import scan as device_scan
 from policies.codec.digests import bytes_checksum, checksums, state_digest, storage_key
 from policies.errors import BoardError
 
@@ -133,6 +139,8 @@ class ShardedPublisher:
             self.group, self.rank, self.world_size = None, 0, 1
         self._held: dict[int, _Held] = {}
         self._head: Manifest | None = None
+        self._device: tuple[int, dict[str, torch.Tensor]] | None = None
+        """The newest version's view of this rank's pieces on their device, if not the host."""
 
     def create(self, model_dir: Path) -> None:
         """Rank 0 makes ``base/`` hold the static model files of ``model_dir``
@@ -154,12 +162,21 @@ class ShardedPublisher:
         held = self._held if self._head is not None and self._head.version == latest else {}
         err: BaseException | None = None
         view: dict[str, torch.Tensor] = {}
+        device: dict[str, torch.Tensor] | None = None
         sums: dict[str, str] = {}
         patches: dict[int, tuple[bytes, PatchRef]] = {}
         try:
             view = _view(pieces, aliases, dtype)
+            scan_on = None
+            if on_device(view):
+                device, prev = view, self._device
+                if prev is not None and prev[0] == latest and latest in held:
+                    view = device_scan.host_copy(held[latest].pieces, prev[1], device)
+                    scan_on = (latest, prev[1], device)
+                else:
+                    view = host_view(device)
             sums = checksums(view)
-            patches = self._encode(version, latest, view, sums, held)
+            patches = self._encode(version, latest, view, sums, held, scan_on)
         except Exception as exc:  # sent to the other ranks, then raised here unchanged
             err = exc
         digest = state_digest(view, known=sums)
@@ -192,6 +209,7 @@ class ShardedPublisher:
         kept = board_plan.keep_views(version, held, self.options.catchup_levels)
         self._held = {v: held[v] for v in kept}
         self._head = manifest
+        self._device = (version, device) if device is not None else None
         log.info(
             "board.shard_published", run=self.board.run, version=version, rank=self.rank,
             kind=manifest.kind, stored=(entry.bytes if entry else 0) + sum(
@@ -303,11 +321,12 @@ class ShardedPublisher:
         view: Mapping[str, torch.Tensor],
         sums: Mapping[str, str],
         held: Mapping[int, _Held],
+        scan_on: ScanOn | None,
     ) -> dict[int, tuple[bytes, PatchRef]]:
         """Step 2: this rank's patches into ``version``, by base (as :meth:`Board.publish`)."""
         bases = board_plan.patch_bases(version, latest, held, self.options.catchup_levels)
         pieces = {b: (held[b].pieces, held[b].digest) for b in bases}
-        return encode_patches(pieces, view, sums, self.options)
+        return encode_patches(pieces, view, sums, self.options, scan_on=scan_on)
 
     def _anchor_due(
         self, version: int, latest: int | None, deltas: list[int | None], full_bytes: int
@@ -463,12 +482,12 @@ def _tensor_meta(
 def _view(
     pieces: Mapping[str, _Piece], aliases: Mapping[str, str], dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """The served view of this rank's pieces, on CPU: tied names and pieces other ranks write
-    left out; every floating tensor cast to ``dtype``."""
+    """The served view of this rank's pieces, on their device (copies): tied names and pieces
+    other ranks write left out; every floating tensor cast to ``dtype``."""
     view: dict[str, torch.Tensor] = {}
     for name, p in pieces.items():
         if name in aliases or not p.publish or p.local.numel() == 0:
             continue
         to = dtype if p.local.is_floating_point() else p.local.dtype
-        view[name] = p.local.to("cpu", dtype=to, copy=True).contiguous()
+        view[name] = p.local.to(dtype=to, copy=True).contiguous()
     return view

@@ -74,6 +74,10 @@ FETCH_AHEAD = 2
 STALL_S = 60.0
 """A stream with no new chunk (or no commit) for this long is given up as abandoned."""
 
+ScanOn = tuple[int, Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]
+"""A base version, and that base's view and the target view on the device they live on: the
+patch from that base is scanned there (:mod:`policies.codec.scan`)."""
+
 
 def plan_chunks(view: Mapping[str, torch.Tensor]) -> list[list[str]]:
     """The tensor names of each chunk: name order, names sharing a storage in one chunk (the
@@ -119,11 +123,14 @@ def write_chunks(
     view: Mapping[str, torch.Tensor],
     opts: BoardOptions,
     write: Callable[[str, bytes], None],
+    *,
+    scan_on: ScanOn | None = None,
 ) -> tuple[dict[str, str], dict[int, PatchRef]]:
     """Encode and write every chunk of ``stream`` (``write(relative path, data)``), in order,
     while the next :data:`ENCODE_AHEAD` are encoded; the view's checksums and the manifest's
     record of each patch, by base. The patch from the stream's first base (the previous
-    version) is written first."""
+    version) is written first. ``scan_on`` (the same bits as ``bases[version]`` and ``view``,
+    on a device) has that base's patch scanned there; the checksums are always ``view``'s."""
     last = len(stream.chunks) - 1
 
     def encode(i: int) -> tuple[dict[str, str], list[tuple[int, bytes]]]:
@@ -132,12 +139,14 @@ def write_chunks(
         part = checksums(target)
         out = []
         for b, digest in stream.bases.items():
-            base = bases[b]
+            base, scanned = bases[b], target
+            if scan_on is not None and scan_on[0] == b:
+                base, scanned = scan_on[1], {n: scan_on[2][n] for n in names}
             # the last chunk also carries the names the version removed
             keep = set(names) | (set(base) - set(view) if i == last else set())
             data = encode_patch(
                 {n: base[n] for n in sorted(keep) if n in base},
-                target,
+                scanned,
                 level=opts.zstd_level,
                 base_digest=digest,
                 target_checksums=part,

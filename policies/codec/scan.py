@@ -1,4 +1,5 @@
-"""The change scan with torch ops, on the tensors' own device: :func:`scan_tensor`.
+"""The change scan with torch ops, on the tensors' own device: :func:`scan_tensor`, and the host
+copy of a device view built from its changes alone: :func:`host_copy`.
 
 The encoder scans CPU tensors with the compiled kernel (:func:`policies.codec.ops.find_changes`).
 Tensors on another device (a trainer's GPU) are scanned where they live by the same torch code
@@ -12,6 +13,16 @@ section needs no host copy of the tensors), so :func:`~policies.codec.ops.encode
 writes the same bytes (held to it by ``tests/policies/codec/test_codec_scan.py``). Units are
 compared as integers of the unit width, never as floats.
 
+:func:`host_copy` is how a publisher whose view lives on a device (a GPU trainer) gets the host
+copy it checksums and keeps, without copying the view across: it compares the new view with the
+previous one where both live and scatters only the changed units into a copy of the previous
+version's host copy. Guarantee: the result equals ``target`` bit for bit whenever
+``base_host`` equals ``base`` (the caller's invariant: ``base_host`` is the host copy of the
+view published before, which must not have been modified since); names that alias one storage
+in ``target`` alias one host tensor. Every byte :func:`scan_tensor` and :func:`host_copy` move
+to the host from another device is counted in :data:`host_bytes` (a publish logs them as
+``to_host_bytes``).
+
 Not covered: tensors whose element size is not 1, 2, 4 or 8 bytes or a multiple of 8 (the
 encoder refuses them before scanning); a base and target on different devices
 (:class:`~policies.errors.PatchError`).
@@ -19,11 +30,40 @@ encoder refuses them before scanning); a base and target on different devices
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Mapping
+
 import numpy as np
 import torch
 
+from policies.codec.digests import StorageKey, storage_key
 from policies.codec.ops import BITMASK, DENSE, SPARSE, Changes
 from policies.errors import PatchError
+
+
+class HostBytes:
+    """A running count of the bytes moved to the host by this module (thread-safe: scans run
+    on the codec's threads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.total = 0
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.total += n
+
+
+host_bytes = HostBytes()
+"""Bytes moved to the host through :func:`to_host` in this process."""
+
+
+def to_host(x: torch.Tensor) -> torch.Tensor:
+    """``x`` on the host, its bytes counted in :data:`host_bytes` when it was elsewhere."""
+    if x.device.type != "cpu":
+        host_bytes.add(x.numel() * x.element_size())
+    return x.cpu()
+
 
 _SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 """Same-width integer dtypes the units are compared and moved as (equality ignores the sign)."""
@@ -39,7 +79,7 @@ def _units(t: torch.Tensor, width: int) -> torch.Tensor:
 
 def _host(x: torch.Tensor, width: int) -> np.ndarray:
     """``x`` copied to the host as unsigned integers of ``width`` bytes (a C-contiguous array)."""
-    return np.ascontiguousarray(x.cpu().numpy()).view(np.dtype(f"<u{width}"))
+    return np.ascontiguousarray(to_host(x).numpy()).view(np.dtype(f"<u{width}"))
 
 
 def scan_tensor(b: torch.Tensor, t: torch.Tensor, width: int, chunk: int) -> Changes:
@@ -73,11 +113,46 @@ def scan_tensor(b: torch.Tensor, t: torch.Tensor, width: int, chunk: int) -> Cha
     # int32 positions cross the link in half the bytes when the tensor allows it.
     small = torch.int32 if n < 1 << 31 else torch.int64
     return Changes(
-        modes=modes.cpu().numpy(),
-        spos=spos.to(small).cpu().numpy().astype(np.int64),
+        modes=to_host(modes).numpy(),
+        spos=to_host(spos.to(small)).numpy().astype(np.int64),
         svals=_host(torch.stack((bu[spos], tu[spos])), width),
-        bpos=bpos.to(small).cpu().numpy().astype(np.int64),
+        bpos=to_host(bpos.to(small)).numpy().astype(np.int64),
         bvals=_host(torch.stack((bu[bpos], tu[bpos])), width),
         dense_changed=dense_changed,
         dense=_host(torch.stack((bu[at], tu[at])), width),
     )
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
+
+
+def host_copy(
+    base_host: Mapping[str, torch.Tensor],
+    base: Mapping[str, torch.Tensor],
+    target: Mapping[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """The host copy of ``target`` from the host copy of ``base`` and the changes ``base →
+    target``, found where the two live (module docstring). A name ``base`` lacks, or whose
+    dtype or shape changed, is copied whole."""
+    out: dict[str, torch.Tensor] = {}
+    made: dict[StorageKey, torch.Tensor] = {}
+    for name, t in target.items():
+        key = storage_key(t)
+        if key in made:  # a tied name: the one host tensor
+            out[name] = made[key]
+            continue
+        b, h = base.get(name), base_host.get(name)
+        if b is None or h is None or not _same_layout(b, t) or h.dtype != t.dtype:
+            made[key] = out[name] = to_host(t.detach().contiguous())
+            continue
+        copy = h.detach().contiguous().clone()
+        if t.numel():
+            width = t.element_size() if t.element_size() in _SIGNED else 8
+            bu, tu = _units(b, width), _units(t, width)
+            pos = torch.nonzero(bu != tu).reshape(-1)
+            if pos.numel():
+                small = torch.int32 if bu.numel() < 1 << 31 else torch.int64
+                _units(copy, width)[to_host(pos.to(small)).long()] = to_host(tu[pos])
+        made[key] = out[name] = copy
+    return out

@@ -43,7 +43,7 @@ def adapter_view(
     scale = lora.alpha / lora.rank
     out: dict[str, torch.Tensor] = {}
     for name, t in get_peft_model_state_dict(model).items():
-        t = t.detach().to("cpu")
+        t = t.detach()
         if name.endswith(".lora_B.weight"):
             t = t * scale
         out[name] = t.to(dtype=dtype, copy=True)

@@ -197,7 +197,9 @@ class Trainer:
 
     # -- versions ------------------------------------------------------------------------------
     def served_view(self) -> dict[str, torch.Tensor]:
-        """The tensors engines serve (``trainer.served_view``), on the CPU, tied weights once:
+        """The tensors engines serve (``trainer.served_view``), on the trainer's device (a GPU
+        trainer's view is scanned there when published: only the changes cross to the host,
+        ``policies.board.publish``), tied weights once:
         the state cast to a float dtype, or its quantized view (``policies.codec.views``) with
         ``trainer.scale_policy``'s scales. With ``trainer.lora`` set: the adapter's tensors
         (:func:`policies.train.lora.adapter_view`)."""
@@ -209,7 +211,7 @@ class Trainer:
             if t.data_ptr() in seen:  # tied weights are shipped once
                 continue
             seen.add(t.data_ptr())
-            state[name] = t.detach().to("cpu")
+            state[name] = t.detach()
         spec = view_spec(self.config)
         if spec is None:
             dtype = DTYPES[self.config.served_view]
