@@ -52,7 +52,8 @@ and the next publish need from the previous host copy), and the delta from the p
 version is scanned on the device too; the publisher then also keeps a reference to the
 device view (one more served view of device memory; the caller must not modify it after
 publishing). ``board.published`` logs the bytes that crossed to the host as ``to_host_bytes``.
-Anchors, and a publisher's first version, copy the view whole.
+A publisher's first version, and a view whose tensors are the previous one's storage (live
+parameters the optimizer changed in place: pass a copy, as the trainers do), are copied whole.
 
 Not covered: concurrent publishers to one run (one trainer publishes; the forward-only check is
 not atomic against another writer); a reader racing :meth:`gc` below ``keep_from``.
@@ -132,6 +133,16 @@ def on_device(view: Mapping[str, torch.Tensor]) -> bool:
     return any(t.device.type != "cpu" for t in view.values())
 
 
+def follows(prev: Mapping[str, torch.Tensor], view: Mapping[str, torch.Tensor]) -> bool:
+    """Whether ``view`` can be scanned against ``prev``, the device view published before: no
+    tensor of it is ``prev``'s own storage (a caller publishing its live parameters, which the
+    optimizer changed in place, leaves nothing to compare them with)."""
+    return not any(
+        name in prev and prev[name].untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+        for name, t in view.items()
+    )
+
+
 def host_view(view: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``view`` on the host, contiguous, each storage copied once (tied names stay tied)."""
     made: dict[StorageKey, torch.Tensor] = {}
@@ -196,24 +207,20 @@ class Board(BoardReader):
         held = self._held if head is not None else {}
         before = device_scan.host_bytes.total
         device = None
+        scan_on: ScanOn | None = None
         if on_device(view):
             device = {k: v.detach() for k, v in view.items()}
             prev = self._device if self._device is not None and latest in held else None
-            if prev is not None and prev[0] == latest:  # only the changes cross to the host
+            if prev is not None and prev[0] == latest and follows(prev[1], device):
+                # only the changes cross to the host, and the delta is scanned on the device
                 tensors = device_scan.host_copy(held[latest].view, prev[1], device)
+                scan_on = (latest, prev[1], device)
             else:
                 tensors = host_view(device)
         else:
             tensors = host_view(view)
         full_bytes = sum(t.nbytes for t in {storage_key(t): t for t in tensors.values()}.values())
         bases = board_plan.patch_bases(version, latest, held, opts.catchup_levels)
-        # the delta from the previous version is scanned where both views live
-        scan_on = (
-            (latest, self._device[1], device)
-            if device is not None and self._device is not None and latest in bases
-            and self._device[0] == latest
-            else None
-        )  # fmt: skip
         vdir = self._vdir(version)
         patches: dict[int, PatchRef] = {}
         if bases:  # the previous version first: replicas holding it stage chunks as they land

@@ -69,7 +69,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from policies.board import plan as board_plan
 from policies.board.manifest import file_entries, manifest_digest, manifest_seal, pieces_checksum
-from policies.board.publish import Board, encode_patches, host_view, on_device
+from policies.board.publish import Board, encode_patches, follows, host_view, on_device
 from policies.board.read import MANIFEST, WEIGHTS, anchor_payload
 from policies.board.stream import ScanOn
 from policies.board.types import (
@@ -170,7 +170,12 @@ class ShardedPublisher:
             scan_on = None
             if on_device(view):
                 device, prev = view, self._device
-                if prev is not None and prev[0] == latest and latest in held:
+                if (
+                    prev is not None
+                    and prev[0] == latest
+                    and latest in held
+                    and follows(prev[1], device)
+                ):
                     view = device_scan.host_copy(held[latest].pieces, prev[1], device)
                     scan_on = (latest, prev[1], device)
                 else:
