@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -49,6 +50,21 @@ def _patched_everywhere(run_dir: Path) -> bool:
     """Every endpoint has activated a version after 0 (which it can only get as a patch)."""
     logs = [run_dir / "logs" / f"{endpoint}.log" for endpoint in ENDPOINTS]
     return all(log.exists() and max(_activated(log), default=0) >= 1 for log in logs)
+
+
+def _served_everywhere(run_dir: Path) -> bool:
+    """Every endpoint has answered a call, as the run's admin API (``GET /v1/fleet``) counts
+    them: vLLM may be patched seconds after its start, before any call of its own finished."""
+    try:
+        admin = json.loads((run_dir / "admin.json").read_text())
+        req = urllib.request.Request(
+            f"{admin['url']}/v1/fleet", headers={"Authorization": f"Bearer {admin['token']}"}
+        )
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            fleet = json.load(resp)["endpoints"]
+    except (OSError, ValueError, KeyError):  # not up yet, or going
+        return False
+    return {e["id"] for e in fleet if e["served"]} >= ENDPOINTS
 
 
 def _run(
@@ -101,15 +117,15 @@ def _left_behind(seen: dict[int, psutil.Process], within_s: float) -> list[str]:
 
 
 def test_one_run_on_reference_vllm_and_llamacpp(tmp_path: Path, small_model_dir: Path) -> None:
-    """The run goes on until every island has activated a patch (how soon depends on the
-    machine's load: llama.cpp's sidecar prewarms a second llama-server per version), then stops
-    on SIGTERM as a user's Ctrl-C would."""
+    """The run goes on until every island has activated a patch and answered a call (how soon
+    depends on the machine's load: vLLM starts in about a minute, llama.cpp's sidecar prewarms a
+    second llama-server per version), then stops on SIGTERM as a user's Ctrl-C would."""
     run_dir = tmp_path / "islands"
     proc, seen, cmdlines = _run(
         tmp_path,
         small_model_dir,
         "--trainer.max_steps", "1000",
-        stop_when=lambda: _patched_everywhere(run_dir),
+        stop_when=lambda: _patched_everywhere(run_dir) and _served_everywhere(run_dir),
     )  # fmt: skip
     err, out = tmp_path / "stderr", tmp_path / "stdout"
     assert proc.returncode == 130, err.read_text()[-3000:]  # interrupted, shut down cleanly
