@@ -128,12 +128,12 @@ class _Held:
     digest: str
 
 
-def on_device(view: Mapping[str, torch.Tensor]) -> bool:
+def _on_device(view: Mapping[str, torch.Tensor]) -> bool:
     """Whether any tensor of ``view`` lives off the host (a publisher then scans it there)."""
     return any(t.device.type != "cpu" for t in view.values())
 
 
-def follows(prev: Mapping[str, torch.Tensor], view: Mapping[str, torch.Tensor]) -> bool:
+def _follows(prev: Mapping[str, torch.Tensor], view: Mapping[str, torch.Tensor]) -> bool:
     """Whether ``view`` can be scanned against ``prev``, the device view published before: no
     tensor of it is ``prev``'s own storage (a caller publishing its live parameters, which the
     optimizer changed in place, leaves nothing to compare them with)."""
@@ -155,6 +155,29 @@ def host_view(view: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+DeviceView = tuple[int, dict[str, torch.Tensor]]
+"""A published version and its view on the device it lives on."""
+
+
+def host_side(
+    view: Mapping[str, torch.Tensor],
+    latest: int | None,
+    prev: DeviceView | None,
+    prev_host: Mapping[str, torch.Tensor] | None,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None, ScanOn | None]:
+    """What a publisher of ``view`` works from: its host copy, its device tensors (None when it
+    is on the host) and the delta to scan on the device (None: scan on the host). With the
+    previous version ``latest`` held on the device (``prev``) and on the host (``prev_host``),
+    only the changes cross (module docstring); otherwise the view is copied whole."""
+    if not _on_device(view):
+        return host_view(view), None, None
+    device = {k: v.detach() for k, v in view.items()}
+    if prev is None or prev_host is None or prev[0] != latest or not _follows(prev[1], device):
+        return host_view(device), device, None
+    host = device_scan.host_copy(prev_host, prev[1], device)
+    return host, device, (prev[0], prev[1], device)
+
+
 class Board(BoardReader):
     """A run's board as its one publisher (the trainer) uses it: reading, plus writing versions
     and retention. The publisher keeps the views it will patch from in memory."""
@@ -171,7 +194,7 @@ class Board(BoardReader):
         super().__init__(url, run, options=options, storage_options=storage_options, **fields)
         self._held: dict[int, _Held] = {}
         self._head: Manifest | None = None
-        self._device: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._device: DeviceView | None = None
         """The newest version's view on its device, when it was published from one."""
 
     def _write(self, path: str, data: bytes) -> None:
@@ -206,19 +229,8 @@ class Board(BoardReader):
         head = self._head if self._head is not None and self._head.version == latest else None
         held = self._held if head is not None else {}
         before = device_scan.host_bytes.total
-        device = None
-        scan_on: ScanOn | None = None
-        if on_device(view):
-            device = {k: v.detach() for k, v in view.items()}
-            prev = self._device if self._device is not None and latest in held else None
-            if prev is not None and prev[0] == latest and follows(prev[1], device):
-                # only the changes cross to the host, and the delta is scanned on the device
-                tensors = device_scan.host_copy(held[latest].view, prev[1], device)
-                scan_on = (latest, prev[1], device)
-            else:
-                tensors = host_view(device)
-        else:
-            tensors = host_view(view)
+        prev_host = held[latest].view if latest in held else None
+        tensors, device, scan_on = host_side(view, latest, self._device, prev_host)
         full_bytes = sum(t.nbytes for t in {storage_key(t): t for t in tensors.values()}.values())
         bases = board_plan.patch_bases(version, latest, held, opts.catchup_levels)
         vdir = self._vdir(version)

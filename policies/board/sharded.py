@@ -69,7 +69,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from policies.board import plan as board_plan
 from policies.board.manifest import file_entries, manifest_digest, manifest_seal, pieces_checksum
-from policies.board.publish import Board, encode_patches, follows, host_view, on_device
+from policies.board.publish import Board, DeviceView, encode_patches, host_side
 from policies.board.read import MANIFEST, WEIGHTS, anchor_payload
 from policies.board.stream import ScanOn
 from policies.board.types import (
@@ -85,7 +85,6 @@ from policies.board.types import (
     shard_dir,
 )
 from policies.codec import CODEC
-from policies.codec import scan as device_scan
 from policies.codec.digests import bytes_checksum, checksums, state_digest, storage_key
 from policies.errors import BoardError
 
@@ -139,7 +138,7 @@ class ShardedPublisher:
             self.group, self.rank, self.world_size = None, 0, 1
         self._held: dict[int, _Held] = {}
         self._head: Manifest | None = None
-        self._device: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._device: DeviceView | None = None
         """The newest version's view of this rank's pieces on their device, if not the host."""
 
     def create(self, model_dir: Path) -> None:
@@ -166,20 +165,10 @@ class ShardedPublisher:
         sums: dict[str, str] = {}
         patches: dict[int, tuple[bytes, PatchRef]] = {}
         try:
-            view = _view(pieces, aliases, dtype)
-            scan_on = None
-            if on_device(view):
-                device, prev = view, self._device
-                if (
-                    prev is not None
-                    and prev[0] == latest
-                    and latest in held
-                    and follows(prev[1], device)
-                ):
-                    view = device_scan.host_copy(held[latest].pieces, prev[1], device)
-                    scan_on = (latest, prev[1], device)
-                else:
-                    view = host_view(device)
+            prev_host = held[latest].pieces if latest in held else None
+            view, device, scan_on = host_side(
+                _view(pieces, aliases, dtype), latest, self._device, prev_host
+            )
             sums = checksums(view)
             patches = self._encode(version, latest, view, sums, held, scan_on)
         except Exception as exc:  # sent to the other ranks, then raised here unchanged
