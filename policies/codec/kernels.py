@@ -2,8 +2,12 @@
 
 The wire format is the one specified in the :mod:`policies.codec` docstring; these kernels only
 make it fast (:mod:`policies.codec.kernels_apply` holds the decoder). Every kernel works on
-unsigned unit arrays (``uint8`` … ``uint64``) and does its arithmetic in ``uint64`` masked to the
-unit width, so one body serves every width. They release the GIL (``nogil``) so the codec runs
+unsigned unit arrays (``uint8`` … ``uint64``) and does its arithmetic in ``uint64``, so one body
+serves every width: the unit's low bits come out exact (the carries and borrows above them are
+left as they fall, and dropped when a value is stored into a unit or split into its bytes), and
+the unit's width and sign bit are compile-time constants (:func:`unit_bytes`,
+:func:`sign_bit`). Masking every step to the width with a mask passed at run time cost the
+apply ~20% of its time. They release the GIL (``nogil``) so the codec runs
 them on its threads (:mod:`policies.codec.workers`), and are compiled on first use and cached on
 disk (``cache=True``): the first process pays the compile time once per unit width, later ones
 load the machine code.
@@ -84,39 +88,46 @@ def _all_ones_if(bit: np.uint64) -> np.uint64:
 
 
 @jit
-def _ordered(u: np.uint64, mask: np.uint64, sign: np.uint64) -> np.uint64:
+def sign_bit(a: UInt) -> np.uint64:
+    """The top bit of a unit of ``a`` (inside a kernel a compile-time constant)."""
+    return _ONE << np.uint64(8 * unit_bytes(a) - 1)
+
+
+@jit
+def _ordered(u: np.uint64, sign: np.uint64) -> np.uint64:
     """Sign-magnitude bits → integers whose order is the float order (a bijection): negatives
     have every bit flipped, non-negatives only the sign bit."""
-    return u ^ (sign | (_all_ones_if(u & sign) & mask))
+    return u ^ (sign | _all_ones_if(u & sign))
 
 
 @jit
-def _unordered(o: np.uint64, mask: np.uint64, sign: np.uint64) -> np.uint64:
-    return o ^ (mask ^ (_all_ones_if(o & sign) & (mask ^ sign)))
+def _unordered(o: np.uint64, sign: np.uint64) -> np.uint64:
+    return o ^ (sign | _all_ones_if(~o & sign))
 
 
 @jit
-def forward(b: np.uint64, t: np.uint64, coding: int, mask: np.uint64, sign: np.uint64) -> Any:
-    """The stored value of a change ``b → t`` (0 xor, 1 zigzag delta, 2 ordered zigzag delta)."""
+def forward(b: np.uint64, t: np.uint64, coding: int, sign: np.uint64) -> Any:
+    """The stored value of a change ``b → t`` (0 xor, 1 zigzag delta, 2 ordered zigzag delta);
+    exact in the unit's bits (``sign`` its top one), the bits above left as they fall."""
     if coding == 0:
         return b ^ t
     if coding == 2:
-        b = _ordered(b, mask, sign)
-        t = _ordered(t, mask, sign)
-    d = (t - b) & mask
-    neg = _all_ones_if(d & sign) & mask
-    return ((d << _ONE) ^ neg) & mask
+        b = _ordered(b, sign)
+        t = _ordered(t, sign)
+    d = t - b
+    return (d << _ONE) ^ _all_ones_if(d & sign)
 
 
 @jit
-def inverse(b: np.uint64, z: np.uint64, coding: int, mask: np.uint64, sign: np.uint64) -> Any:
-    """The target unit from base ``b`` and stored value ``z`` (inverse of :func:`forward`)."""
+def inverse(b: np.uint64, z: np.uint64, coding: int, sign: np.uint64) -> Any:
+    """The target unit from base ``b`` and stored value ``z`` (a unit's bits, nothing above:
+    it is shifted right), the inverse of :func:`forward`; exact in the unit's bits."""
     if coding == 0:
         return b ^ z
-    d = ((z >> _ONE) ^ ((ZERO - (z & _ONE)) & mask)) & mask
+    d = (z >> _ONE) ^ (ZERO - (z & _ONE))
     if coding == 1:
-        return (b + d) & mask
-    return _unordered((_ordered(b, mask, sign) + d) & mask, mask, sign)
+        return b + d
+    return _unordered(_ordered(b, sign) + d, sign)
 
 
 @intrinsic
@@ -127,39 +138,6 @@ def trailing_zeros(typingctx, x):  # type: ignore[no-untyped-def]  # numba reads
         return builder.cttz(args[0], ir.Constant(ir.IntType(1), 1))  # 1: x is never zero
 
     return types.uint64(types.uint64), codegen
-
-
-@jit
-def _changed_words(
-    bw: npt.NDArray[np.uint64],
-    tw: npt.NDArray[np.uint64],
-    w0: np.uint64,
-    w1: np.uint64,
-    out: npt.NDArray[np.uint64],
-) -> np.uint64:
-    """List the indices ``w0 … w1`` where ``bw`` and ``tw`` differ into ``out``; their count.
-
-    64 words are compared into one bit mask (a loop without stores, which vectorizes), then
-    the mask's set bits are listed: the work beyond the compare is per changed word, and the
-    only unpredictable branch is the end of each mask's bits.
-    """
-    kw = ZERO
-    w = w0
-    while w + np.uint64(64) <= w1:
-        m = ZERO
-        for i in range(64):
-            m |= np.uint64(bw[w + np.uint64(i)] != tw[w + np.uint64(i)]) << np.uint64(i)
-        while m:
-            low = m & (ZERO - m)  # the lowest set bit
-            m ^= low
-            kw += _ONE
-            out[kw - _ONE] = w + trailing_zeros(low)  # type: ignore[call-arg]  # typed by numba
-        w += np.uint64(64)
-    while w < w1:  # the last < 64 words: stores unconditional, advanced by the comparison
-        out[kw] = w
-        kw += np.uint64(bw[w] != tw[w])
-        w += _ONE
-    return kw
 
 
 @jit
@@ -182,60 +160,89 @@ def scan_changes(
     Compares the 8-byte words ``bw``/``tw`` (the same memory, whole words only) first and the
     units of changed words after. Writes each chunk's mode into ``modes``; the changed
     positions of sparse chunks, in order, into ``spos`` and their base and target units into
-    ``svals[0]`` and ``svals[1]``; those of bitmask chunks into ``bpos`` and ``bvals``
-    (capacities: a range of U units has < U/8 + 1 sparse and ≤ U/2 bitmask changes). Returns
-    both counts and the changed units of dense chunks (which list nothing: all their units are
+    ``svals[0]`` and ``svals[1]``; those of bitmask chunks into ``bpos`` and ``bvals``.
+    A chunk's changes are listed straight into ``spos`` and moved to ``bpos`` or dropped once
+    its mode is known, so ``spos`` holds a chunk more than the sparse changes (capacities: a
+    range of U units needs U/8 + 1 + ``chunk`` in ``spos``, U/2 + 1 in ``bpos``). Returns both
+    counts and the changed units of dense chunks (which list nothing: all their units are
     stored).
     """
     n = b.size
-    lanes = 8 // unit_bytes(b)
+    size = unit_bytes(b)
+    lanes = 8 // size
+    bits = np.uint64(8 * size)
+    unit = ~ZERO >> np.uint64(64 - 8 * size)  # a unit's bits, low in a word
     nwords = bw.size
-    changed_words = np.empty(chunk // lanes + 1, dtype=np.uint64)
-    at = np.empty(chunk + 8, dtype=np.int64)
-    vals = np.empty((2, chunk + 8), dtype=b.dtype)
     ns = nb = nd = 0
     for c in range(c0, c1):
         lo = c * chunk
         hi = min(lo + chunk, n)
-        whi = min(hi // lanes, nwords)
-        # The unit loop stores unconditionally and advances by the comparison: no
-        # data-dependent branch, which at 1-10% density would mispredict on most changed
-        # words. Indices are unsigned: numba checks every signed index for wraparound
-        # (negative means from the end), which halves the speed of such a loop.
-        kw = _changed_words(bw, tw, np.uint64(lo // lanes), np.uint64(whi), changed_words)
-        uk = np.uint64(0)
-        for i in range(kw):
-            u0 = changed_words[i] * np.uint64(lanes)
-            for lane in range(lanes):
-                u = u0 + np.uint64(lane)
-                at[uk] = u
-                vals[0, uk] = b[u]
-                vals[1, uk] = t[u]
-                uk += np.uint64(b[u] != t[u])
-        k = int(np.int64(uk))  # signed again for the arithmetic below
-        for u in range(max(whi * lanes, lo), hi):
+        whi = np.uint64(min(hi // lanes, nwords))
+        k = np.uint64(ns)
+        w = np.uint64(lo // lanes)
+        # 64 words are compared into one bit mask (a loop without stores, which vectorizes);
+        # each set bit's word, still in L1, is XORed and tested lane by lane in registers, and
+        # its changed units are listed: at low density one per changed word, so that loop runs
+        # once and predicts well. Indices are unsigned: numba checks every signed index for
+        # wraparound (negative means from the end), which halves the speed of such a loop.
+        while w + np.uint64(64) <= whi:
+            m = ZERO
+            for i in range(64):
+                m |= np.uint64(bw[w + np.uint64(i)] != tw[w + np.uint64(i)]) << np.uint64(i)
+            while m:
+                cw = w + trailing_zeros(m)  # type: ignore[call-arg]  # typed by numba
+                m &= m - _ONE
+                x = bw[cw] ^ tw[cw]
+                lane_mask = ZERO
+                for lane in range(lanes):
+                    differs = np.uint64((x >> (bits * np.uint64(lane))) & unit != ZERO)
+                    lane_mask |= differs << np.uint64(lane)
+                u0 = cw * np.uint64(lanes)
+                while lane_mask:
+                    u = u0 + trailing_zeros(lane_mask)  # type: ignore[call-arg]
+                    lane_mask &= lane_mask - _ONE
+                    spos[k] = u
+                    svals[0, k] = b[u]
+                    svals[1, k] = t[u]
+                    k += _ONE
+            w += np.uint64(64)
+        k_end = int(np.int64(k))  # signed again for the arithmetic below
+        for u in range(int(np.int64(w)) * lanes, hi):  # the last < 64 words' units
             if b[u] != t[u]:
-                at[k] = u
-                vals[0, k] = b[u]
-                vals[1, k] = t[u]
-                k += 1
+                spos[k_end] = u
+                svals[0, k_end] = b[u]
+                svals[1, k_end] = t[u]
+                k_end += 1
+        m = k_end - ns
         clen = hi - lo
-        if k == 0:
+        if m == 0:
             modes[c] = 0
-        elif 2 * k > clen:
+        elif 2 * m > clen:
             modes[c] = 3
-            nd += k
-        elif 8 * k >= clen:
+            nd += m
+        elif 8 * m >= clen:
             modes[c] = 2
-            bpos[nb : nb + k] = at[:k]
-            bvals[:, nb : nb + k] = vals[:, :k]
-            nb += k
+            bpos[nb : nb + m] = spos[ns:k_end]
+            bvals[:, nb : nb + m] = svals[:, ns:k_end]
+            nb += m
         else:
             modes[c] = 1
-            spos[ns : ns + k] = at[:k]
-            svals[:, ns : ns + k] = vals[:, :k]
-            ns += k
+            ns = k_end
     return ns, nb, nd
+
+
+@jit
+def byte_counts(b: UInt, t: UInt, coding: int) -> npt.NDArray[np.int64]:
+    """How often each byte value occurs in each byte plane of the values stored for the
+    changes ``b → t`` in ``coding`` (row k: plane k); what the encoder picks a coding by."""
+    width = unit_bytes(b)
+    sign = sign_bit(b)
+    counts = np.zeros((width, 256), dtype=np.int64)
+    for i in range(b.size):
+        z = forward(np.uint64(b[i]), np.uint64(t[i]), coding, sign)
+        for k in range(width):
+            counts[k, (z >> np.uint64(8 * k)) & _BYTE] += 1
+    return counts
 
 
 @jit
@@ -264,11 +271,13 @@ def varint_lengths(pos: I64) -> I64:
 def write_varints(pos: I64, out: U8, pstart: I64, lens: I64) -> None:
     """The gaps of sorted positions ``pos`` as varints split into planes at ``out[pstart[k]:]``.
 
-    One branch-free pass per plane: every gap stores a byte and the plane's cursor advances
-    only if the gap has one there (a branch would mispredict on about half the gaps). After a
-    plane's last byte its cursor rests on the next plane's first byte, which the next pass
-    writes, so stray stores land only there; the last plane's land on the byte after it, which
-    is restored. ``out`` must extend past the last plane (a section's value planes follow).
+    Branch-free: every gap stores a byte in each plane written in a pass, and a plane's cursor
+    advances only if the gap has a byte there (a branch would mispredict on about half the
+    gaps). With one or two planes (every gap under 2**14: any density above ~0.1%) one pass
+    writes both; with more, one pass per plane. After a plane's last byte its cursor rests on
+    the next plane's first byte, which a later store writes, so stray stores land only there;
+    the last plane's land on the byte after it, which is restored. ``out`` must extend past
+    the last plane (a section's value planes follow).
     """
     if pos.size == 0:
         return
@@ -276,16 +285,29 @@ def write_varints(pos: I64, out: U8, pstart: I64, lens: I64) -> None:
     if end >= out.size:
         raise ValueError("write_varints: out must extend past the last plane")
     kept = out[end]
-    for k in range(lens.size):
-        shift = np.uint64(7 * k)
-        nxt = np.uint64(7 * k + 7)
-        cur = pstart[k]
+    if lens.size <= 2:
+        cur0 = pstart[0]
+        cur1 = pstart[1] if lens.size == 2 else end
         last = -1
         for i in range(pos.size):
             g = np.uint64(pos[i] - last - 1)
             last = pos[i]
-            out[cur] = ((g >> shift) & _LOW7) | (np.uint64((g >> nxt) != ZERO) << _SEVEN)
-            cur += (g >> shift) != ZERO or k == 0
+            more = np.uint64((g >> _SEVEN) != ZERO)
+            out[cur0] = (g & _LOW7) | (more << _SEVEN)
+            cur0 += 1
+            out[cur1] = (g >> _SEVEN) & _LOW7
+            cur1 += more
+    else:
+        for k in range(lens.size):
+            shift = np.uint64(7 * k)
+            nxt = np.uint64(7 * k + 7)
+            cur = pstart[k]
+            last = -1
+            for i in range(pos.size):
+                g = np.uint64(pos[i] - last - 1)
+                last = pos[i]
+                out[cur] = ((g >> shift) & _LOW7) | (np.uint64((g >> nxt) != ZERO) << _SEVEN)
+                cur += (g >> shift) != ZERO or k == 0
     out[end] = kept
 
 
@@ -320,8 +342,6 @@ def _put_block(
 def write_rows(
     vals: UInt,
     coding: int,
-    mask: np.uint64,
-    sign: np.uint64,
     out: U8,
     j: int,
     n_vals: int,
@@ -329,13 +349,12 @@ def write_rows(
     """The values of the changes ``vals`` ((base, target) rows) as byte planes from index ``j``
     of the planes in ``out`` (plane k at ``k * n_vals``); returns the index after them."""
     width = unit_bytes(vals)
+    sign = sign_bit(vals)
     z = np.empty(BLOCK, dtype=np.uint64)
     for lo in range(0, vals.shape[1], BLOCK):
         m = min(BLOCK, vals.shape[1] - lo)
         for q in range(m):
-            z[q] = forward(
-                np.uint64(vals[0, lo + q]), np.uint64(vals[1, lo + q]), coding, mask, sign
-            )
+            z[q] = forward(np.uint64(vals[0, lo + q]), np.uint64(vals[1, lo + q]), coding, sign)
         _put_block(out, j, n_vals, width, z, m)
         j += m
     return j
@@ -348,8 +367,6 @@ def write_dense(
     modes: U8,
     chunk: int,
     coding: int,
-    mask: np.uint64,
-    sign: np.uint64,
     out: U8,
     j: int,
     n_vals: int,
@@ -357,6 +374,7 @@ def write_dense(
     """The values of every unit of the dense chunks of ``b → t`` as byte planes from index
     ``j`` on (after the sparse and bitmask values, :func:`write_rows`)."""
     width = unit_bytes(b)
+    sign = sign_bit(b)
     z = np.empty(BLOCK, dtype=np.uint64)
     for c in range(modes.size):
         if modes[c] == 3:
@@ -364,6 +382,6 @@ def write_dense(
             for lo in range(c * chunk, hi, BLOCK):
                 m = min(BLOCK, hi - lo)
                 for q in range(m):
-                    z[q] = forward(np.uint64(b[lo + q]), np.uint64(t[lo + q]), coding, mask, sign)
+                    z[q] = forward(np.uint64(b[lo + q]), np.uint64(t[lo + q]), coding, sign)
                 _put_block(out, j, n_vals, width, z, m)
                 j += m

@@ -22,6 +22,7 @@ from policies.codec.kernels import (
     inverse,
     jit,
     prefetch_write,
+    sign_bit,
     unit_bytes,
 )
 
@@ -51,8 +52,6 @@ def _write_block(
     n_vals: int,
     j: int,
     coding: int,
-    mask: np.uint64,
-    sign: np.uint64,
     z: npt.NDArray[np.uint64],
 ) -> None:
     """Apply values ``j … j+m`` of the byte planes at ``buf[vstart:]`` to units ``at[:m]``.
@@ -62,6 +61,7 @@ def _write_block(
     whole block at once lets lines fall out of L1 before they are written. The first units'
     prefetches are in flight while the values are gathered plane by plane (vectorizable).
     """
+    sign = sign_bit(units)
     for q in range(min(AHEAD, m)):
         prefetch_write(units, at[q])  # type: ignore[call-arg]  # an intrinsic, typed by numba
     z[:m] = ZERO
@@ -74,15 +74,15 @@ def _write_block(
     # has AHEAD slack entries past m, so the prefetch needs no bounds test either.
     if coding == 0:
         for q in range(m):
-            units[at[q]] = inverse(np.uint64(units[at[q]]), z[q], 0, mask, sign)
+            units[at[q]] = inverse(np.uint64(units[at[q]]), z[q], 0, sign)
             prefetch_write(units, at[q + AHEAD])  # type: ignore[call-arg]
     elif coding == 1:
         for q in range(m):
-            units[at[q]] = inverse(np.uint64(units[at[q]]), z[q], 1, mask, sign)
+            units[at[q]] = inverse(np.uint64(units[at[q]]), z[q], 1, sign)
             prefetch_write(units, at[q + AHEAD])  # type: ignore[call-arg]
     else:
         for q in range(m):
-            units[at[q]] = inverse(np.uint64(units[at[q]]), z[q], 2, mask, sign)
+            units[at[q]] = inverse(np.uint64(units[at[q]]), z[q], 2, sign)
             prefetch_write(units, at[q + AHEAD])  # type: ignore[call-arg]
 
 
@@ -217,8 +217,6 @@ def apply_changes(
     n_bm: int,
     chunk: int,
     coding: int,
-    mask: np.uint64,
-    sign: np.uint64,
 ) -> int:
     """Write the changes of an uncompressed section into ``units``; 0 or an error code.
 
@@ -255,7 +253,7 @@ def apply_changes(
             for q in range(m):
                 pos += _varint(buf, pstart, cur, j + q) + 1
                 at[q] = pos
-        _write_block(units, at, m, buf, vstart, n_vals, j, coding, mask, sign, z)
+        _write_block(units, at, m, buf, vstart, n_vals, j, coding, z)
     j = n_sparse
     rank = 0
     for c in range(nchunks):
@@ -271,12 +269,10 @@ def apply_changes(
                         at[m] = c * chunk + 8 * i + bit
                         m += 1
                         if m == BLOCK:
-                            _write_block(
-                                units, at, m, buf, vstart, n_vals, j, coding, mask, sign, z
-                            )
+                            _write_block(units, at, m, buf, vstart, n_vals, j, coding, z)
                             j += m
                             m = 0
-            _write_block(units, at, m, buf, vstart, n_vals, j, coding, mask, sign, z)
+            _write_block(units, at, m, buf, vstart, n_vals, j, coding, z)
             j += m
     for c in range(nchunks):  # dense values come after all bitmask values
         if buf[start + c] == 3:
@@ -285,6 +281,6 @@ def apply_changes(
                 m = min(BLOCK, hi - lo)
                 for q in range(m):
                     at[q] = lo + q
-                _write_block(units, at, m, buf, vstart, n_vals, j, coding, mask, sign, z)
+                _write_block(units, at, m, buf, vstart, n_vals, j, coding, z)
                 j += m
     return 0

@@ -29,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from policies.codec.kernels import (
+    byte_counts,
     scan_changes,
     varint_lengths,
     write_bitmasks,
@@ -74,10 +75,13 @@ def transform(b: UInt, t: UInt, coding: Coding) -> UInt:
     return _zigzag(_ordered(t) - _ordered(b))
 
 
-def _entropy_bits(plane: U8) -> float:
-    counts = np.bincount(plane, minlength=256)
-    p = counts[counts > 0] / plane.size
-    return float(-(p * np.log2(p)).sum() * plane.size)
+def _entropy_bits(counts: npt.NDArray[np.int64]) -> float:
+    """Order-0 entropy, in bits, of the bytes counted in ``counts`` (one row per plane)."""
+    total = 0.0
+    for row in counts:
+        p = row[row > 0] / row.sum()
+        total += float(-(p * np.log2(p)).sum() * row.sum())
+    return total
 
 
 def pick_coding(b: UInt, t: UInt, floating: bool) -> Coding:
@@ -85,7 +89,7 @@ def pick_coding(b: UInt, t: UInt, floating: bool) -> Coding:
     changes ``b → t``."""
     b, t = b[:SAMPLE], t[:SAMPLE]
     order: tuple[Coding, ...] = ("delta", "odelta", "xor") if floating else ("delta", "xor")
-    costs = [sum(_entropy_bits(p) for p in _planes(transform(b, t, c))) for c in order]
+    costs = [_entropy_bits(byte_counts(b, t, CODINGS.index(c))) for c in order]
     return order[int(np.argmin(costs))]
 
 
@@ -216,11 +220,6 @@ SECTION = struct.Struct("<BBQQ")
 _JOB_UNITS = 1 << 22
 
 
-def _mask_sign(width: int) -> tuple[np.uint64, np.uint64]:
-    """All bits of a ``width``-byte unit, and its top bit, as the kernels' uint64 arguments."""
-    return np.uint64((1 << 8 * width) - 1), np.uint64(1 << (8 * width - 1))
-
-
 class Changes(NamedTuple):
     """The changes of ``b → t`` by chunk mode (what :func:`encode_section` stores)."""
 
@@ -246,14 +245,14 @@ class Changes(NamedTuple):
 _local = threading.local()
 
 
-def _scratch(units: int, dtype: np.dtype[Any]) -> tuple[I64, UInt, I64, UInt]:
+def _scratch(units: int, chunk: int, dtype: np.dtype[Any]) -> tuple[I64, UInt, I64, UInt]:
     """This thread's output arrays for scanning ``units`` units (capacities as
     :func:`policies.codec.kernels.scan_changes` needs), reused from job to job: allocating
     them per job cost more than the scan at 1% density (page faults, and unmapping, which
     interrupts the other threads)."""
-    key = (units, dtype)
+    key = (units, chunk, dtype)
     if getattr(_local, "key", None) != key:
-        spos = np.empty(units // 8 + 1, dtype=np.int64)
+        spos = np.empty(units // 8 + 1 + chunk, dtype=np.int64)
         bpos = np.empty(units // 2 + 1, dtype=np.int64)
         _local.key = key
         _local.arrays = (
@@ -284,7 +283,7 @@ def start_changes(b: UInt, t: UInt, pool: ThreadPoolExecutor, chunk: int) -> Cal
 
     def job(c0: int) -> tuple[I64, UInt, I64, UInt, int]:
         c1 = min(c0 + step, nchunks)
-        spos, svals, bpos, bvals = _scratch(step * chunk, b.dtype)
+        spos, svals, bpos, bvals = _scratch(step * chunk, chunk, b.dtype)
         ns, nb, nd = scan_changes(b, t, bw, tw, c0, c1, chunk, modes, spos, svals, bpos, bvals)
         return spos[:ns].copy(), svals[:, :ns].copy(), bpos[:nb].copy(), bvals[:, :nb].copy(), nd
 
@@ -364,14 +363,13 @@ def encode_section(b: UInt | None, t: UInt | None, ch: Changes, floating: bool, 
     off += int(lens.sum())
     out[off : off + row_bytes] = 0
     write_bitmasks(ch.bpos, chunk, out, off)
-    mask, sign = _mask_sign(width)
     j = off + row_bytes
-    j = write_rows(ch.svals, coding, mask, sign, out, j, n_vals)
-    j = write_rows(ch.bvals, coding, mask, sign, out, j, n_vals)
+    j = write_rows(ch.svals, coding, out, j, n_vals)
+    j = write_rows(ch.bvals, coding, out, j, n_vals)
     if isinstance(source, tuple):
-        write_dense(*source, ch.modes, chunk, coding, mask, sign, out, j, n_vals)
+        write_dense(*source, ch.modes, chunk, coding, out, j, n_vals)
     else:
-        write_rows(source, coding, mask, sign, out, j, n_vals)
+        write_rows(source, coding, out, j, n_vals)
     return out
 
 
@@ -390,8 +388,7 @@ def apply_section(units: UInt, data: bytes, chunk: int) -> None:
     lens = np.frombuffer(data, dtype="<u8", count=n_planes, offset=SECTION.size)
     if np.any(lens > buf.size) or max(n_vals, n_bm) > buf.size:
         raise ValueError("section sizes do not add up")
-    mask, sign = _mask_sign(units.itemsize)
     lens64 = lens.astype(np.int64)
-    err = apply_changes(units, buf, start, lens64, n_vals, n_bm, chunk, code, mask, sign)
+    err = apply_changes(units, buf, start, lens64, n_vals, n_bm, chunk, code)
     if err:
         raise ValueError(ERRORS[err])
