@@ -83,7 +83,7 @@ class BoardOptions(BaseModel):
     retain_versions: int | None = Field(default=None, ge=1)
     """After each publish, drop versions no replica within this many versions of the newest can
     need (``Board.gc(latest - retain_versions + 1)``); None keeps every version."""
-    zstd_level: int = Field(default=3, ge=1, le=22)
+    zstd_level: int = Field(default=1, ge=1, le=22)
     """zstd level of patch sections."""
 
 

@@ -141,7 +141,7 @@ def encode_patch(
     base: Mapping[str, torch.Tensor],
     target: Mapping[str, torch.Tensor],
     *,
-    level: int = 3,
+    level: int = 1,
     base_digest: str | None = None,
     target_checksums: Mapping[str, str] | None = None,
     chunk: int = CHUNK,
@@ -243,7 +243,7 @@ def encode_patch(
     return frame + xxhash.xxh3_128_digest(frame)
 
 
-def squash(base: Mapping[str, torch.Tensor], patches: Iterable[bytes], *, level: int = 3) -> bytes:
+def squash(base: Mapping[str, torch.Tensor], patches: Iterable[bytes], *, level: int = 1) -> bytes:
     """One patch equal to applying ``patches`` in order to ``base`` (catch-up v → v+k)."""
     state: dict[str, torch.Tensor] = dict(base)
     first = True
