@@ -131,13 +131,17 @@ def inverse(b: np.uint64, z: np.uint64, coding: int, sign: np.uint64) -> Any:
 
 
 @intrinsic
-def trailing_zeros(typingctx, x):  # type: ignore[no-untyped-def]  # numba reads the names
-    """The number of trailing zero bits of the non-zero ``uint64`` ``x`` (LLVM ``cttz``)."""
-
+def _cttz(typingctx, x):  # type: ignore[no-untyped-def]  # numba reads the names
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         return builder.cttz(args[0], ir.Constant(ir.IntType(1), 1))  # 1: x is never zero
 
     return types.uint64(types.uint64), codegen
+
+
+@jit
+def trailing_zeros(x: np.uint64) -> np.uint64:
+    """The number of trailing zero bits of the non-zero ``uint64`` ``x`` (LLVM ``cttz``)."""
+    return _cttz(x)  # type: ignore[call-arg]  # an intrinsic, typed by numba
 
 
 @jit
@@ -186,12 +190,12 @@ def scan_changes(
         # once and predicts well. Indices are unsigned: numba checks every signed index for
         # wraparound (negative means from the end), which halves the speed of such a loop.
         while w + np.uint64(64) <= whi:
-            m = ZERO
+            words = ZERO
             for i in range(64):
-                m |= np.uint64(bw[w + np.uint64(i)] != tw[w + np.uint64(i)]) << np.uint64(i)
-            while m:
-                cw = w + trailing_zeros(m)  # type: ignore[call-arg]  # typed by numba
-                m &= m - _ONE
+                words |= np.uint64(bw[w + np.uint64(i)] != tw[w + np.uint64(i)]) << np.uint64(i)
+            while words:
+                cw = w + trailing_zeros(words)
+                words &= words - _ONE
                 x = bw[cw] ^ tw[cw]
                 lane_mask = ZERO
                 for lane in range(lanes):
@@ -199,7 +203,7 @@ def scan_changes(
                     lane_mask |= differs << np.uint64(lane)
                 u0 = cw * np.uint64(lanes)
                 while lane_mask:
-                    u = u0 + trailing_zeros(lane_mask)  # type: ignore[call-arg]
+                    u = u0 + trailing_zeros(lane_mask)
                     lane_mask &= lane_mask - _ONE
                     spos[k] = u
                     svals[0, k] = b[u]
@@ -207,24 +211,24 @@ def scan_changes(
                     k += _ONE
             w += np.uint64(64)
         k_end = int(np.int64(k))  # signed again for the arithmetic below
-        for u in range(int(np.int64(w)) * lanes, hi):  # the last < 64 words' units
-            if b[u] != t[u]:
-                spos[k_end] = u
-                svals[0, k_end] = b[u]
-                svals[1, k_end] = t[u]
+        for i in range(int(np.int64(w)) * lanes, hi):  # the last < 64 words' units
+            if b[i] != t[i]:
+                spos[k_end] = i
+                svals[0, k_end] = b[i]
+                svals[1, k_end] = t[i]
                 k_end += 1
-        m = k_end - ns
+        count = k_end - ns
         clen = hi - lo
-        if m == 0:
+        if count == 0:
             modes[c] = 0
-        elif 2 * m > clen:
+        elif 2 * count > clen:
             modes[c] = 3
-            nd += m
-        elif 8 * m >= clen:
+            nd += count
+        elif 8 * count >= clen:
             modes[c] = 2
-            bpos[nb : nb + m] = spos[ns:k_end]
-            bvals[:, nb : nb + m] = svals[:, ns:k_end]
-            nb += m
+            bpos[nb : nb + count] = spos[ns:k_end]
+            bvals[:, nb : nb + count] = svals[:, ns:k_end]
+            nb += count
         else:
             modes[c] = 1
             ns = k_end

@@ -2,7 +2,8 @@
 
 :func:`workers` returns one of three pools:
 
-- ``apply``: one thread per core; the sections of a patch decompressed, applied and verified.
+- ``apply``: one thread per core the process may run on (its affinity); the sections of a
+  patch decompressed, applied and verified.
 - ``scan``: one thread per core but one (at least one); an encode's change scans and the full
   tensors it compresses. The core left over is the ``write`` thread's.
 - ``write``: one thread; an encode's sections written and compressed while the next tensors are
@@ -33,8 +34,16 @@ _lock = threading.Lock()
 _pools: dict[tuple[int, Kind], ThreadPoolExecutor] = {}
 
 
+def _cores() -> int:
+    """The cores this process may run on (its affinity: a rank pinned to one core has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def _size(kind: Kind) -> int:
-    cores = os.cpu_count() or 1
+    cores = _cores()
     return {"apply": cores, "scan": max(1, cores - 1), "write": 1}[kind]
 
 
