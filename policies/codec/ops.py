@@ -93,10 +93,6 @@ def pick_coding(b: UInt, t: UInt, floating: bool) -> Coding:
     return order[int(np.argmin(costs))]
 
 
-def _planes(values: UInt) -> U8:
-    return np.ascontiguousarray(values.view(np.uint8).reshape(-1, values.itemsize).T)
-
-
 @dataclass(frozen=True)
 class Positions:
     """Chunk modes and position streams of one tensor (see the wire format)."""
