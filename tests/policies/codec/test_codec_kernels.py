@@ -20,6 +20,7 @@ from policies.codec.ops import (
     encode_positions,
     encode_section,
     find_changes,
+    pick_coding,
     transform,
 )
 
@@ -68,6 +69,33 @@ def test_compiled_sections_are_the_reference_layout(
         return
     coding = CODINGS[raw[0]]
     assert raw == _reference_section(b, t, chunk, coding)
+
+
+def _reference_bits(values: np.ndarray) -> float:
+    """Order-0 entropy, in bits, of the byte planes of ``values`` (numpy only)."""
+    total = 0.0
+    for plane in values.view(np.uint8).reshape(-1, values.itemsize).T:
+        counts = np.bincount(plane, minlength=256)
+        p = counts[counts > 0] / plane.size
+        total += float(-(p * np.log2(p)).sum() * plane.size)
+    return total
+
+
+@settings(max_examples=100, deadline=None)
+@given(unit_pairs())
+def test_the_coding_picked_has_the_fewest_entropy_bits_of_the_reference_transforms(
+    case: tuple[np.ndarray, np.ndarray, int],
+) -> None:
+    """The compiled byte counts behind the pick stand for the reference transforms' bytes."""
+    b, t, _ = case
+    idx = np.flatnonzero(b != t)
+    if not idx.size:
+        return
+    floating = b.dtype.itemsize > 1
+    order: list[Coding] = ["delta", "odelta", "xor"] if floating else ["delta", "xor"]
+    bits = {c: _reference_bits(transform(b[idx], t[idx], c)) for c in order}
+    picked = pick_coding(b[idx], t[idx], floating)
+    assert bits[picked] == pytest.approx(min(bits.values()), rel=1e-9, abs=1e-9)
 
 
 @settings(max_examples=150, deadline=None)
