@@ -162,7 +162,7 @@ def encode_patch(
     sections: list[Future[bytes] | None] = []
     scans: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (record index, base, target)
     primary: dict[StorageKey, str] = {}
-    pool, writer = workers("scan"), workers("write")
+    pool = workers()
     for name in sorted(target):
         t = target[name]
         rec: dict[str, Any] = {
@@ -191,9 +191,8 @@ def encode_patch(
 
     # Each tensor's scan is queued _AHEAD tensors before its section is written, so the
     # pool never idles between tensors; at most _IN_FLIGHT sections wait to be written
-    # and compressed (which bounds the scanned changes held in memory). Sections go to
-    # their own thread: queued on the scan pool they waited behind the next tensors'
-    # scans (the memory-bound scan leaves a core's compute free for them).
+    # and compressed (which bounds the scanned changes held in memory). Sections are
+    # queued ahead of the scans: behind them, they waited for the next tensors' scans.
     # (units are taken when a scan starts: a device or strided tensor is copied only then)
     def start(k: int) -> tuple[UInt | None, UInt | None, Callable[[], Changes]]:
         _, b, t = scans[k]
@@ -212,7 +211,7 @@ def encode_patch(
         changes = collect()
         records[i]["changed"] = changes.changed
         floating = t.dtype.is_floating_point
-        section = writer.submit(_section, bu, tu, changes, floating, level, chunk)
+        section = pool.submit_first(_section, bu, tu, changes, floating, level, chunk)
         sections[i] = section
         pending.append(section)
         if len(pending) > _IN_FLIGHT:

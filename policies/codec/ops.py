@@ -21,7 +21,7 @@ from __future__ import annotations
 import struct
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -261,12 +261,12 @@ def _scratch(units: int, chunk: int, dtype: np.dtype[Any]) -> tuple[I64, UInt, I
     return arrays
 
 
-def find_changes(b: UInt, t: UInt, pool: ThreadPoolExecutor, chunk: int) -> Changes:
+def find_changes(b: UInt, t: UInt, pool: Executor, chunk: int) -> Changes:
     """Find and classify the changes of ``b → t`` (compiled; ~4 Mi-unit ranges on ``pool``)."""
     return start_changes(b, t, pool, chunk)()
 
 
-def start_changes(b: UInt, t: UInt, pool: ThreadPoolExecutor, chunk: int) -> Callable[[], Changes]:
+def start_changes(b: UInt, t: UInt, pool: Executor, chunk: int) -> Callable[[], Changes]:
     """Queue the scan of ``b → t`` on ``pool`` now; the returned call waits for its
     :class:`Changes` (so the encoder can queue the next tensors' scans before waiting)."""
     n = b.size

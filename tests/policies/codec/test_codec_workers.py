@@ -1,0 +1,52 @@
+"""The codec's thread pool: an encode's sections run ahead of its queued scans."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from policies.codec.workers import Pool
+
+
+def _blocked_pool() -> tuple[Pool, threading.Event]:
+    """A one-thread pool whose thread is held until the returned event is set."""
+    pool, release, started = Pool(1, "test"), threading.Event(), threading.Event()
+
+    def hold() -> None:
+        started.set()
+        release.wait(10)
+
+    pool.submit(hold)
+    assert started.wait(10)
+    return pool, release
+
+
+def test_jobs_submitted_first_run_before_queued_ones_and_each_kind_in_order() -> None:
+    pool, release = _blocked_pool()
+    ran: list[str] = []
+    jobs = [pool.submit(ran.append, f"scan {i}") for i in range(3)]
+    jobs += [pool.submit_first(ran.append, f"section {i}") for i in range(2)]
+    release.set()
+    for job in jobs:
+        job.result(10)
+    assert ran == ["section 0", "section 1", "scan 0", "scan 1", "scan 2"]
+
+
+def test_a_failing_job_hands_its_error_to_the_caller_and_the_pool_goes_on() -> None:
+    pool = Pool(1, "test")
+    failed = pool.submit_first(int, "not a number")
+    with pytest.raises(ValueError, match="not a number"):
+        failed.result(10)
+    assert pool.submit(int, "7").result(10) == 7
+
+
+def test_a_cancelled_job_does_not_run() -> None:
+    pool, release = _blocked_pool()
+    ran: list[int] = []
+    job = pool.submit(ran.append, 1)
+    assert job.cancel()
+    after = pool.submit(ran.append, 2)
+    release.set()
+    after.result(10)
+    assert ran == [2]
