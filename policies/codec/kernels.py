@@ -40,6 +40,8 @@ _BYTE = np.uint64(0xFF)
 _LOW7 = np.uint64(0x7F)
 _SEVEN = np.uint64(7)
 
+_PREFETCH = np.uint64(512)
+"""Words ahead of the compare that the scan prefetches (4 KiB)."""
 BLOCK = 4096
 """Units handled per block by the blocked loops (scratch arrays stay in L1/L2)."""
 jit = numba.njit(cache=True, nogil=True)
@@ -57,27 +59,35 @@ def _unit_bytes_constant(a):  # type: ignore[no-untyped-def]  # numba matches un
     return lambda a: size
 
 
-@intrinsic
-def prefetch_write(typingctx, a, i):  # type: ignore[no-untyped-def]  # numba reads the names
-    """Hint the CPU to fetch element ``i`` of array ``a`` for writing (LLVM ``llvm.prefetch``).
+def _prefetch(write: int, locality: int) -> Any:
+    """An intrinsic ``(a, i)`` hinting the CPU to fetch element ``i`` of array ``a`` into the
+    data cache (LLVM ``llvm.prefetch``, for reading or for writing, ``locality`` 0 … 3)."""
 
-    The apply pass issues these for a block of scattered positions before it reads and writes
-    them, so their (mostly DRAM) misses overlap instead of stalling one after another.
-    """
+    @intrinsic
+    def hint(typingctx, a, i):  # type: ignore[no-untyped-def]  # numba reads the names
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            aryty = signature.args[0]
+            ary = context.make_array(aryty)(context, builder, args[0])
+            index = [args[1]]
+            ptr = cgutils.get_item_pointer(context, builder, aryty, ary, index)  # type: ignore[no-untyped-call]
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")  # type: ignore[no-untyped-call]
+            builder.call(fn, [ptr, i32(write), i32(locality), i32(1)])  # 1: the data cache
+            return context.get_dummy_value()
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        aryty = signature.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        index = [args[1]]
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, index)  # type: ignore[no-untyped-call]
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
-        name = "llvm.prefetch.p0"
-        fn = cgutils.get_or_insert_function(builder.module, fnty, name)  # type: ignore[no-untyped-call]
-        builder.call(fn, [ptr, i32(1), i32(3), i32(1)])  # write, high locality, data cache
-        return context.get_dummy_value()
+        return types.void(a, types.intp), codegen
 
-    return types.void(a, types.intp), codegen
+    return hint
+
+
+prefetch_write = _prefetch(write=1, locality=3)
+"""The apply pass issues these for a block of scattered positions before it reads and writes
+them, so their (mostly DRAM) misses overlap instead of stalling one after another."""
+prefetch_read = _prefetch(write=0, locality=0)
+"""The scan issues these a few KiB ahead of the words it compares: one thread's sequential reads
+ran ~30% faster than with the hardware prefetcher alone (12 → 16 GB/s on the 2-core dev VM),
+two threads' ~15%. Locality 0: each word is read once, so it need not stay in the caches."""
 
 
 @jit
@@ -177,6 +187,7 @@ def scan_changes(
     bits = np.uint64(8 * size)
     unit = ~ZERO >> np.uint64(64 - 8 * size)  # a unit's bits, low in a word
     nwords = bw.size
+    last = np.uint64(max(nwords - 1, 0))
     ns = nb = nd = 0
     for c in range(c0, c1):
         lo = c * chunk
@@ -190,6 +201,10 @@ def scan_changes(
         # once and predicts well. Indices are unsigned: numba checks every signed index for
         # wraparound (negative means from the end), which halves the speed of such a loop.
         while w + np.uint64(64) <= whi:
+            for i in range(0, 64, 8):  # a cache line each
+                ahead = min(w + _PREFETCH + np.uint64(i), last)
+                prefetch_read(bw, ahead)
+                prefetch_read(tw, ahead)
             words = ZERO
             for i in range(64):
                 words |= np.uint64(bw[w + np.uint64(i)] != tw[w + np.uint64(i)]) << np.uint64(i)

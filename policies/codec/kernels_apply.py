@@ -63,7 +63,7 @@ def _write_block(
     """
     sign = sign_bit(units)
     for q in range(min(AHEAD, m)):
-        prefetch_write(units, at[q])  # type: ignore[call-arg]  # an intrinsic, typed by numba
+        prefetch_write(units, at[q])
     z[:m] = ZERO
     for k in range(unit_bytes(units)):
         plane = np.uint64(vstart + k * n_vals + j)
@@ -75,15 +75,15 @@ def _write_block(
     if coding == 0:
         for q in range(m):
             units[at[q]] = inverse(np.uint64(units[at[q]]), z[q], 0, sign)
-            prefetch_write(units, at[q + AHEAD])  # type: ignore[call-arg]
+            prefetch_write(units, at[q + AHEAD])
     elif coding == 1:
         for q in range(m):
             units[at[q]] = inverse(np.uint64(units[at[q]]), z[q], 1, sign)
-            prefetch_write(units, at[q + AHEAD])  # type: ignore[call-arg]
+            prefetch_write(units, at[q + AHEAD])
     else:
         for q in range(m):
             units[at[q]] = inverse(np.uint64(units[at[q]]), z[q], 2, sign)
-            prefetch_write(units, at[q + AHEAD])  # type: ignore[call-arg]
+            prefetch_write(units, at[q + AHEAD])
 
 
 @jit
