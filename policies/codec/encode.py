@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -92,21 +92,22 @@ from policies.codec.format import (
 )
 from policies.codec.kernels import UInt
 from policies.codec.ops import (
+    JOB_UNITS,
     Changes,
     encode_section,
+    find_changes,
     start_changes,
     unit_view,
 )
 from policies.codec.scan import scan_tensor
-from policies.codec.workers import workers
+from policies.codec.workers import Pool, workers
 from policies.errors import PatchError
 
 log = structlog.get_logger(__name__)
 
-_IN_FLIGHT = 2
-"""Tensors whose sections may wait to be written and compressed while the next is scanned."""
-_AHEAD = 2
-"""Tensors whose scans are queued ahead of the one whose section is being written."""
+_WINDOW_UNITS = 3 << 24
+"""Units of the tensors being scanned or written at once (three 32 MiB bf16 tensors; at least
+two tensors whatever their size): bounds the scanned changes held in memory."""
 
 
 # -- encoding -------------------------------------------------------------------------------------
@@ -128,13 +129,48 @@ def _compress(raw: bytes | memoryview, level: int) -> bytes:
     return zstandard.ZstdCompressor(level=level, threads=threads).compress(raw)
 
 
+def _whole(raw: bytes | memoryview, units: int, level: int) -> tuple[int, bytes]:
+    """A tensor shipped whole: every unit changed, its bytes compressed."""
+    return units, _compress(raw, level)
+
+
 def _section(
     b: UInt | None, t: UInt | None, changes: Changes, floating: bool, level: int, chunk: int
-) -> bytes:
-    """The compressed section storing ``changes`` (empty when nothing changed)."""
+) -> tuple[int, bytes]:
+    """The changed units and the compressed section storing ``changes`` (empty if none)."""
     if not changes.changed:
-        return b""
-    return _compress(encode_section(b, t, changes, floating, chunk).data, level)
+        return 0, b""
+    return changes.changed, _compress(encode_section(b, t, changes, floating, chunk).data, level)
+
+
+def _one_job(
+    b: torch.Tensor, t: torch.Tensor, w: int, floating: bool, level: int, chunk: int
+) -> tuple[int, bytes]:
+    """A tensor of at most :data:`JOB_UNITS` units scanned and written by one job."""
+    bu, tu = unit_view(raw_bytes(b), w), unit_view(raw_bytes(t), w)
+    return _section(bu, tu, find_changes(bu, tu, None, chunk), floating, level, chunk)
+
+
+def _start(
+    pool: Pool, b: torch.Tensor, t: torch.Tensor, level: int, chunk: int
+) -> Future[tuple[int, bytes]]:
+    """Queue one tensor's scan, then its section (the thread that finishes the scan queues the
+    section ahead of other tensors' scans: what the encode waits on comes first).
+
+    A small CPU tensor is one job, views taken there too: the caller's thread does next to
+    nothing per tensor, where taking a tensor's views (torch calls, each of which hands the
+    GIL over) while the pool's threads ran cost ~0.4 ms a tensor, and the pool idled.
+    """
+    w, floating = _width(t), t.dtype.is_floating_point
+    if b.device.type != "cpu" or t.device.type != "cpu":
+        scan = pool.submit(scan_tensor, b, t, w, chunk)
+        return pool.then([scan], lambda ch: _section(None, None, ch[0], floating, level, chunk))
+    if t.numel() * t.element_size() // w <= JOB_UNITS:
+        return pool.submit(_one_job, b, t, w, floating, level, chunk)
+    # units are taken when the scan is queued: a strided tensor is copied only then
+    bu, tu = unit_view(raw_bytes(b), w), unit_view(raw_bytes(t), w)
+    jobs, assemble = start_changes(bu, tu, pool, chunk)
+    return pool.then(jobs, lambda parts: _section(bu, tu, assemble(parts), floating, level, chunk))
 
 
 def encode_patch(
@@ -159,7 +195,7 @@ def encode_patch(
     bdig = base_digest if base_digest is not None else state_digest(base)
     tdig = digest_of((k, dtype_name(t), list(t.shape), sums[k]) for k, t in target.items())
     records: list[dict[str, Any]] = []
-    sections: list[Future[bytes] | None] = []
+    sections: list[Future[tuple[int, bytes]] | None] = []
     scans: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (record index, base, target)
     primary: dict[StorageKey, str] = {}
     pool = workers()
@@ -172,16 +208,17 @@ def encode_patch(
             "checksum": sums[name],
             "width": _width(t),
             "alias_of": None,
+            "changed": 0,
         }
         rec["units"] = t.numel() * t.element_size() // rec["width"]
         key = storage_key(t)
         b = base.get(name)
-        section: Future[bytes] | None = None
+        section: Future[tuple[int, bytes]] | None = None
         if key in primary:
-            rec.update(op="alias", alias_of=primary[key], changed=0)
+            rec.update(op="alias", alias_of=primary[key])
         elif b is None or dtype_name(b) != rec["dtype"] or tuple(b.shape) != tuple(t.shape):
-            section = pool.submit(_compress, raw_bytes(t).data, level)
-            rec.update(op="full", changed=rec["units"])
+            section = pool.submit(_whole, raw_bytes(t).data, rec["units"], level)
+            rec.update(op="full")
         else:
             scans.append((len(records), b, t))
             rec.update(op="patch")
@@ -189,37 +226,26 @@ def encode_patch(
         records.append(rec)
         sections.append(section)
 
-    # Each tensor's scan is queued _AHEAD tensors before its section is written, so the
-    # pool never idles between tensors; at most _IN_FLIGHT sections wait to be written
-    # and compressed (which bounds the scanned changes held in memory). Sections are
-    # queued ahead of the scans: behind them, they waited for the next tensors' scans.
-    # (units are taken when a scan starts: a device or strided tensor is copied only then)
-    def start(k: int) -> tuple[UInt | None, UInt | None, Callable[[], Changes]]:
-        _, b, t = scans[k]
-        w = _width(t)
-        if b.device.type != "cpu" or t.device.type != "cpu":
-            return None, None, pool.submit(scan_tensor, b, t, w, chunk).result
-        bu, tu = unit_view(raw_bytes(b), w), unit_view(raw_bytes(t), w)
-        return bu, tu, start_changes(bu, tu, pool, chunk)
-
-    queued = deque(start(k) for k in range(min(_AHEAD, len(scans))))
-    pending: deque[Future[bytes]] = deque()
-    for k, (i, _, t) in enumerate(scans):
-        if k + _AHEAD < len(scans):
-            queued.append(start(k + _AHEAD))
-        bu, tu, collect = queued.popleft()
-        changes = collect()
-        records[i]["changed"] = changes.changed
-        floating = t.dtype.is_floating_point
-        section = pool.submit_first(_section, bu, tu, changes, floating, level, chunk)
-        sections[i] = section
-        pending.append(section)
-        if len(pending) > _IN_FLIGHT:
-            pending.popleft().result()
-    body = [s.result() if s is not None else b"" for s in sections]
+    # Tensors are queued while those in flight hold fewer than _WINDOW_UNITS units (two at
+    # least), so the pool never idles between tensors and the scanned changes held in memory
+    # stay bounded; each tensor's section is queued by the thread that finishes its scan.
+    in_flight: deque[tuple[int, Future[tuple[int, bytes]]]] = deque()
+    held = 0
+    for i, b, t in scans:
+        units = records[i]["units"]
+        while len(in_flight) >= 2 and held + units > _WINDOW_UNITS:
+            done, oldest = in_flight.popleft()
+            oldest.result()
+            held -= done
+        sections[i] = started = _start(pool, b, t, level, chunk)
+        in_flight.append((units, started))
+        held += units
+    body: list[bytes] = []
     offset = 0
-    for rec, data in zip(records, body, strict=True):
-        rec.update(offset=offset, length=len(data))
+    for rec, section in zip(records, sections, strict=True):
+        changed, data = section.result() if section is not None else (0, b"")
+        rec.update(changed=changed, offset=offset, length=len(data))
+        body.append(data)
         offset += len(data)
     header = {
         "format": FORMAT,

@@ -253,7 +253,7 @@ def scan_changes(
 @jit
 def byte_counts(b: UInt, t: UInt, coding: int) -> npt.NDArray[np.int64]:
     """How often each byte value occurs in each byte plane of the values stored for the
-    changes ``b → t`` in ``coding`` (row k: plane k); what the encoder picks a coding by."""
+    changes ``b → t`` in ``coding`` (row k: plane k)."""
     width = unit_bytes(b)
     sign = sign_bit(b)
     counts = np.zeros((width, 256), dtype=np.int64)
@@ -262,6 +262,36 @@ def byte_counts(b: UInt, t: UInt, coding: int) -> npt.NDArray[np.int64]:
         for k in range(width):
             counts[k, (z >> np.uint64(8 * k)) & _BYTE] += 1
     return counts
+
+
+@jit
+def entropy_bits(counts: npt.NDArray[np.int64]) -> float:
+    """Order-0 entropy, in bits, of the bytes counted in ``counts`` (one row per plane):
+    per row, n·log2(n) − Σ c·log2(c) over its counts c summing to n."""
+    bits = 0.0
+    for k in range(counts.shape[0]):
+        n = 0
+        sum_c_log_c = 0.0
+        for v in range(counts.shape[1]):
+            c = counts[k, v]
+            if c:
+                n += c
+                sum_c_log_c += c * np.log2(c)
+        if n:
+            bits += n * np.log2(n) - sum_c_log_c
+    return bits
+
+
+@jit
+def best_coding(b: UInt, t: UInt, codings: npt.NDArray[np.int64]) -> int:
+    """The first of ``codings`` whose stored values for ``b → t`` have the fewest order-0
+    entropy bits (what the encoder picks a coding by)."""
+    best, fewest = codings[0], np.inf
+    for c in codings:
+        bits = entropy_bits(byte_counts(b, t, c))
+        if bits < fewest:
+            best, fewest = c, bits
+    return int(best)
 
 
 @jit

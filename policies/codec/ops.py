@@ -21,7 +21,7 @@ from __future__ import annotations
 import struct
 import threading
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from policies.codec.kernels import (
-    byte_counts,
+    best_coding,
     scan_changes,
     varint_lengths,
     write_bitmasks,
@@ -75,22 +75,17 @@ def transform(b: UInt, t: UInt, coding: Coding) -> UInt:
     return _zigzag(_ordered(t) - _ordered(b))
 
 
-def _entropy_bits(counts: npt.NDArray[np.int64]) -> float:
-    """Order-0 entropy, in bits, of the bytes counted in ``counts`` (one row per plane)."""
-    total = 0.0
-    for row in counts:
-        p = row[row > 0] / row.sum()
-        total += float(-(p * np.log2(p)).sum() * row.sum())
-    return total
+_CANDIDATES = {
+    True: np.array([CODINGS.index(c) for c in ("delta", "odelta", "xor")], dtype=np.int64),
+    False: np.array([CODINGS.index(c) for c in ("delta", "xor")], dtype=np.int64),
+}
+"""The codings tried for floating and integer units, in the order ties go by."""
 
 
 def pick_coding(b: UInt, t: UInt, floating: bool) -> Coding:
     """The coding whose byte planes have the lowest order-0 entropy on the first :data:`SAMPLE`
-    changes ``b → t``."""
-    b, t = b[:SAMPLE], t[:SAMPLE]
-    order: tuple[Coding, ...] = ("delta", "odelta", "xor") if floating else ("delta", "xor")
-    costs = [_entropy_bits(byte_counts(b, t, CODINGS.index(c))) for c in order]
-    return order[int(np.argmin(costs))]
+    changes ``b → t`` (compiled: :func:`policies.codec.kernels.best_coding`)."""
+    return CODINGS[best_coding(b[:SAMPLE], t[:SAMPLE], _CANDIDATES[floating])]
 
 
 @dataclass(frozen=True)
@@ -213,7 +208,9 @@ def decode_positions(
 
 SECTION = struct.Struct("<BBQQ")
 """CODING u8 | K u8 | N_VALUES u64 | N_BITMASK u64 (then K × u64 plane lengths)."""
-_JOB_UNITS = 1 << 22
+JOB_UNITS = 1 << 22
+"""Units a scan job covers (about: whole chunks); a tensor of at most this many is scanned by one
+job."""
 
 
 class Changes(NamedTuple):
@@ -261,32 +258,50 @@ def _scratch(units: int, chunk: int, dtype: np.dtype[Any]) -> tuple[I64, UInt, I
     return arrays
 
 
-def find_changes(b: UInt, t: UInt, pool: Executor, chunk: int) -> Changes:
-    """Find and classify the changes of ``b → t`` (compiled; ~4 Mi-unit ranges on ``pool``)."""
-    return start_changes(b, t, pool, chunk)()
+Part = tuple[I64, UInt, I64, UInt, int]
+"""What one scan job of :func:`start_changes` finds (its range's ``spos, svals, bpos, bvals``
+and dense changes)."""
 
 
-def start_changes(b: UInt, t: UInt, pool: Executor, chunk: int) -> Callable[[], Changes]:
-    """Queue the scan of ``b → t`` on ``pool`` now; the returned call waits for its
-    :class:`Changes` (so the encoder can queue the next tensors' scans before waiting)."""
+def find_changes(b: UInt, t: UInt, pool: Executor | None, chunk: int) -> Changes:
+    """Find and classify the changes of ``b → t`` (compiled; ~4 Mi-unit ranges on ``pool``,
+    or one after another in this thread when it is ``None``)."""
+    if pool is None:
+        job, starts, assemble = _scan_jobs(b, t, chunk)
+        return assemble([job(c0) for c0 in starts])
+    jobs, assemble = start_changes(b, t, pool, chunk)
+    return assemble([j.result() for j in jobs])
+
+
+def start_changes(
+    b: UInt, t: UInt, pool: Executor, chunk: int
+) -> tuple[list[Future[Part]], Callable[[list[Part]], Changes]]:
+    """Queue the scan of ``b → t`` on ``pool`` now: its jobs (one per range of ~4 Mi units),
+    and the call that joins their parts, in order, into the :class:`Changes`."""
+    job, starts, assemble = _scan_jobs(b, t, chunk)
+    return [pool.submit(job, c0) for c0 in starts], assemble
+
+
+def _scan_jobs(
+    b: UInt, t: UInt, chunk: int
+) -> tuple[Callable[[int], Part], range, Callable[[list[Part]], Changes]]:
+    """The scan of ``b → t`` as a job per range of chunks (called with its first chunk), the
+    ranges' first chunks, and the call that joins the jobs' parts into the :class:`Changes`."""
     n = b.size
     nchunks = -(-n // chunk)
     lanes = 8 // b.itemsize
     bw = b[: n // lanes * lanes].view(np.uint64)
     tw = t[: n // lanes * lanes].view(np.uint64)
     modes = np.empty(nchunks, dtype=np.uint8)
-    step = max(1, _JOB_UNITS // chunk)
+    step = max(1, JOB_UNITS // chunk)
 
-    def job(c0: int) -> tuple[I64, UInt, I64, UInt, int]:
+    def job(c0: int) -> Part:
         c1 = min(c0 + step, nchunks)
         spos, svals, bpos, bvals = _scratch(step * chunk, chunk, b.dtype)
         ns, nb, nd = scan_changes(b, t, bw, tw, c0, c1, chunk, modes, spos, svals, bpos, bvals)
         return spos[:ns].copy(), svals[:, :ns].copy(), bpos[:nb].copy(), bvals[:, :nb].copy(), nd
 
-    jobs = [pool.submit(job, c0) for c0 in range(0, nchunks, step)]
-
-    def collect() -> Changes:
-        parts = [j.result() for j in jobs]
+    def assemble(parts: list[Part]) -> Changes:
         pos: list[I64] = [np.empty(0, dtype=np.int64)]
         vals: list[UInt] = [np.empty((2, 0), dtype=b.dtype)]
         return Changes(
@@ -298,7 +313,7 @@ def start_changes(b: UInt, t: UInt, pool: Executor, chunk: int) -> Callable[[], 
             dense_changed=sum(p[4] for p in parts),
         )
 
-    return collect
+    return job, range(0, nchunks, step), assemble
 
 
 def _sample(ch: Changes, source: UInt | tuple[UInt, UInt], chunk: int) -> tuple[UInt, UInt]:

@@ -21,58 +21,104 @@ are daemons that idle on the queue: a process exits without shutting the pool do
 
 from __future__ import annotations
 
-import itertools
 import os
 import queue
 import threading
-from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import CancelledError, Executor, Future
 from typing import ParamSpec, TypeVar
 
 P = ParamSpec("P")
 R = TypeVar("R")
+T = TypeVar("T")
 
 _FIRST, _QUEUED = 0, 1
 
 
 class Pool(Executor):
-    """A fixed set of threads taking jobs by priority, then in order of submission."""
+    """A fixed set of threads taking jobs queued first (:meth:`submit_first`), then the others,
+    each kind in the order it was queued.
+
+    The jobs wait in two deques and each job puts a token into a C-level queue, which is what an
+    idle thread blocks on (a ``queue.PriorityQueue`` waits in Python code, taking the GIL at
+    every wake-up); a thread holding a token takes a job queued first if there is one.
+    """
 
     def __init__(self, threads: int, name: str) -> None:
-        self._jobs: queue.PriorityQueue[tuple[int, int, Callable[[], None]]] = queue.PriorityQueue()
-        self._order = itertools.count()
+        self._queues: tuple[deque[Callable[[], None]], ...] = (deque(), deque())
+        self._tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
         for i in range(threads):
             threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True).start()
 
     def submit(self, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
         """Queue ``fn(*args, **kwargs)`` behind every job already queued."""
-        return self._queue(_QUEUED, fn, *args, **kwargs)
+        future: Future[R] = Future()
+        self._put(_QUEUED, future, lambda: fn(*args, **kwargs))
+        return future
 
     def submit_first(self, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
         """Queue ``fn(*args, **kwargs)`` ahead of the jobs queued with :meth:`submit`."""
-        return self._queue(_FIRST, fn, *args, **kwargs)
-
-    def _queue(
-        self, priority: int, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs
-    ) -> Future[R]:
         future: Future[R] = Future()
+        self._put(_FIRST, future, lambda: fn(*args, **kwargs))
+        return future
 
+    def then(self, inputs: Sequence[Future[T]], fn: Callable[[list[T]], R]) -> Future[R]:
+        """``fn`` of the results of ``inputs``, queued first once the last of them is done.
+
+        The thread that completes the last input queues it: no waiting caller has to wake up
+        between the jobs of a pipeline. An error of an input is the returned future's (``fn``
+        does not run); so is ``fn``'s.
+        """
+        future: Future[R] = Future()
+        left = len(inputs)
+        lock = threading.Lock()
+
+        def done(_: Future[T]) -> None:
+            nonlocal left
+            with lock:
+                left -= 1
+                if left:
+                    return
+            failed = next((f for f in inputs if f.cancelled() or f.exception()), None)
+            if failed is None:
+                self._put(_FIRST, future, lambda: fn([f.result() for f in inputs]))
+            elif future.set_running_or_notify_cancel():
+                future.set_exception(CancelledError() if failed.cancelled() else failed.exception())
+
+        if not inputs:
+            self._put(_FIRST, future, lambda: fn([]))
+        for f in inputs:
+            f.add_done_callback(done)
+        return future
+
+    def _put(self, priority: int, future: Future[R], call: Callable[[], R]) -> None:
         def run() -> None:
             if not future.set_running_or_notify_cancel():
                 return
             try:
-                result = fn(*args, **kwargs)
+                result = call()
             except BaseException as exc:  # handed to whoever waits on the future
                 future.set_exception(exc)
             else:
                 future.set_result(result)
 
-        self._jobs.put((priority, next(self._order), run))
-        return future
+        self._queues[priority].append(run)
+        self._tokens.put(None)
 
     def _work(self) -> None:
+        first, queued = self._queues
         while True:
-            self._jobs.get()[2]()
+            self._tokens.get()
+            # A token is put after its job, so a job waits in one of the deques; one queued
+            # first while this thread looked may be the one left: look again.
+            while True:
+                try:
+                    job = first.popleft() if first else queued.popleft()
+                    break
+                except IndexError:
+                    continue
+            job()
 
 
 _lock = threading.Lock()

@@ -50,3 +50,34 @@ def test_a_cancelled_job_does_not_run() -> None:
     release.set()
     after.result(10)
     assert ran == [2]
+
+
+def test_then_runs_on_every_result_in_order_once_the_last_is_done() -> None:
+    pool, release = _blocked_pool()
+    inputs = [pool.submit(int, str(i)) for i in range(3)]
+    joined = pool.then(inputs, lambda results: results)
+    assert not joined.done()
+    release.set()
+    assert joined.result(10) == [0, 1, 2]
+
+
+def test_then_is_queued_ahead_of_queued_jobs() -> None:
+    pool, release = _blocked_pool()
+    ran: list[str] = []
+    scan = pool.submit_first(ran.append, "scan 0")
+    later = [pool.submit(ran.append, f"scan {i}") for i in (1, 2)]
+    section = pool.then([scan], lambda _: ran.append("section 0"))
+    release.set()
+    section.result(10)
+    for job in later:
+        job.result(10)
+    assert ran == ["scan 0", "section 0", "scan 1", "scan 2"]
+
+
+def test_then_hands_an_inputs_error_on_without_running() -> None:
+    pool = Pool(2, "test")
+    ran: list[object] = []
+    joined = pool.then([pool.submit(int, "1"), pool.submit(int, "x")], ran.append)
+    with pytest.raises(ValueError, match="'x'"):
+        joined.result(10)
+    assert ran == []
