@@ -2,9 +2,10 @@
 
 :func:`workers` returns the process's :class:`Pool`: one thread per core the process may run on
 (its affinity). An apply decompresses, applies and verifies its sections there; an encode scans
-for changes there, and writes and compresses each tensor's section there too, ahead of any
-queued scan (:meth:`Pool.submit_first`). A section is what the encode's pipeline waits on, and
-the scans queued behind it keep every thread busy meanwhile; a thread of its own for sections
+for changes there, and writes and compresses each tensor's section there too, queued by the
+thread that finishes the tensor's scan ahead of any queued scan (:meth:`Pool.then`). A section
+is what the encode's pipeline waits on, and the scans queued behind it keep every thread busy
+meanwhile; a thread of its own for sections
 either idled (where a scan thread is bound by a core's own memory reads, two scan threads read
 nearly twice as fast as one) or took turns with the scan threads on the same cores.
 
@@ -13,8 +14,9 @@ pool started per patch cost a thread start and new per-thread scan buffers
 (:func:`policies.codec.ops.start_changes`) each time, and two patches encoded at once ran two
 pools on the same cores.
 
-Guarantees: the codec's jobs never wait on other jobs of the pool, so callers sharing it cannot
-deadlock; jobs submitted first run first among those of the same kind; a forked child gets a pool
+Guarantees: the codec's jobs never wait on other jobs of the pool (a job that needs others'
+results is queued once they are done, :meth:`Pool.then`), so callers sharing it cannot
+deadlock; jobs queued first run before the others, each kind in the order it was queued; a forked child gets a pool
 of its own (pools are kept per process id: a pool's threads do not survive a fork). The threads
 are daemons that idle on the queue: a process exits without shutting the pool down.
 """
