@@ -147,11 +147,14 @@ def _check_varints(buf: U8, pstart: I64, lens: I64, n: int) -> int:
     """
     total = lens[0] if lens.size else 0
     for k in range(lens.size):
-        more = 0
-        share = 0
-        for i in range(pstart[k], pstart[k] + lens[k]):
-            more += buf[i] >> 7
-            share += buf[i] & 0x7F
+        ones = ZERO
+        low = ZERO
+        lo = np.uint64(pstart[k])
+        for i in range(lens[k]):  # unsigned indices: the loop vectorizes (see kernels)
+            byte = np.uint64(buf[lo + np.uint64(i)])
+            ones += byte >> np.uint64(7)
+            low += byte & np.uint64(0x7F)
+        more, share = np.int64(ones), np.int64(low)  # signed again for the arithmetic below
         if more != (lens[k + 1] if k + 1 < lens.size else 0):
             return 5 if k + 1 == lens.size else 6
         if share > n >> (7 * k):

@@ -16,17 +16,18 @@ pools on the same cores.
 
 Guarantees: the codec's jobs never wait on other jobs of the pool (a job that needs others'
 results is queued once they are done, :meth:`Pool.then`), so callers sharing it cannot
-deadlock; jobs queued first run before the others, each kind in the order it was queued; a forked child gets a pool
-of its own (pools are kept per process id: a pool's threads do not survive a fork). The threads
-are daemons that idle on the queue: a process exits without shutting the pool down.
+deadlock; jobs queued first run before the others, each kind in the order it was queued; a
+forked child gets a pool of its own (pools are kept per process id: a pool's threads do not
+survive a fork). The threads are daemons that idle on the queue: a process exits without
+shutting the pool down.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import threading
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Executor, Future
 from typing import ParamSpec, TypeVar
@@ -40,16 +41,11 @@ _FIRST, _QUEUED = 0, 1
 
 class Pool(Executor):
     """A fixed set of threads taking jobs queued first (:meth:`submit_first`), then the others,
-    each kind in the order it was queued.
-
-    The jobs wait in two deques and each job puts a token into a C-level queue, which is what an
-    idle thread blocks on (a ``queue.PriorityQueue`` waits in Python code, taking the GIL at
-    every wake-up); a thread holding a token takes a job queued first if there is one.
-    """
+    each kind in the order it was queued."""
 
     def __init__(self, threads: int, name: str) -> None:
-        self._queues: tuple[deque[Callable[[], None]], ...] = (deque(), deque())
-        self._tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self._jobs: queue.PriorityQueue[tuple[int, int, Callable[[], None]]] = queue.PriorityQueue()
+        self._order = itertools.count()
         for i in range(threads):
             threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True).start()
 
@@ -105,22 +101,11 @@ class Pool(Executor):
             else:
                 future.set_result(result)
 
-        self._queues[priority].append(run)
-        self._tokens.put(None)
+        self._jobs.put((priority, next(self._order), run))
 
     def _work(self) -> None:
-        first, queued = self._queues
         while True:
-            self._tokens.get()
-            # A token is put after its job, so a job waits in one of the deques; one queued
-            # first while this thread looked may be the one left: look again.
-            while True:
-                try:
-                    job = first.popleft() if first else queued.popleft()
-                    break
-                except IndexError:
-                    continue
-            job()
+            self._jobs.get()[2]()
 
 
 _lock = threading.Lock()
