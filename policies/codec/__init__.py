@@ -9,7 +9,7 @@ Modules: :mod:`~policies.codec.encode` (the format's spec, and encoding),
 header), :mod:`~policies.codec.ops` (sections; vectorized numpy reference alongside),
 :mod:`~policies.codec.kernels` and :mod:`~policies.codec.kernels_apply` (numba loops),
 :mod:`~policies.codec.scan` (the change scan in torch, on a device tensor's own device),
-:mod:`~policies.codec.workers` (the codec's threads, one pool per process),
+:mod:`~policies.codec.workers` (the codec's threads, an encode and an apply pool per process),
 :mod:`~policies.codec.views` (bf16 / fp8 / int4 / nvfp4 served views),
 :mod:`~policies.codec.digests` (per-tensor checksums, whole-state digests).
 """

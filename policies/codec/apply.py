@@ -129,7 +129,7 @@ def apply_patch(
         base_groups.setdefault(storage_key(t), []).append(name)
     target_group = {r.name: r.alias_of or r.name for r in header.tensors}
     out: dict[str, torch.Tensor] = {}
-    pool = workers()
+    pool = workers("apply")
     jobs: dict[str, Future[torch.Tensor]] = {}
     try:
         for rec in header.tensors:

@@ -198,7 +198,7 @@ def encode_patch(
     sections: list[Future[tuple[int, bytes]] | None] = []
     scans: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (record index, base, target)
     primary: dict[StorageKey, str] = {}
-    pool = workers()
+    pool = workers("encode")
     for name in sorted(target):
         t = target[name]
         rec: dict[str, Any] = {
