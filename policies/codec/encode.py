@@ -152,7 +152,7 @@ def _one_job(
 
 
 def _start(
-    pool: Pool, b: torch.Tensor, t: torch.Tensor, level: int, chunk: int
+    pool: Pool, b: torch.Tensor, t: torch.Tensor, units: int, level: int, chunk: int
 ) -> Future[tuple[int, bytes]]:
     """Queue one tensor's scan, then its section (the thread that finishes the scan queues the
     section ahead of other tensors' scans: what the encode waits on comes first).
@@ -165,7 +165,7 @@ def _start(
     if b.device.type != "cpu" or t.device.type != "cpu":
         scan = pool.submit(scan_tensor, b, t, w, chunk)
         return pool.then([scan], lambda ch: _section(None, None, ch[0], floating, level, chunk))
-    if t.numel() * t.element_size() // w <= JOB_UNITS:
+    if units <= JOB_UNITS:
         return pool.submit(_one_job, b, t, w, floating, level, chunk)
     # units are taken when the scan is queued: a strided tensor is copied only then
     bu, tu = unit_view(raw_bytes(b), w), unit_view(raw_bytes(t), w)
@@ -237,7 +237,7 @@ def encode_patch(
             done, oldest = in_flight.popleft()
             oldest.result()
             held -= done
-        sections[i] = started = _start(pool, b, t, level, chunk)
+        sections[i] = started = _start(pool, b, t, units, level, chunk)
         in_flight.append((units, started))
         held += units
     body: list[bytes] = []

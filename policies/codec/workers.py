@@ -45,8 +45,8 @@ _FIRST, _QUEUED = 0, 1
 
 
 class Pool(Executor):
-    """A fixed set of threads taking jobs queued first (:meth:`submit_first`), then the others,
-    each kind in the order it was queued."""
+    """A fixed set of threads taking the jobs :meth:`then` queues first, then those
+    :meth:`submit` queues, each kind in the order it was queued."""
 
     def __init__(self, threads: int, name: str) -> None:
         self._jobs: queue.PriorityQueue[tuple[int, int, Callable[[], None]]] = queue.PriorityQueue()
@@ -58,12 +58,6 @@ class Pool(Executor):
         """Queue ``fn(*args, **kwargs)`` behind every job already queued."""
         future: Future[R] = Future()
         self._put(_QUEUED, future, lambda: fn(*args, **kwargs))
-        return future
-
-    def submit_first(self, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
-        """Queue ``fn(*args, **kwargs)`` ahead of the jobs queued with :meth:`submit`."""
-        future: Future[R] = Future()
-        self._put(_FIRST, future, lambda: fn(*args, **kwargs))
         return future
 
     def then(self, inputs: Sequence[Future[T]], fn: Callable[[list[T]], R]) -> Future[R]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 
 import pytest
 
@@ -22,11 +23,17 @@ def _blocked_pool() -> tuple[Pool, threading.Event]:
     return pool, release
 
 
-def test_jobs_submitted_first_run_before_queued_ones_and_each_kind_in_order() -> None:
+def _done() -> Future[None]:
+    future: Future[None] = Future()
+    future.set_result(None)
+    return future
+
+
+def test_jobs_queued_by_then_run_before_submitted_ones_and_each_kind_in_order() -> None:
     pool, release = _blocked_pool()
     ran: list[str] = []
     jobs = [pool.submit(ran.append, f"scan {i}") for i in range(3)]
-    jobs += [pool.submit_first(ran.append, f"section {i}") for i in range(2)]
+    jobs += [pool.then([_done()], lambda _, i=i: ran.append(f"section {i}")) for i in range(2)]
     release.set()
     for job in jobs:
         job.result(10)
@@ -35,7 +42,7 @@ def test_jobs_submitted_first_run_before_queued_ones_and_each_kind_in_order() ->
 
 def test_a_failing_job_hands_its_error_to_the_caller_and_the_pool_goes_on() -> None:
     pool = Pool(1, "test")
-    failed = pool.submit_first(int, "not a number")
+    failed = pool.submit(int, "not a number")
     with pytest.raises(ValueError, match="not a number"):
         failed.result(10)
     assert pool.submit(int, "7").result(10) == 7
@@ -64,7 +71,7 @@ def test_then_runs_on_every_result_in_order_once_the_last_is_done() -> None:
 def test_then_is_queued_ahead_of_queued_jobs() -> None:
     pool, release = _blocked_pool()
     ran: list[str] = []
-    scan = pool.submit_first(ran.append, "scan 0")
+    scan = pool.submit(ran.append, "scan 0")
     later = [pool.submit(ran.append, f"scan {i}") for i in (1, 2)]
     section = pool.then([scan], lambda _: ran.append("section 0"))
     release.set()
