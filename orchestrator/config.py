@@ -149,6 +149,19 @@ class VLLMIslandConfig(_IslandConfig):
     python: Path | None = None
     """Python of the vLLM environment; None: ``scripts/build-vllm-env.sh``'s cached build
     (built on first use, about 3 minutes)."""
+    routed_experts: bool = False
+    """Start vLLM with ``--enable-return-routed-experts`` (and its V2 model runner), so an MoE
+    model's routing reaches the trainer (``trainer.router_replay``). Needs a GPU build of vLLM
+    given as ``python``: the CPU build refuses it."""
+
+    @model_validator(mode="after")
+    def _routing_needs_a_gpu_build(self) -> VLLMIslandConfig:
+        if self.routed_experts and self.python is None:
+            raise ValueError(
+                "routed_experts = true needs a GPU build of vLLM: set python to its environment's "
+                "python (the default CPU build refuses --enable-return-routed-experts)"
+            )
+        return self
 
 
 class LlamaCppIslandConfig(_IslandConfig):

@@ -168,12 +168,13 @@ async def _vllm_engine(
         adapters = (lora.max_adapters, vllm_lora_rank(lora.rank))
     port = free_port()
     argv = vllm_command(
-        python, model_dir, name=run, port=port, max_model_len=spec.max_model_len, lora=adapters
-    )
+        python, model_dir, name=run, port=port, max_model_len=spec.max_model_len, lora=adapters,
+        routed_experts=spec.routed_experts,
+    )  # fmt: skip
     engine = await children.spawn(
         f"{island_id}-engine",
         [sys.executable, "-m", "orchestrator.loop.guard", *argv],
-        env=vllm_env(lora=lora is not None),
+        env=vllm_env(lora=lora is not None, routed_experts=spec.routed_experts),
         ready_line=False,
         grace_s=30.0,  # longer than the guard's own grace for vLLM
     )

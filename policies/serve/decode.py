@@ -70,7 +70,7 @@ import structlog
 import torch
 from transformers import DynamicCache
 
-from policies.errors import EngineError
+from policies.errors import BadRequest, EngineError
 from policies.model.moe import RoutingRecorder
 from policies.serve.adapters import ResidentAdapters
 from policies.wire.lane import FinishReason, GenerateChoice, GenerateRequest
@@ -88,6 +88,17 @@ class OutOfBounds(EngineError):
     def __init__(self, version: int | None) -> None:
         super().__init__(f"applied version {version} is outside the request's bounds")
         self.version = version
+
+
+def check_routing_start(req: GenerateRequest) -> None:
+    """A :class:`BadRequest` naming ``routed_experts_prompt_start`` when it is past the prompt
+    (every engine answers so)."""
+    if req.routed_experts_prompt_start > len(req.prompt_token_ids):
+        raise BadRequest(
+            f"routed_experts_prompt_start {req.routed_experts_prompt_start} is past the "
+            f"prompt's {len(req.prompt_token_ids)} tokens",
+            "routed_experts_prompt_start",
+        )
 
 
 @dataclass(frozen=True)

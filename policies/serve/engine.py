@@ -41,7 +41,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from policies.errors import BadRequest
 from policies.serve.adapters import ResidentAdapters, adapter_config
-from policies.serve.decode import DecodeBatcher, Generation, QuiesceMode, sample_token
+from policies.serve.decode import (
+    DecodeBatcher,
+    Generation,
+    QuiesceMode,
+    check_routing_start,
+    sample_token,
+)
 from policies.wire.lane import GenerateChoice, GenerateRequest
 
 __all__ = ["Activation", "Engine", "Generation", "QuiesceMode", "sample_token"]
@@ -209,12 +215,7 @@ class Engine:
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise BadRequest(f"token id {bad[0]} outside the vocabulary [0, {vocab})", field)
-        if req.routed_experts_prompt_start > len(req.prompt_token_ids):
-            raise BadRequest(
-                f"routed_experts_prompt_start {req.routed_experts_prompt_start} is past the "
-                f"prompt's {len(req.prompt_token_ids)} tokens",
-                "routed_experts_prompt_start",
-            )
+        check_routing_start(req)
         room = self.max_context - len(req.prompt_token_ids)
         if room <= 0:
             raise BadRequest(

@@ -10,6 +10,7 @@ import pytest
 from orchestrator.cli import main
 from orchestrator.config import Config, load_config, parse_overrides
 from orchestrator.errors import ConfigError
+from policies.serve.backends.vllm_launch import vllm_command, vllm_env
 
 CONFIGS = sorted(Path("configs").glob("*.toml"))
 
@@ -185,3 +186,25 @@ def test_only_drop_may_be_overridden_per_environment(tmp_path: Path) -> None:
     text = _MIXTURE + 'staleness = { loss_agg = "seq_mean" }\n'
     with pytest.raises(ConfigError, match=r"environments\.1\.staleness\.loss_agg: unknown key"):
         load_config(_mixture(tmp_path, text))
+
+
+def test_a_vllm_island_returning_routing_starts_vllm_with_it_and_needs_a_gpu_build(
+    tmp_path: Path,
+) -> None:
+    island = '[[fleet.islands]]\nkind = "vllm"\nrouted_experts = true\n'
+    path = tmp_path / "run.toml"
+    path.write_text(Path("configs/islands.toml").read_text() + "\n" + island)
+    with pytest.raises(ConfigError, match=r"routed_experts = true needs a GPU build of vLLM"):
+        load_config(path, {})
+    path.write_text(path.read_text() + 'python = "/opt/vllm-gpu/bin/python"\n')
+    spec = load_config(path, {}).fleet.islands[-1]
+    assert spec.kind == "vllm"
+    assert spec.routed_experts
+    argv = vllm_command(
+        Path(str(spec.python)), tmp_path, name="m", port=1, max_model_len=64, routed_experts=True
+    )
+    assert "--enable-return-routed-experts" in argv
+    assert vllm_env(routed_experts=True)["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert "--enable-return-routed-experts" not in vllm_command(
+        tmp_path, tmp_path, name="m", port=1, max_model_len=64
+    )

@@ -6,10 +6,16 @@ It answers in the JSON shapes of SGLang's HTTP server (``sgl-project/sglang``
 the ``*.safetensors`` files that ``model.safetensors.index.json`` names, or every one without an
 index — and keeps what it loaded, so a test compares it with the board's version bit for bit.
 ``fail_updates`` makes the next updates answer ``400 {"success": false, …}`` as SGLang does.
+``routing`` = (layers, top_k, experts) makes it a server started with
+``--enable-return-routed-experts``: ``/get_server_info`` says so, and a request with
+``return_routed_experts`` gets ``meta_info.routed_experts`` as SGLang encodes it (base64 of
+``int32`` ids for positions ``routed_experts_start_len … prompt + completion − 2``; id
+:func:`expert_of`); without it, such a request is a 400.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from collections.abc import AsyncIterator
@@ -19,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import numpy as np
 import torch
 from aiohttp import web
 from safetensors.torch import load_file
@@ -69,6 +76,11 @@ UPDATE_FIELDS = {
 }
 
 
+def expert_of(position: int, layer: int, k: int, experts: int) -> int:
+    """The expert the fake routes ``position`` to in ``layer``, choice ``k``."""
+    return (3 * position + 5 * layer + k) % experts
+
+
 def load_model_dir(path: Path) -> dict[str, torch.Tensor]:
     """What SGLang's safetensors loader reads from ``path`` (index-filtered, top level only)."""
     files = sorted(path.glob("*.safetensors"))
@@ -96,6 +108,7 @@ class FakeSGLang:
     """(weight_version, tensors) per successful update, in order."""
     weight_version: str | None = None
     paused: bool = False
+    routing: tuple[int, int, int] | None = None
 
     def bodies(self, path: str) -> list[Any]:
         return [c[1] for c in self.calls if c[0] == path]
@@ -121,6 +134,19 @@ class FakeSGLang:
         if body.get("return_sampling_mask") and self.sampling_logprobs:
             meta["output_token_sampling_mask"] = [[t] for t in ids]
             meta["output_token_sampling_logprobs"] = [-0.125 * (i + 1) for i in range(len(ids))]
+        if body.get("return_routed_experts"):
+            if self.routing is None:
+                msg = "return_routed_experts needs --enable-return-routed-experts"
+                return web.json_response({"error": {"message": msg}}, status=400)
+            layers, top_k, experts = self.routing
+            start = body.get("routed_experts_start_len", 0)
+            rows = range(start, len(body["input_ids"]) + len(ids) - 1)
+            routed = np.array(
+                [[[expert_of(p, lay, k, experts) for k in range(top_k)] for lay in range(layers)]
+                 for p in rows],
+                dtype="<i4",
+            )  # fmt: skip
+            meta["routed_experts"] = base64.b64encode(routed.tobytes()).decode("ascii")
         return web.json_response({"text": "xyz", "output_ids": ids, "meta_info": meta})
 
     async def _update(self, body: dict[str, Any]) -> web.Response:
@@ -159,6 +185,10 @@ class FakeSGLang:
         elif path == "/v1/models":
             card = {"id": "m", "object": "model", "root": "m", "max_model_len": self.context_len}
             reply = web.json_response({"object": "list", "data": [card]})
+        elif path == "/get_server_info":
+            reply = web.json_response(
+                {"enable_return_routed_experts": self.routing is not None, "version": "0.5.9"}
+            )
         elif path == "/get_model_info":
             reply = web.json_response(
                 {"model_path": "m", "is_generation": True, "weight_version": self.weight_version}

@@ -1,8 +1,8 @@
 """The shared part of every external-engine backend: version gating, stamps, HTTP calls.
 
 An adapter subclasses :class:`HttpBackend` and implements :meth:`HttpBackend.generate_one` (one
-choice, one seed) and, for engines that take new weights, :meth:`HttpBackend.stage` and
-:meth:`HttpBackend.apply`.
+choice, one seed: a :class:`Sample`) and, for engines that take new weights,
+:meth:`HttpBackend.stage` and :meth:`HttpBackend.apply`.
 
 Guarantees (the sidecar proxies every request, so it knows what is in flight):
 
@@ -16,6 +16,9 @@ Guarantees (the sidecar proxies every request, so it knows what is in flight):
 - a prompt that does not fit the engine's context (:attr:`HttpBackend.max_context`, which
   :meth:`HttpBackend.connect` may read from the engine) is a 400 naming ``prompt_token_ids``;
   ``max_tokens`` is cut to the room left, as the reference engine does;
+- a ``routed_experts_prompt_start`` past the prompt is a 400 naming it (as the reference
+  engine answers); an engine that reports MoE routing returns it per choice in the lane's form
+  (:mod:`policies.wire.routing`), one that does not returns None;
 - engine errors become :class:`EngineUnavailable` (HTTP 503 on the lane), never a crash; the
   sidecar's bearer token and the board's credentials are never sent in logs.
 """
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import json
 import socket
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import anyio
@@ -32,10 +35,20 @@ import structlog
 
 from policies.board import Board
 from policies.errors import BadRequest, EngineError
-from policies.serve.decode import Generation, OutOfBounds, QuiesceMode
+from policies.serve.decode import Generation, OutOfBounds, QuiesceMode, check_routing_start
 from policies.wire.lane import FinishReason, GenerateChoice, GenerateRequest
 
 log = structlog.get_logger(__name__)
+
+
+class Sample(NamedTuple):
+    """One choice as an adapter read it from its engine."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    routed_experts: str | None = None
+    """The lane's form (:mod:`policies.wire.routing`); None when the engine reports none."""
 
 
 def free_port() -> int:
@@ -107,9 +120,7 @@ class HttpBackend:
     async def connect(self) -> None:
         """Learn what the engine serves (e.g. its context length) before the lane opens."""
 
-    async def generate_one(
-        self, req: GenerateRequest, seed: int | None
-    ) -> tuple[list[int], list[float], FinishReason]:
+    async def generate_one(self, req: GenerateRequest, seed: int | None) -> Sample:
         raise NotImplementedError
 
     async def recover(self) -> None:
@@ -130,6 +141,7 @@ class HttpBackend:
                 f"{self.max_context}",
                 "prompt_token_ids",
             )
+        check_routing_start(req)
         if req.max_tokens > room:  # as the reference engine does (and vLLM does silently)
             req = req.model_copy(update={"max_tokens": room})
         while self._gate is not None:
@@ -143,12 +155,8 @@ class HttpBackend:
             choices: list[GenerateChoice] = []
             for i in range(req.n):
                 seed = None if req.seed is None else req.seed + i
-                tokens, logprobs, finish = await self.generate_one(req, seed)
-                choices.append(
-                    GenerateChoice(
-                        index=i, token_ids=tokens, logprobs=logprobs, finish_reason=finish
-                    )
-                )
+                sample = await self.generate_one(req, seed)
+                choices.append(GenerateChoice(index=i, **sample._asdict()))
         finally:
             self._inflight -= 1
             if self._inflight == 0:

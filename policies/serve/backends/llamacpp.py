@@ -59,7 +59,7 @@ import structlog
 from policies.board import Board
 from policies.board.gguf import export_gguf, gguf_name
 from policies.errors import BadRequest, EngineError
-from policies.serve.backends.base import EngineUnavailable, HttpBackend, free_port
+from policies.serve.backends.base import EngineUnavailable, HttpBackend, Sample, free_port
 from policies.serve.backends.llamacpp_wire import (
     EXACT_FLAGS,
     LlamaOptions,
@@ -324,9 +324,7 @@ class LlamaCppBackend(HttpBackend):
                 raise BadRequest(f"token id {bad[0]} outside the vocabulary [0, {vocab})", field)
         return await super().generate(req)  # which checks the context length
 
-    async def generate_one(
-        self, req: GenerateRequest, seed: int | None
-    ) -> tuple[list[int], list[float], FinishReason]:
+    async def generate_one(self, req: GenerateRequest, seed: int | None) -> Sample:
         child = await self._running()
         body = completion_body(req, req.prompt_token_ids, req.max_tokens, seed)
         out = await self._request(child.url, "/completion", body)
@@ -355,7 +353,7 @@ class LlamaCppBackend(HttpBackend):
             else:  # no entry: the token's text ended inside a UTF-8 sequence
                 value = await self._fill(child, req, tokens[:i], token)
             logprobs.append(value)
-        return tokens[:cut], logprobs, finish
+        return Sample(tokens[:cut], logprobs, finish)
 
     async def _fill(
         self, child: ServerChild, req: GenerateRequest, before: list[int], token: int

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
-from policies.serve.backends.base import EngineUnavailable, HttpBackend
+from policies.serve.backends.base import EngineUnavailable, HttpBackend, Sample
 from policies.serve.backends.vllm import token_ids_of
 from policies.wire.lane import FinishReason, GenerateRequest
 
@@ -37,9 +37,7 @@ class OpenAIBackend(HttpBackend):
         self.version = version
         self.tokenizer = tokenizer
 
-    async def generate_one(
-        self, req: GenerateRequest, seed: int | None
-    ) -> tuple[list[int], list[float], FinishReason]:
+    async def generate_one(self, req: GenerateRequest, seed: int | None) -> Sample:
         body: dict[str, object] = {
             "model": self.name,
             "prompt": req.prompt_token_ids,
@@ -62,7 +60,7 @@ class OpenAIBackend(HttpBackend):
         except (KeyError, TypeError, IndexError, ValueError) as exc:
             raise EngineUnavailable(f"openai /v1/completions answer lacks {exc}") from None
         finish: FinishReason = reason if reason in ("stop", "length") else "abort"
-        return tokens, logprobs, finish
+        return Sample(tokens, logprobs, finish)
 
     def _translate(self, choice: dict[str, object]) -> tuple[list[int], list[float]]:
         lp = choice.get("logprobs")

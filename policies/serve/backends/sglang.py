@@ -21,6 +21,16 @@ number. ``SGLANG_RETURN_ORIGINAL_LOGPROB`` must stay unset (it reports the raw d
 The context length is the engine's (``GET /v1/models`` → ``max_model_len``), read by
 :meth:`SGLangBackend.connect`.
 
+MoE routing: when the server runs with ``--enable-return-routed-experts`` (``GET
+/get_server_info`` → ``enable_return_routed_experts``, read by :meth:`SGLangBackend.connect`), a
+request also asks ``return_routed_experts: true`` (and ``routed_experts_start_len`` when the
+lane's ``routed_experts_prompt_start`` is not 0), and ``meta_info.routed_experts`` — base64 of
+the ``int32`` ids ``[tokens, num_hidden_layers, num_experts_per_tok]`` — is returned in the
+lane's form (:func:`~policies.wire.routing.from_int32`), checked to hold one row per forwarded
+position. The shape comes from the run's ``config.json`` (read from the board at the first
+stage; before it, no routing is asked for). Not covered: models with dense layers among their
+MoE layers (SGLang reports a row for every layer).
+
 Versions: **stage** advances the island's :class:`~policies.serve.backends.shadow.Shadow` with
 patches from the board (the link carries patches, not checkpoints), then brings the directory
 ``materialize_dir`` (which the SGLang server must be able to read) to the staged version by
@@ -66,10 +76,11 @@ from safetensors.torch import save as st_save
 from policies.board import Board
 from policies.codec.digests import storage_key
 from policies.errors import EngineError
-from policies.serve.backends.base import EngineUnavailable, HttpBackend
+from policies.serve.backends.base import EngineUnavailable, HttpBackend, Sample
 from policies.serve.backends.shadow import Shadow, Staged
 from policies.serve.decode import QuiesceMode
 from policies.wire.lane import FinishReason, GenerateRequest
+from policies.wire.routing import from_int32, routing_rows
 
 log = structlog.get_logger(__name__)
 
@@ -118,6 +129,19 @@ class DirState:
     files: dict[str, str]
 
 
+def moe_shape(config: bytes) -> tuple[int, int, int] | None:
+    """(layers, experts per token, experts) of an MoE model's ``config.json`` as SGLang captures
+    its routing (its text config's ``num_hidden_layers`` and ``num_experts_per_tok``); None for a
+    dense model."""
+    text = json.loads(config)
+    text = text.get("text_config", text)
+    experts = text.get("num_experts") or text.get("num_local_experts") or 0
+    top_k = text.get("num_experts_per_tok") or 0
+    if not (experts and top_k):
+        return None
+    return int(text["num_hidden_layers"]), int(top_k), int(experts)
+
+
 class SGLangBackend(HttpBackend):
     kind = "sglang"
 
@@ -131,9 +155,14 @@ class SGLangBackend(HttpBackend):
         self._live: DirState | None = None
         self._next: DirState | None = None
         self._base_written = False
+        self.routing = False
+        """Whether the server returns MoE routing (``--enable-return-routed-experts``)."""
+        self._moe: tuple[int, int, int] | None = None
+        """The run's model as SGLang captures its routing (:func:`moe_shape`)."""
 
     async def connect(self) -> None:
-        """Read the served model's context length from the engine (``max_model_len``)."""
+        """Read the served model's context length from the engine (``max_model_len``) and
+        whether it returns MoE routing."""
         out = await self.call("/v1/models")
         models = out.get("data") if isinstance(out, dict) else None
         if not isinstance(models, list) or not models or not isinstance(models[0], dict):
@@ -143,11 +172,11 @@ class SGLangBackend(HttpBackend):
         except (KeyError, TypeError, ValueError):
             msg = f"sglang /v1/models has no max_model_len: {out!r}"[:300]
             raise EngineUnavailable(msg) from None
+        info = await self.call("/get_server_info")
+        self.routing = isinstance(info, dict) and info.get("enable_return_routed_experts") is True
 
     # -- generation -----------------------------------------------------------------------------
-    async def generate_one(
-        self, req: GenerateRequest, seed: int | None
-    ) -> tuple[list[int], list[float], FinishReason]:
+    async def generate_one(self, req: GenerateRequest, seed: int | None) -> Sample:
         if self.broken is not None:
             raise EngineUnavailable(self.broken)
         truncated = req.temperature > 0 and (req.top_k > 0 or req.top_p < 1.0)
@@ -179,6 +208,11 @@ class SGLangBackend(HttpBackend):
         }
         if truncated:
             body["return_sampling_mask"] = True
+        moe = self._moe if self.routing else None
+        if moe is not None:
+            body["return_routed_experts"] = True
+            if req.routed_experts_prompt_start:
+                body["routed_experts_start_len"] = req.routed_experts_prompt_start
         out = await self.call("/generate", body)
         if isinstance(out, list):
             out = out[0]
@@ -197,12 +231,29 @@ class SGLangBackend(HttpBackend):
                         "an SGLang release with return_sampling_mask, or top_k 0 and top_p 1)"
                     )
                 logprobs = [float(x) for x in sampled]
+            routed = meta.get("routed_experts") if moe is not None else None
         except (KeyError, TypeError, IndexError, ValueError) as exc:
             raise EngineUnavailable(f"sglang /generate answer lacks {exc}") from None
         if len(tokens) != len(logprobs):
             raise EngineUnavailable("sglang returned a log prob count that differs from the tokens")
+        if moe is not None:
+            routed = self._routing(req, len(tokens), routed, moe)
         finish: FinishReason = kind if kind in ("stop", "length") else "abort"
-        return tokens, logprobs, finish
+        return Sample(tokens, logprobs, finish, routed)
+
+    @staticmethod
+    def _routing(
+        req: GenerateRequest, completion: int, routed: object, moe: tuple[int, int, int]
+    ) -> str:
+        """SGLang's routing of a choice in the lane's form (module docstring)."""
+        if not isinstance(routed, str):
+            raise EngineUnavailable("sglang returned no meta_info.routed_experts")
+        layers, top_k, experts = moe
+        rows = routing_rows(len(req.prompt_token_ids), completion, req.routed_experts_prompt_start)
+        try:
+            return from_int32(routed, (rows, layers, top_k), experts, "sglang routed_experts")
+        except ValueError as exc:
+            raise EngineUnavailable(str(exc)) from None
 
     # -- versions -------------------------------------------------------------------------------
     async def stage(self, board: Board, version: int) -> None:
@@ -223,8 +274,10 @@ class SGLangBackend(HttpBackend):
         d = self.materialize_dir
         d.mkdir(parents=True, exist_ok=True)
         if not self._base_written:
-            for name, data in board.base_files().items():
+            base = board.base_files()
+            for name, data in base.items():
                 write_atomic(d / name, data)
+            self._moe = moe_shape(base["config.json"]) if "config.json" in base else None
             # files left by an earlier process may be torn: this process trusts only its own
             for old in d.glob(WEIGHT_GLOB):
                 old.unlink()

@@ -5,11 +5,15 @@ explicitly** (vLLM fills omitted ones from the model's ``generation_config.json`
 there would change what is sampled): ``temperature``, ``top_p``, ``top_k`` (−1 = off),
 ``min_p`` 0, ``repetition_penalty`` 1, ``presence_penalty`` 0, ``frequency_penalty`` 0,
 ``min_tokens`` 0, ``ignore_eos`` false, ``stop_token_ids``, ``seed``, ``n`` 1, ``logprobs`` 0,
-``return_tokens_as_token_ids`` and ``return_token_ids``. Token ids come from the choice's
-``token_ids`` (else the ``"token_id:N"`` strings of ``logprobs.tokens``), log probs from
-``logprobs.token_logprobs`` — of the distribution sampled when vLLM runs with ``--logprobs-mode
-processed_logprobs``. The context length is the engine's (``GET /v1/models`` →
-``max_model_len``), read by :meth:`VLLMBackend.connect`.
+``return_tokens_as_token_ids``, ``return_token_ids`` and ``routed_experts_prompt_start``. Token
+ids come from the choice's ``token_ids`` (else the ``"token_id:N"`` strings of
+``logprobs.tokens``), log probs from ``logprobs.token_logprobs`` — of the distribution sampled
+when vLLM runs with ``--logprobs-mode processed_logprobs``. An MoE model's routing comes from the
+choice's ``routed_experts`` when vLLM runs with ``--enable-return-routed-experts`` (which needs
+its V2 model runner: ``VLLM_USE_V2_MODEL_RUNNER=1``, a GPU build); it is the lane's form already
+and is checked to hold one row per forwarded position
+(:func:`~policies.wire.routing.routing_rows`). The context length is the engine's (``GET
+/v1/models`` → ``max_model_len``), read by :meth:`VLLMBackend.connect`.
 
 Versions: **stage** advances the island's :class:`~policies.serve.backends.shadow.Shadow` with
 patches from the board and writes the staged view as an island-local safetensors file (the
@@ -41,11 +45,12 @@ import torch
 from policies.board import Board, Manifest, anchor_payload
 from policies.codec.digests import state_digest
 from policies.errors import EngineError
-from policies.serve.backends.base import EngineUnavailable, HttpBackend
+from policies.serve.backends.base import EngineUnavailable, HttpBackend, Sample
 from policies.serve.backends.shadow import Shadow
 from policies.serve.backends.vllm_worker import RPC_METHOD
 from policies.serve.decode import QuiesceMode
 from policies.wire.lane import FinishReason, GenerateRequest
+from policies.wire.routing import checked_routing, routing_rows
 
 log = structlog.get_logger(__name__)
 STATUS_EVERY_S = 1.0
@@ -112,9 +117,7 @@ class VLLMBackend(HttpBackend):
             )
         self.max_context = int(named[0]["max_model_len"])
 
-    async def generate_one(
-        self, req: GenerateRequest, seed: int | None
-    ) -> tuple[list[int], list[float], FinishReason]:
+    async def generate_one(self, req: GenerateRequest, seed: int | None) -> Sample:
         if self.broken is not None:
             raise EngineUnavailable(self.broken)
         if self.lost:
@@ -139,6 +142,7 @@ class VLLMBackend(HttpBackend):
             "return_tokens_as_token_ids": True,
             "return_token_ids": True,
             "skip_special_tokens": False,
+            "routed_experts_prompt_start": req.routed_experts_prompt_start,
         }
         try:
             out = await self.call("/v1/completions", body)
@@ -150,12 +154,21 @@ class VLLMBackend(HttpBackend):
             tokens = token_ids_of(choice)
             logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
             reason = choice.get("finish_reason")
+            routed = choice.get("routed_experts")
         except (KeyError, TypeError, IndexError, ValueError) as exc:
             raise EngineUnavailable(f"vllm /v1/completions answer lacks {exc}") from None
         if len(tokens) != len(logprobs):
             raise EngineUnavailable("vllm returned a log prob count that differs from the tokens")
+        if routed is not None:
+            rows = routing_rows(
+                len(req.prompt_token_ids), len(tokens), req.routed_experts_prompt_start
+            )
+            try:
+                routed = checked_routing(str(routed), rows, "vllm routed_experts")
+            except ValueError as exc:
+                raise EngineUnavailable(str(exc)) from None
         finish: FinishReason = reason if reason in ("stop", "length") else "abort"
-        return tokens, logprobs, finish
+        return Sample(tokens, logprobs, finish, routed)
 
     async def recover(self) -> None:
         """Ask the workers what they serve; an engine that restarted (on its startup checkpoint)

@@ -50,9 +50,10 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def vllm_env(*, lora: bool = False) -> dict[str, str]:
+def vllm_env(*, lora: bool = False, routed_experts: bool = False) -> dict[str, str]:
     """The process environment vLLM is started with: this one plus the dev routes on, a 1 GiB
-    KV cache, no usage stats and no model hub; ``lora``: adapters loaded at run time too."""
+    KV cache, no usage stats and no model hub; ``lora``: adapters loaded at run time too;
+    ``routed_experts``: the V2 model runner, which returning MoE routing needs."""
     env = {
         **os.environ,
         "VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /collective_rpc, /reset_prefix_cache
@@ -63,6 +64,8 @@ def vllm_env(*, lora: bool = False) -> dict[str, str]:
     }
     if lora:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter
+    if routed_experts:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # --enable-return-routed-experts needs it
     return env
 
 
@@ -82,12 +85,14 @@ def vllm_command(
     port: int,
     max_model_len: int,
     lora: tuple[int, int] | None = None,
+    routed_experts: bool = False,
 ) -> list[str]:
     """The API server's command line, serving ``model`` as ``name`` on ``127.0.0.1:port``;
     ``lora`` = (adapters resident, their largest rank): with run-time LoRA adapters
     (:mod:`policies.serve.backends.vllm_lora`; the environment needs
     ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``: :func:`vllm_env` with ``lora``; the rank one of
-    :data:`LORA_RANKS`, :func:`vllm_lora_rank`)."""
+    :data:`LORA_RANKS`, :func:`vllm_lora_rank`); ``routed_experts``: each choice returns its
+    MoE routing (a GPU build; the environment: :func:`vllm_env` with ``routed_experts``)."""
     argv = [
         str(python), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--served-model-name", name,
@@ -98,6 +103,8 @@ def vllm_command(
     ]  # fmt: skip
     if lora is not None:
         argv += ["--enable-lora", "--max-loras", str(lora[0]), "--max-lora-rank", str(lora[1])]
+    if routed_experts:
+        argv.append("--enable-return-routed-experts")
     return argv
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 import anyio
+import numpy as np
 import pytest
 import torch
 from aiohttp import web
@@ -25,6 +26,7 @@ from transformers import AutoModelForCausalLM
 
 from policies.board import Board, BoardReader, ShardedPublisher
 from policies.serve.backends.vllm_worker import SprawlWorkerExtension
+from policies.wire.routing import decode_routing, encode_routing
 from tests.support.boards import publish_scaled, tiny_board
 from tests.support.lane import generate, loopback, standalone, wait_version
 
@@ -87,35 +89,41 @@ async def _text(s: aiohttp.ClientSession, url: str) -> str:
         return await r.text()
 
 
-def vllm_fake(loaded: Callable[[str], list[dict[str, Any]]]) -> Fake:
+def vllm_fake(
+    loaded: Callable[[str], list[dict[str, Any]]], routing: list[int] | None = None
+) -> Fake:
     """vLLM 0.32's shapes: ``/v1/models`` with ``max_model_len``, the dev routes, and
-    ``/collective_rpc`` answering one result per worker (``loaded(digest)``)."""
+    ``/collective_rpc`` answering one result per worker (``loaded(digest)``). With ``routing``
+    (a list the test may change), it is an engine started with ``--enable-return-routed-experts``
+    for a model of 2 MoE layers, top-2: each choice has ``routed_experts`` with one row per
+    forwarded position from ``routed_experts_prompt_start`` on, plus ``routing[0]`` rows."""
 
     async def models(_: dict[str, Any]) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": "m", "object": "model", "max_model_len": 64}]}
 
     async def completions(body: dict[str, Any]) -> dict[str, Any]:
         ids = [11, 12]
-        return {
-            "id": "cmpl-1",
-            "object": "text_completion",
-            "choices": [
-                {
-                    "index": 0,
-                    "text": "ab",
-                    "finish_reason": "stop",
-                    "stop_reason": 12,
-                    "token_ids": ids,
-                    "prompt_token_ids": body["prompt"],
-                    "logprobs": {
-                        "tokens": [f"token_id:{i}" for i in ids],
-                        "token_logprobs": [-0.1, -0.2],
-                        "top_logprobs": [{f"token_id:{i}": -0.1} for i in ids],
-                        "text_offset": [0, 1],
-                    },
-                }
-            ],
+        choice = {
+            "index": 0,
+            "text": "ab",
+            "finish_reason": "stop",
+            "stop_reason": 12,
+            "token_ids": ids,
+            "prompt_token_ids": body["prompt"],
+            "logprobs": {
+                "tokens": [f"token_id:{i}" for i in ids],
+                "token_logprobs": [-0.1, -0.2],
+                "top_logprobs": [{f"token_id:{i}": -0.1} for i in ids],
+                "text_offset": [0, 1],
+            },
+            "routed_experts": None,
         }
+        if routing is not None:
+            start = body.get("routed_experts_prompt_start", 0)
+            rows = len(body["prompt"]) + len(ids) - 1 - start + routing[0]
+            routed = np.arange(rows * 4).reshape(rows, 2, 2) % 8
+            choice["routed_experts"] = encode_routing(routed, 8)
+        return {"id": "cmpl-1", "object": "text_completion", "choices": [choice]}
 
     current: list[str | None] = [None]  # what the (two) workers serve: None = startup weights
 
@@ -193,6 +201,26 @@ async def test_vllm_activates_staged_files_by_rpc_and_sends_every_sampling_field
     assert sent["logprobs"] == 0
     assert status_long == 400  # the engine's max_model_len (64), not the board's config
     assert long["error"]["param"] == "prompt_token_ids"
+
+
+async def test_vllm_routing_of_an_moe_model_is_passed_on_when_it_covers_every_position(
+    board: Board, tmp_path: Path
+) -> None:
+    extra = [0]
+    fake = vllm_fake(_ok, routing=extra)
+    req = {"prompt_token_ids": [3, 4, 5, 6], "max_tokens": 2, "routed_experts_prompt_start": 1}
+    async with (
+        fake.serve() as engine,
+        standalone(board, "vllm", engine, model="m", materialize_dir=tmp_path) as url,
+    ):
+        await wait_version(url, 0)
+        status, body = await generate(url, req)
+        extra[0] = 1  # one row too many: not the positions the request asked for
+        status_more, _ = await generate(url, req)
+    assert (status, status_more) == (200, 503)
+    assert fake.bodies("/v1/completions")[0]["routed_experts_prompt_start"] == 1
+    routed = decode_routing(body["choices"][0]["routed_experts"])
+    assert routed.tolist() == (np.arange(4 * 4).reshape(4, 2, 2) % 8).tolist()
 
 
 async def test_vllm_workers_that_fail_or_disagree_keep_the_old_version(

@@ -18,9 +18,10 @@ from structlog.testing import capture_logs
 from policies.board import Board
 from policies.serve.backends.sglang import INDEX
 from policies.serve.decode import QuiesceMode
+from policies.wire.routing import decode_routing
 from tests.support.boards import publish_scaled, tiny_board
 from tests.support.lane import generate, standalone, wait_metric, wait_version
-from tests.support.sglang import FakeSGLang, load_model_dir, sglang_server
+from tests.support.sglang import FakeSGLang, expert_of, load_model_dir, sglang_server
 
 pytestmark = pytest.mark.anyio
 
@@ -267,3 +268,49 @@ async def test_activation_modes(
             "/continue_generation",
         ]
         assert fake.bodies("/pause_generation")[-1] == {"mode": "retract"}
+
+
+async def test_an_moe_models_routing_comes_back_in_the_lanes_form(
+    tmp_path: Path, tiny_moe_model_dir: Path
+) -> None:
+    board = tiny_board(tmp_path, tiny_moe_model_dir)
+    fake = FakeSGLang(routing=(2, 2, 8))  # the tiny MoE model: 2 layers, top-2 of 8 experts
+    prompt = [1, 2, 3, 4, 5]
+    async with (
+        sglang_server(fake) as engine,
+        standalone(board, "sglang", engine, materialize_dir=tmp_path / "s") as url,
+    ):
+        await wait_version(url, 0)
+        req = {"prompt_token_ids": prompt, "max_tokens": 3, "routed_experts_prompt_start": 2}
+        status, body = await generate(url, req)
+        status_full, full = await generate(url, {**req, "routed_experts_prompt_start": 0})
+        status_past, past = await generate(url, {**req, "routed_experts_prompt_start": 6})
+        fake.routing = (3, 2, 8)  # a server whose routing is not the run's model's
+        status_other, _ = await generate(url, req)
+    assert (status, status_full, status_past, status_other) == (200, 200, 400, 503)
+    assert past["error"]["param"] == "routed_experts_prompt_start"
+    sent = fake.bodies("/generate")
+    assert sent[0]["return_routed_experts"] is True
+    assert sent[0]["routed_experts_start_len"] == 2
+    assert "routed_experts_start_len" not in sent[1]  # 0: SGLang's default, any release
+    # prompt + 3 sampled tokens, less the last one (never forwarded), from position 2 on
+    routed = decode_routing(body["choices"][0]["routed_experts"])
+    positions = range(2, len(prompt) + 3 - 1)
+    expected = [[[expert_of(p, lay, k, 8) for k in (0, 1)] for lay in (0, 1)] for p in positions]
+    assert routed.tolist() == expected
+    assert decode_routing(full["choices"][0]["routed_experts"]).shape == (len(prompt) + 2, 2, 2)
+
+
+async def test_routing_is_asked_only_for_an_moe_model_of_a_server_that_returns_it(
+    board: Board, tmp_path: Path
+) -> None:
+    fake = FakeSGLang(routing=(2, 2, 8))  # the server could, but the run's model is dense
+    async with (
+        sglang_server(fake) as engine,
+        standalone(board, "sglang", engine, materialize_dir=tmp_path / "s") as url,
+    ):
+        await wait_version(url, 0)
+        status, body = await generate(url, {"prompt_token_ids": [1, 2], "max_tokens": 2})
+    assert status == 200
+    assert body["choices"][0]["routed_experts"] is None
+    assert "return_routed_experts" not in fake.bodies("/generate")[0]

@@ -191,9 +191,10 @@ async def test_trainer_versions_through_the_sidecar_serve_like_a_fresh_engine(
         try:
             for body, got in zip([*bodies, sampled], live, strict=True):
                 req = GenerateRequest.model_validate(body)
-                tokens, logprobs, _ = await backend.generate_one(req, req.seed)
-                assert got["choices"][0]["token_ids"] == tokens
-                assert got["choices"][0]["logprobs"] == logprobs  # bit for bit, as JSON floats
+                fresh_sample = await backend.generate_one(req, req.seed)
+                assert got["choices"][0]["token_ids"] == fresh_sample.token_ids
+                # bit for bit, as JSON floats
+                assert got["choices"][0]["logprobs"] == fresh_sample.logprobs
         finally:
             await backend.aclose()
     (tmp_path / "pause.json").write_text(json.dumps({"n": pause_count, "sum_s": pause_sum}))
