@@ -490,6 +490,31 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _router_replay_has_a_routing_engine(self) -> Config:
+        if not self.trainer.router_replay:
+            return self
+        fleet = self.fleet
+        ray = fleet.ray
+        if fleet.local_engines or fleet.endpoints or (ray and ray.islands and not ray.engine):
+            return self  # reference engines route; a remote endpoint may
+        engines = [(f"fleet.islands[{i}]", s) for i, s in enumerate(fleet.islands)]
+        if ray is not None and ray.islands and ray.engine is not None:
+            engines.append(("fleet.ray.engine", ray.engine))
+        if any(s.kind == "vllm" and s.routed_experts for _, s in engines):
+            return self
+        why = "; ".join(
+            f"{key} (kind {s.kind!r}) "
+            + ("needs routed_experts = true" if s.kind == "vllm" else "reports no routing")
+            for key, s in engines
+        )
+        raise ValueError(
+            "trainer.router_replay = true, but no engine of the fleet returns MoE routing"
+            + (f": {why}" if why else "")
+            + "; add reference engines (fleet.local_engines) or a vLLM island with "
+            "routed_experts = true (docs/trainer.md#moe-router-replay)"
+        )
+
+    @model_validator(mode="after")
     def _one_environment_form(self) -> Config:
         # a dump of a mixture's config carries the default [environment]: it round-trips
         given = "environment" in self.model_fields_set and self.environment != EnvironmentConfig()

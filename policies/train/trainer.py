@@ -358,7 +358,7 @@ class Trainer:
             msg = (
                 "trainer.router_replay = true, but no sample of the batch carries "
                 "routed_experts: the engines do not report MoE routing (the reference engine "
-                "does; vLLM needs --enable-return-routed-experts)"
+                "does; vLLM and SGLang need --enable-return-routed-experts)"
             )
             raise ScoringError(msg)
 

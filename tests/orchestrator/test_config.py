@@ -208,3 +208,20 @@ def test_a_vllm_island_returning_routing_starts_vllm_with_it_and_needs_a_gpu_bui
     assert "--enable-return-routed-experts" not in vllm_command(
         tmp_path, tmp_path, name="m", port=1, max_model_len=64
     )
+
+
+def test_router_replay_needs_an_engine_of_the_fleet_that_returns_routing(tmp_path: Path) -> None:
+    islands = "\n".join(f'[[fleet.islands]]\nkind = "{kind}"\n' for kind in ("vllm", "llamacpp"))
+    path = tmp_path / "run.toml"
+    path.write_text("[fleet]\nlocal_engines = 0\n\n" + islands)
+    replay = parse_overrides(["--trainer.router_replay", "true"])
+    with pytest.raises(ConfigError) as err:
+        load_config(path, replay)
+    assert "no engine of the fleet returns MoE routing" in str(err.value)
+    assert "fleet.islands[0] (kind 'vllm') needs routed_experts = true" in str(err.value)
+    assert "fleet.islands[1] (kind 'llamacpp') reports no routing" in str(err.value)
+    assert not load_config(path, {}).trainer.router_replay  # without replay: any fleet
+    with_reference = parse_overrides(
+        ["--trainer.router_replay", "true", "--fleet.local_engines", "1"]
+    )
+    assert load_config(path, with_reference).trainer.router_replay
