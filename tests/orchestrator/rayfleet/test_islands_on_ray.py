@@ -4,7 +4,8 @@ Shows: an island placed by its resources serves the run's board with its own bea
 killed actor is seen as down at once and leaves no engine behind; an island pulls a board on S3
 with the credentials of the process that placed it, which appear in none of Ray's files or the
 island's logs; a vLLM island on Ray serves and takes a version as a patch, and goes with its
-actor; an island whose resources no node has fails with the resources named.
+actor; an island of a LoRA run serves its adapter versions on the base model, each request at the
+version its bounds ask for; an island whose resources no node has fails with the resources named.
 """
 
 from __future__ import annotations
@@ -19,9 +20,13 @@ import pytest
 
 from orchestrator.config import RayFleetConfig, RayResourcesConfig, VLLMIslandConfig
 from orchestrator.errors import FleetError
+from orchestrator.loop.islands import LoraServing
 from orchestrator.rayfleet.cluster import RayHead, ray_head
 from orchestrator.rayfleet.launch import connect, launcher
 from policies.board import Board
+from policies.train.config import LoraConfig, TrainerConfig
+from policies.train.trainer import Trainer, TrainSample
+from staleness.config import NoCorrection, StalenessConfig
 from tests.support.boards import publish_scaled, tiny_board
 from tests.support.models import model_copy
 from tests.support.s3 import SECRET, moto_server, s3_options
@@ -167,3 +172,52 @@ async def test_a_vllm_island_on_ray_serves_takes_a_patch_and_goes_with_its_actor
             except aiohttp.ClientError:
                 break
             await anyio.sleep(0.5)
+
+
+async def test_an_island_of_a_lora_run_on_ray_serves_each_adapter_version_on_the_base_model(
+    cluster: RayHead, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    board = Board(str(tmp_path / "board"), "run")
+    config = TrainerConfig(
+        lr=2e-2, served_view="float32", checkpoint=False, lora=LoraConfig(rank=4)
+    )
+    staleness = StalenessConfig(correction=NoCorrection())
+    trainer = Trainer(
+        tiny_model_dir, board, config, staleness=staleness, temperature=1.0, group_size=2
+    )
+    trainer.publish()  # version 0: the adapter, not the model
+    fleet = RayFleetConfig(address=cluster.address, work_dir=str(tmp_path / "islands"))
+    connect(fleet, "run")
+    lora = LoraServing(base_model=tiny_model_dir, max_adapters=2, rank=4)
+    launch = launcher(
+        fleet, "ray-lora", board_url=board.url, run="run", device="cpu", poll_interval_s=0.2,
+        lora=lora,
+    )  # fmt: skip
+    island = await launch()
+    url, token = island.ref.url, island.ref.token
+    await _until_applied(url, token, 0)
+    samples = [
+        TrainSample([5 + i, 9, 11, 40, 7, 3], [False, False, True, True, True, True],
+                    [0.0, 0.0, -7.0, -7.0, -7.0, -7.0], reward=float(i % 2))
+        for i in range(4)
+    ]  # fmt: skip
+    await anyio.to_thread.run_sync(trainer.step, samples)
+    await _until_applied(url, token, 1)
+    answers = {}
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as s:
+        for version in (0, 1):
+            body = {
+                "prompt_token_ids": [5, 6, 7, 8], "max_tokens": 4, "seed": 3,
+                "policy_version": {"min": version, "max": version},
+            }  # fmt: skip
+            async with s.post(f"{url}/v1/generate", json=body) as r:
+                assert r.status == 200, await r.text()
+                answers[version] = await r.json()
+    await anyio.to_thread.run_sync(ray.kill, island.actor)
+    assert [answers[v]["policy_version"] for v in (0, 1)] == [
+        {"start": 0, "end": 0},
+        {"start": 1, "end": 1},
+    ]
+    first, second = (answers[v]["choices"][0] for v in (0, 1))
+    # both adapters resident on the one base model; the trained one computes otherwise
+    assert first["logprobs"] != second["logprobs"]
