@@ -274,6 +274,16 @@ class FleetConfig(_Section):
     ray: RayFleetConfig | None = None
     """Islands on a Ray cluster (``[fleet.ray]``), started and supervised with the run."""
 
+    def engine_islands(self) -> list[tuple[str, VLLMIslandConfig | LlamaCppIslandConfig]]:
+        """The islands of other engine kinds the run launches, each with its config key: the
+        local ones, and the Ray islands' engine when they run one."""
+        out: list[tuple[str, VLLMIslandConfig | LlamaCppIslandConfig]] = [
+            (f"fleet.islands[{i}]", spec) for i, spec in enumerate(self.islands)
+        ]
+        if self.ray is not None and self.ray.islands and self.ray.engine is not None:
+            out.append(("fleet.ray.engine", self.ray.engine))
+        return out
+
     def endpoint_refs(self) -> list[EndpointRef]:
         return [
             EndpointRef(id=f"remote-{i}", url=e.url.rstrip("/"), token=e.token, weight=e.weight)
@@ -471,9 +481,7 @@ class Config(_Section):
     def _lora_islands_are_vllm(self) -> Config:
         if self.trainer.lora is None:
             return self
-        engines = [(f"fleet.islands[{i}]", s) for i, s in enumerate(self.fleet.islands)]
-        if self.fleet.ray is not None and self.fleet.ray.engine is not None:
-            engines.append(("fleet.ray.engine", self.fleet.ray.engine))
+        engines = self.fleet.engine_islands()
         for key, spec in engines:
             if spec.kind != "vllm":
                 raise ValueError(
@@ -497,9 +505,7 @@ class Config(_Section):
         ray = fleet.ray
         if fleet.local_engines or fleet.endpoints or (ray and ray.islands and not ray.engine):
             return self  # reference engines route; a remote endpoint may
-        engines = [(f"fleet.islands[{i}]", s) for i, s in enumerate(fleet.islands)]
-        if ray is not None and ray.islands and ray.engine is not None:
-            engines.append(("fleet.ray.engine", ray.engine))
+        engines = fleet.engine_islands()
         if any(s.kind == "vllm" and s.routed_experts for _, s in engines):
             return self
         why = "; ".join(
@@ -507,10 +513,9 @@ class Config(_Section):
             + ("needs routed_experts = true" if s.kind == "vllm" else "reports no routing")
             for key, s in engines
         )
-        raise ValueError(
-            "trainer.router_replay = true, but no engine of the fleet returns MoE routing"
-            + (f": {why}" if why else "")
-            + "; add reference engines (fleet.local_engines) or a vLLM island with "
+        raise ValueError(  # the fleet has an endpoint (checked above): here, an island
+            f"trainer.router_replay = true, but no engine of the fleet returns MoE routing: {why}; "
+            "add reference engines (fleet.local_engines) or a vLLM island with "
             "routed_experts = true (docs/trainer.md#moe-router-replay)"
         )
 

@@ -133,13 +133,13 @@ def moe_shape(config: bytes) -> tuple[int, int, int] | None:
     """(layers, experts per token, experts) of an MoE model's ``config.json`` as SGLang captures
     its routing (its text config's ``num_hidden_layers`` and ``num_experts_per_tok``); None for a
     dense model."""
-    text = json.loads(config)
-    text = text.get("text_config", text)
-    experts = text.get("num_experts") or text.get("num_local_experts") or 0
-    top_k = text.get("num_experts_per_tok") or 0
+    model = json.loads(config)
+    model = model.get("text_config", model)
+    experts = model.get("num_experts") or model.get("num_local_experts") or 0
+    top_k = model.get("num_experts_per_tok") or 0
     if not (experts and top_k):
         return None
-    return int(text["num_hidden_layers"]), int(top_k), int(experts)
+    return int(model["num_hidden_layers"]), int(top_k), int(experts)
 
 
 class SGLangBackend(HttpBackend):
