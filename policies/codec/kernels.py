@@ -42,8 +42,6 @@ _SEVEN = np.uint64(7)
 
 _PREFETCH = np.uint64(512)
 """Words ahead of the compare that the scan prefetches (4 KiB)."""
-BLOCK = 4096
-"""Units handled per block by the blocked loops (scratch arrays stay in L1/L2)."""
 jit = numba.njit(cache=True, nogil=True)
 """How every kernel is compiled: machine code cached on disk, the GIL released."""
 
@@ -81,9 +79,6 @@ def _prefetch(write: int, locality: int) -> Any:
     return hint
 
 
-prefetch_write = _prefetch(write=1, locality=3)
-"""The apply pass issues these for a block of scattered positions before it reads and writes
-them, so their (mostly DRAM) misses overlap instead of stalling one after another."""
 prefetch_read = _prefetch(write=0, locality=0)
 """The scan issues these a few KiB ahead of the words it compares: one thread's sequential reads
 ran ~30% faster than with the hardware prefetcher alone (12 → 16 GB/s on the 2-core dev VM),
@@ -335,15 +330,15 @@ def write_varints(pos: I64, out: U8, pstart: I64, lens: I64) -> None:
         raise ValueError("write_varints: out must extend past the last plane")
     kept = out[end]
     if lens.size <= 2:
-        cur0 = pstart[0]
-        cur1 = pstart[1] if lens.size == 2 else end
-        last = -1
-        for i in range(pos.size):
-            g = np.uint64(pos[i] - last - 1)
-            last = pos[i]
+        cur0 = np.uint64(pstart[0])
+        cur1 = np.uint64(pstart[1] if lens.size == 2 else end)
+        prev = ZERO - _ONE  # wraps: the first gap is the first position
+        for i in range(np.uint64(pos.size)):
+            p = np.uint64(pos[i])
+            g = p - prev - _ONE
+            prev = p
             more = np.uint64((g >> _SEVEN) != ZERO)
-            out[cur0] = (g & _LOW7) | (more << _SEVEN)
-            cur0 += 1
+            out[cur0 + i] = (g & _LOW7) | (more << _SEVEN)
             out[cur1] = (g >> _SEVEN) & _LOW7
             cur1 += more
     else:
@@ -376,15 +371,30 @@ def write_bitmasks(bpos: I64, chunk: int, out: U8, start: int) -> None:
 
 
 @jit
-def _put_block(
-    out: U8, at: int, n_vals: int, width: int, z: npt.NDArray[np.uint64], m: int
+def _put_values(
+    b: UInt, t: UInt, lo: int, m: int, coding: int, out: U8, j: int, n_vals: int
 ) -> None:
-    """Store values ``z[:m]`` at indices ``at …`` of the byte planes (plane k at ``k * n_vals``)."""
-    for k in range(width):
-        plane = at + k * n_vals
-        shift = np.uint64(8 * k)
-        for q in range(m):
-            out[plane + q] = (z[q] >> shift) & _BYTE
+    """The stored values of the changes ``b[lo + q] → t[lo + q]`` (``q < m``) at indices
+    ``j …`` of the byte planes in ``out`` (plane k at ``k * n_vals``); called with a constant
+    ``coding`` (:func:`_values`)."""
+    sign = sign_bit(b)
+    at, nv, first = np.uint64(j), np.uint64(n_vals), np.uint64(lo)
+    for q in range(np.uint64(m)):
+        z = forward(np.uint64(b[first + q]), np.uint64(t[first + q]), coding, sign)
+        for k in range(unit_bytes(b)):
+            out[at + np.uint64(k) * nv + q] = (z >> np.uint64(8 * k)) & _BYTE
+
+
+@jit
+def _values(b: UInt, t: UInt, lo: int, m: int, coding: int, out: U8, j: int, n_vals: int) -> None:
+    """:func:`_put_values`, one loop per coding (a constant inside each): the loop has no
+    branches and vectorizes, where testing the coding per value made it 4–5× slower."""
+    if coding == 0:
+        _put_values(b, t, lo, m, 0, out, j, n_vals)
+    elif coding == 1:
+        _put_values(b, t, lo, m, 1, out, j, n_vals)
+    else:
+        _put_values(b, t, lo, m, 2, out, j, n_vals)
 
 
 @jit
@@ -397,16 +407,8 @@ def write_rows(
 ) -> int:
     """The values of the changes ``vals`` ((base, target) rows) as byte planes from index ``j``
     of the planes in ``out`` (plane k at ``k * n_vals``); returns the index after them."""
-    width = unit_bytes(vals)
-    sign = sign_bit(vals)
-    z = np.empty(BLOCK, dtype=np.uint64)
-    for lo in range(0, vals.shape[1], BLOCK):
-        m = min(BLOCK, vals.shape[1] - lo)
-        for q in range(m):
-            z[q] = forward(np.uint64(vals[0, lo + q]), np.uint64(vals[1, lo + q]), coding, sign)
-        _put_block(out, j, n_vals, width, z, m)
-        j += m
-    return j
+    _values(vals[0], vals[1], 0, vals.shape[1], coding, out, j, n_vals)
+    return j + int(vals.shape[1])
 
 
 @jit
@@ -422,15 +424,9 @@ def write_dense(
 ) -> None:
     """The values of every unit of the dense chunks of ``b → t`` as byte planes from index
     ``j`` on (after the sparse and bitmask values, :func:`write_rows`)."""
-    width = unit_bytes(b)
-    sign = sign_bit(b)
-    z = np.empty(BLOCK, dtype=np.uint64)
     for c in range(modes.size):
         if modes[c] == 3:
-            hi = min((c + 1) * chunk, b.size)
-            for lo in range(c * chunk, hi, BLOCK):
-                m = min(BLOCK, hi - lo)
-                for q in range(m):
-                    z[q] = forward(np.uint64(b[lo + q]), np.uint64(t[lo + q]), coding, sign)
-                _put_block(out, j, n_vals, width, z, m)
-                j += m
+            lo = c * chunk
+            m = min(lo + chunk, b.size) - lo
+            _values(b, t, lo, m, coding, out, j, n_vals)
+            j += m

@@ -9,11 +9,10 @@ it never writes outside the tensor.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
-import numpy.typing as npt
 
 from policies.codec.kernels import (
-    BLOCK,
     I64,
     U8,
     U64,
@@ -21,13 +20,13 @@ from policies.codec.kernels import (
     UInt,
     inverse,
     jit,
-    prefetch_write,
     sign_bit,
     unit_bytes,
 )
 
-AHEAD = 64
-"""How many units ahead the scattered writes prefetch (best of 16…256 on ``bench codec``)."""
+BLOCK = 1024
+"""Units a block of :func:`_write_block` reads, computes and writes (its scattered lines stay in
+the cache between its passes)."""
 
 ERRORS = {
     1: "bad chunk modes",
@@ -42,7 +41,7 @@ ERRORS = {
 """What a non-zero return of :func:`apply_changes` means (the caller raises it as corruption)."""
 
 
-@jit
+@numba.njit(cache=True, nogil=True, inline="always")
 def _write_block(
     units: UInt,
     at: U64,
@@ -52,38 +51,42 @@ def _write_block(
     n_vals: int,
     j: int,
     coding: int,
-    z: npt.NDArray[np.uint64],
+    z: U64,
+    old: U64,
 ) -> None:
     """Apply values ``j … j+m`` of the byte planes at ``buf[vstart:]`` to units ``at[:m]``.
 
-    The scattered read-modify-write loop prefetches :data:`AHEAD` units ahead of itself: the
-    out-of-order window alone holds too few of its (mostly DRAM) misses, and prefetching a
-    whole block at once lets lines fall out of L1 before they are written. The first units'
-    prefetches are in flight while the values are gathered plane by plane (vectorizable).
+    Three passes over the block: the scattered units are read into ``old``, the targets
+    computed into ``z``, then written back. The read pass is a few instructions per unit, so
+    the core's window holds dozens of its (mostly DRAM) misses at once, and the writes find
+    their lines in the cache. One loop that read, computed and wrote each unit (≈ 20
+    instructions) held a third as many: a 32 MiB bf16 tensor's 168 k changes at 1% took 3.5
+    ms, 2.2 ms with software prefetches, against 1.8 ms now (the int32 scatter: 1.2 ms).
+    Inlined into :func:`apply_changes`, which allocates ``at``, ``z`` and ``old``: LLVM then
+    knows they do not alias ``units`` (the apply ~9% faster than with a call).
     """
     sign = sign_bit(units)
-    for q in range(min(AHEAD, m)):
-        prefetch_write(units, at[q])
+    n = np.uint64(m)
+    for q in range(n):
+        old[q] = units[at[q]]
     z[:m] = ZERO
     for k in range(unit_bytes(units)):
         plane = np.uint64(vstart + k * n_vals + j)
         shift = np.uint64(8 * k)
-        for q in range(m):
-            z[q] |= np.uint64(buf[plane + np.uint64(q)]) << shift
-    # One loop per coding (a constant inside each), so the loop body has no branches; at[]
-    # has AHEAD slack entries past m, so the prefetch needs no bounds test either.
+        for q in range(n):
+            z[q] |= np.uint64(buf[plane + q]) << shift
+    # One loop per coding (a constant inside each): no branches, so it vectorizes.
     if coding == 0:
-        for q in range(m):
-            units[at[q]] = inverse(np.uint64(units[at[q]]), z[q], 0, sign)
-            prefetch_write(units, at[q + AHEAD])
+        for q in range(n):
+            z[q] = inverse(old[q], z[q], 0, sign)
     elif coding == 1:
-        for q in range(m):
-            units[at[q]] = inverse(np.uint64(units[at[q]]), z[q], 1, sign)
-            prefetch_write(units, at[q + AHEAD])
+        for q in range(n):
+            z[q] = inverse(old[q], z[q], 1, sign)
     else:
-        for q in range(m):
-            units[at[q]] = inverse(np.uint64(units[at[q]]), z[q], 2, sign)
-            prefetch_write(units, at[q + AHEAD])
+        for q in range(n):
+            z[q] = inverse(old[q], z[q], 2, sign)
+    for q in range(n):
+        units[at[q]] = z[q]
 
 
 @jit
@@ -240,8 +243,9 @@ def apply_changes(
     vstart = off + n_bm * (chunk // 8)
     # Positions are produced a block at a time and then written by _write_block.
     cur = np.zeros(lens.size, dtype=np.int64)
-    at = np.zeros(BLOCK + AHEAD, dtype=np.uint64)  # slack: see _write_block
+    at = np.empty(BLOCK, dtype=np.uint64)
     z = np.empty(BLOCK, dtype=np.uint64)
+    old = np.empty(BLOCK, dtype=np.uint64)
     n_sparse = lens[0] if lens.size else 0
     pos = -1
     upos = ZERO - np.uint64(1)  # wraps: the first gap is the first position
@@ -256,7 +260,7 @@ def apply_changes(
             for q in range(m):
                 pos += _varint(buf, pstart, cur, j + q) + 1
                 at[q] = pos
-        _write_block(units, at, m, buf, vstart, n_vals, j, coding, z)
+        _write_block(units, at, m, buf, vstart, n_vals, j, coding, z, old)
     j = n_sparse
     rank = 0
     for c in range(nchunks):
@@ -272,10 +276,10 @@ def apply_changes(
                         at[m] = c * chunk + 8 * i + bit
                         m += 1
                         if m == BLOCK:
-                            _write_block(units, at, m, buf, vstart, n_vals, j, coding, z)
+                            _write_block(units, at, m, buf, vstart, n_vals, j, coding, z, old)
                             j += m
                             m = 0
-            _write_block(units, at, m, buf, vstart, n_vals, j, coding, z)
+            _write_block(units, at, m, buf, vstart, n_vals, j, coding, z, old)
             j += m
     for c in range(nchunks):  # dense values come after all bitmask values
         if buf[start + c] == 3:
@@ -284,6 +288,6 @@ def apply_changes(
                 m = min(BLOCK, hi - lo)
                 for q in range(m):
                     at[q] = lo + q
-                _write_block(units, at, m, buf, vstart, n_vals, j, coding, z)
+                _write_block(units, at, m, buf, vstart, n_vals, j, coding, z, old)
                 j += m
     return 0

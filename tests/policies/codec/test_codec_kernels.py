@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from policies.codec import ops
 from policies.codec.ops import (
     CODINGS,
     DENSE,
@@ -68,6 +69,23 @@ def test_compiled_sections_are_the_reference_layout(
         assert raw == b""
         return
     coding = CODINGS[raw[0]]
+    assert raw == _reference_section(b, t, chunk, coding)
+
+
+@settings(max_examples=90, deadline=None)
+@given(unit_pairs(), st.sampled_from(CODINGS))
+def test_compiled_sections_are_the_reference_layout_in_every_coding(
+    case: tuple[np.ndarray, np.ndarray, int], coding: Coding
+) -> None:
+    """Each coding's compiled value loop (sparse, bitmask and dense chunks) stores the reference
+    transform, whichever coding the data would have picked."""
+    b, t, chunk = case
+    changes = find_changes(b, t, _POOL, chunk)
+    if not changes.changed:
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ops, "pick_coding", lambda *_: coding)
+        raw = encode_section(b, t, changes, b.dtype.itemsize > 1, chunk).tobytes()
     assert raw == _reference_section(b, t, chunk, coding)
 
 
