@@ -8,7 +8,8 @@ them), ``encode_cold_gbps`` (hashing included), ``apply_gbps`` (in place, base v
 every written tensor verified), ``apply_unverified_gbps`` and ``exact``; the same figures for
 *int32 index + raw value* and *dense XOR + zstd level 1*; and ``memcpy_gbps`` (``copy_`` of the
 whole view) measured in the same run. Throughputs are bytes of view per second (GB = 1e9 B);
-each timing is the best of ``--repeats``. Every timed run follows a timed memcpy, and the ratios
+each timing is the best of ``--repeats``. Every timed run follows a timed memcpy (then a pause,
+:data:`SETTLE_S`, for the copy's threads to go idle), and the ratios
 ``encode_vs_memcpy``, ``apply_time_vs_copy`` and ``apply_unverified_time_vs_copy`` compare each
 codec timing with the memcpy timed next to it; ``apply_unverified_vs_int32_scatter`` is the
 codec's unverified apply time over the int32 scatter's of the same changes.
@@ -47,6 +48,12 @@ _TENSOR_ELEMS = 1 << 24
 
 State = dict[str, torch.Tensor]
 
+SETTLE_S = 0.05
+"""Untimed pause between a paired copy and the run it is paired with. ``copy_`` runs on torch's
+OpenMP threads, which spin for a few ms after it (libgomp's default wait policy: 300 000 pause
+loops) and took a core from the timed run: on the 2-core dev VM a thread of the codec's started
+2.5–5 ms late, and the timed encode was ~10 ms slower (45–49 ms against 36)."""
+
 
 class _Timer:
     """Best-of-``repeats`` timings, each run paired with a copy of the whole view just before it.
@@ -75,6 +82,7 @@ class _Timer:
         for _ in range(self.repeats):
             arg = setup()
             copy = min(copy, self._copy_time())
+            time.sleep(SETTLE_S)
             start = time.perf_counter()
             fn(arg)
             best = min(best, time.perf_counter() - start)
