@@ -79,6 +79,9 @@ def _prefetch(write: int, locality: int) -> Any:
     return hint
 
 
+prefetch_write = _prefetch(write=1, locality=3)
+"""The apply issues these a few dozen units ahead of a near-sequential read-modify-write loop
+(changes at least every other cache line), so that its misses overlap."""
 prefetch_read = _prefetch(write=0, locality=0)
 """The scan issues these a few KiB ahead of the words it compares: one thread's sequential reads
 ran ~30% faster than with the hardware prefetcher alone (12 → 16 GB/s on the 2-core dev VM),

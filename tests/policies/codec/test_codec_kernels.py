@@ -129,6 +129,25 @@ def test_reference_sections_apply_in_every_coding(
     assert np.array_equal(units, t)
 
 
+@pytest.mark.parametrize("coding", CODINGS)
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("density", [0.003, 0.1, 0.3])
+def test_scattered_and_near_sequential_changes_apply_in_every_coding(
+    coding: Coding, width: int, density: float
+) -> None:
+    """The apply takes one loop for changes several cache lines apart (0.3%) and another for
+    changes every few units (10% in sparse chunks, 30% in bitmask chunks); both are exact."""
+    rng = np.random.default_rng(width)
+    dtype = np.dtype(f"<u{width}")
+    b = rng.integers(0, np.iinfo(dtype).max, 1 << 17, dtype=dtype, endpoint=True)
+    t = b.copy()
+    at = rng.choice(b.size, int(b.size * density), replace=False)
+    t[at] = rng.integers(0, np.iinfo(dtype).max, at.size, dtype=dtype, endpoint=True)
+    units = b.copy()
+    apply_section(units, _reference_section(b, t, 4096, coding), 4096)
+    assert np.array_equal(units, t)
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(0, (1 << 22) - 1), min_size=1, max_size=40, unique=True))
 def test_long_gaps_take_three_or_more_varint_planes_as_the_reference(at: list[int]) -> None:
