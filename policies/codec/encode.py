@@ -148,7 +148,7 @@ def _one_job(
 ) -> tuple[int, bytes]:
     """A tensor of at most :data:`JOB_UNITS` units scanned and written by one job."""
     bu, tu = unit_view(raw_bytes(b), w), unit_view(raw_bytes(t), w)
-    return _section(bu, tu, find_changes(bu, tu, None, chunk), floating, level, chunk)
+    return _section(bu, tu, find_changes(bu, tu, chunk), floating, level, chunk)
 
 
 def _start(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import struct
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -24,8 +23,6 @@ from policies.codec.ops import (
     pick_coding,
     transform,
 )
-
-_POOL = ThreadPoolExecutor(max_workers=2)
 
 
 def _reference_section(b: np.ndarray, t: np.ndarray, chunk: int, coding: Coding) -> bytes:
@@ -62,7 +59,7 @@ def test_compiled_sections_are_the_reference_layout(
     case: tuple[np.ndarray, np.ndarray, int],
 ) -> None:
     b, t, chunk = case
-    changes = find_changes(b, t, _POOL, chunk)
+    changes = find_changes(b, t, chunk)
     assert changes.changed == int(np.count_nonzero(b != t))
     raw = encode_section(b, t, changes, b.dtype.itemsize > 1, chunk).tobytes()
     if not changes.changed:
@@ -80,7 +77,7 @@ def test_compiled_sections_are_the_reference_layout_in_every_coding(
     """Each coding's compiled value loop (sparse, bitmask and dense chunks) stores the reference
     transform, whichever coding the data would have picked."""
     b, t, chunk = case
-    changes = find_changes(b, t, _POOL, chunk)
+    changes = find_changes(b, t, chunk)
     if not changes.changed:
         return
     with pytest.MonkeyPatch.context() as mp:
@@ -156,7 +153,7 @@ def test_long_gaps_take_three_or_more_varint_planes_as_the_reference(at: list[in
     b = np.zeros((1 << 22) + 5, dtype=np.uint16)
     t = b.copy()
     t[at] = 1
-    raw = encode_section(b, t, find_changes(b, t, _POOL, chunk), True, chunk).tobytes()
+    raw = encode_section(b, t, find_changes(b, t, chunk), True, chunk).tobytes()
     assert raw == _reference_section(b, t, chunk, CODINGS[raw[0]])
     units = b.copy()
     apply_section(units, raw, chunk)
@@ -167,7 +164,7 @@ def test_a_gap_of_2_to_the_21_takes_four_varint_planes() -> None:
     b = np.zeros((1 << 22) + 5, dtype=np.uint16)
     t = b.copy()
     t[[3, 3 + (1 << 21) + 1]] = 1  # the second gap is 2**21: 22 bits, four 7-bit groups
-    raw = encode_section(b, t, find_changes(b, t, _POOL, 1 << 21), True, 1 << 21).tobytes()
+    raw = encode_section(b, t, find_changes(b, t, 1 << 21), True, 1 << 21).tobytes()
     assert SECTION.unpack_from(raw)[1] == 4
     assert raw == _reference_section(b, t, 1 << 21, CODINGS[raw[0]])
 
@@ -182,7 +179,7 @@ def _section() -> tuple[np.ndarray, bytes, int]:
     t[chunk : 2 * chunk : 3] += 2  # bitmask
     t[2 * chunk : 3 * chunk] += 3  # dense
     t[-1] -= 1  # sparse again after unchanged chunks
-    raw = encode_section(b, t, find_changes(b, t, _POOL, chunk), True, chunk).tobytes()
+    raw = encode_section(b, t, find_changes(b, t, chunk), True, chunk).tobytes()
     assert set(raw[SECTION.size + 16 : SECTION.size + 22]) == {0, 1, 2, DENSE}
     return b, raw, chunk
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 import pytest
 import torch
@@ -19,7 +17,6 @@ from policies.codec.views import ViewKind, ViewSpec, build_view
 from policies.errors import PatchError
 
 State = dict[str, torch.Tensor]
-_POOL = ThreadPoolExecutor(max_workers=2)
 DENSITIES = [0.0, 0.01, 0.1, 0.3, 0.8, 1.0]
 KINDS: list[ViewKind] = ["bf16", "fp8_e4m3", "fp8_block", "int4_group", "nvfp4"]
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -37,7 +34,7 @@ def _assert_same_changes(got: Changes, want: Changes) -> None:
 def _both_sections(b: torch.Tensor, t: torch.Tensor, width: int, chunk: int) -> tuple[bytes, ...]:
     """The section from the compiled scan of host units and from the torch scan of ``b``/``t``."""
     bu, tu = unit_view(raw_bytes(b), width), unit_view(raw_bytes(t), width)
-    host = find_changes(bu, tu, _POOL, chunk)
+    host = find_changes(bu, tu, chunk)
     scanned = scan_tensor(b, t, width, chunk)
     _assert_same_changes(scanned, host)
     floating = t.dtype.is_floating_point
