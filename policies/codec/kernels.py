@@ -44,6 +44,9 @@ _PREFETCH = np.uint64(512)
 """Words ahead of the compare that the scan prefetches (4 KiB)."""
 jit = numba.njit(cache=True, nogil=True)
 """How every kernel is compiled: machine code cached on disk, the GIL released."""
+jit_inline = numba.njit(cache=True, nogil=True, inline="always")
+""":data:`jit`, the body inlined into its callers (numba IR): what they allocate and pass it,
+LLVM then knows not to alias the other arrays."""
 
 
 def unit_bytes(a: UInt) -> int:

@@ -9,7 +9,6 @@ it never writes outside the tensor.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
 from policies.codec.kernels import (
@@ -20,6 +19,7 @@ from policies.codec.kernels import (
     UInt,
     inverse,
     jit,
+    jit_inline,
     prefetch_write,
     sign_bit,
     unit_bytes,
@@ -45,7 +45,7 @@ ERRORS = {
 """What a non-zero return of :func:`apply_changes` means (the caller raises it as corruption)."""
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
+@jit_inline
 def _write_block(
     units: UInt,
     at: U64,
