@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -59,6 +60,10 @@ def test_bench_sync_small_run(
         assert r["limit_ratio"] == pytest.approx(r["speedup"] / ratio, rel=0.1, abs=0.002)
     syn = out["synthetic"]
     assert syn["view_bytes"] == 16 * 2**20
+    # five syncs (the default --repeats); the figures are their median
+    assert len(syn["runs"]) == 5
+    median = statistics.median(r["sync_s"] for r in syn["runs"])
+    assert syn["sync_s"] == pytest.approx(median, abs=1e-3)
     # 16 MiB over 100 Mbit/s cannot arrive in under 16 * 2**20 * 8 / 1e8 s
     assert syn["full"]["s"] >= 16 * 2**20 * 8 / 1e8
     cu = syn["catch_up"]
