@@ -330,6 +330,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--pause-load", type=int, default=8)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    for flag in ("size_mb", "replicas", "repeats"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')}: must be at least 1")
+    for flag in ("link_mbit", "poll_ms"):
+        if not getattr(args, flag) > 0:
+            parser.error(f"--{flag.replace('_', '-')}: must be > 0")
+    if not 0 < args.density <= 1:
+        parser.error("--density: must be in (0, 1]")
     configure(level="warning")
     if not (args.model / "config.json").exists():
         from policies.model.build import init_model

@@ -35,6 +35,26 @@ def test_adam_step_moves_values_by_one_ulp_and_stays_finite() -> None:
         assert torch.isfinite(step[name].float()).all()
 
 
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--repeats", "0"], "--repeats: must be at least 1"),
+        (["--replicas", "0"], "--replicas: must be at least 1"),
+        (["--link-mbit", "0"], "--link-mbit: must be > 0"),
+        (["--density", "1.5"], "--density: must be in (0, 1]"),
+    ],
+)
+def test_bench_sync_names_a_bad_flag(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert named in err
+    assert "Traceback" not in err
+
+
 @pytest.mark.slow
 def test_bench_sync_small_run(
     tiny_model_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
