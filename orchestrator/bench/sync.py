@@ -43,7 +43,7 @@ import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import torch
@@ -163,12 +163,21 @@ def _timed_publish(board: Board, version: int, view: View) -> tuple[float, float
     return t0, time.perf_counter(), m.bytes
 
 
+class SyncRun(NamedTuple):
+    """One sync: the publish's seconds, the seconds until the last replica holds the version,
+    whether every replica's view is bitwise the published one, and the delta's bytes."""
+
+    publish_s: float
+    sync_s: float
+    exact: bool
+    patch_bytes: int
+
+
 def _sync(
     pub: Board, boards: list[ThrottledBoard], held: list[View], view1: View, poll_s: float
-) -> tuple[float, float, bool, int]:
+) -> SyncRun:
     """Publish version 1 while every replica (its board and the version-0 view it holds)
-    follows it; (publish seconds, seconds until the last replica holds it, whether every
-    replica's view is bitwise ``view1``, the delta's bytes)."""
+    follows it."""
 
     def follow(i: int) -> float:
         while (boards[i].latest() or 0) < 1 and not _streaming(boards[i], 1):
@@ -181,7 +190,7 @@ def _sync(
         start, published, patch_bytes = _timed_publish(pub, 1, view1)
         served = max(f.result() for f in futs)
     exact = all(same_bits(h, view1) for h in held)
-    return published - start, served - start, exact, patch_bytes
+    return SyncRun(published - start, served - start, exact, patch_bytes)
 
 
 def run_synthetic(
@@ -238,7 +247,7 @@ def run_synthetic(
             "s": round(time.perf_counter() - t0, 3),
         }
     catch_up["exact"] = all(same_bits(v, last) for v in behind)
-    patch_bytes = runs[0][3]
+    patch_bytes = runs[0].patch_bytes
     return {
         "size_mb": size_mb,
         "view_bytes": view_bytes,
@@ -246,13 +255,13 @@ def run_synthetic(
         "full": {"bytes": full_bytes, "s": round(full_s, 3)},
         "sync": {
             "patch_bytes": patch_bytes,
-            "publish_s": round(statistics.median(r[0] for r in runs), 3),
+            "publish_s": round(statistics.median(r.publish_s for r in runs), 3),
         },
         **against_the_limit(
-            full_s, full_bytes, patch_bytes, statistics.median(r[1] for r in runs), mbit
+            full_s, full_bytes, patch_bytes, statistics.median(r.sync_s for r in runs), mbit
         ),
-        "runs": [{"publish_s": round(p, 3), "sync_s": round(t, 3)} for p, t, _, _ in runs],
-        "exact": all(r[2] for r in runs),
+        "runs": [{"publish_s": round(r.publish_s, 3), "sync_s": round(r.sync_s, 3)} for r in runs],
+        "exact": all(r.exact for r in runs),
         "catch_up": catch_up,
     }
 
