@@ -3,22 +3,22 @@ and reading it back (no I/O here; numpy and xxhash, not the storage edge).
 
 Guarantees: :func:`parse_manifest` returns a manifest only if it is of a format this sprawl reads
 (:data:`~policies.board.types.FORMATS`: :data:`~policies.board.types.BOARD_FORMAT`, whose patches
-are single files; :data:`~policies.board.types.SHARDED_FORMAT` with shards;
-:data:`~policies.board.types.STREAM_FORMAT`, whose patches may be stored in chunks whose sizes
-add up to the patch's), every field validates (patch names are the layout's, base file names are
-:data:`~policies.board.types.BASE_FILES`), its digest is that of its tensor entries and its seal
-that of all its fields; otherwise :class:`VersionCorrupt` or, for another format,
-:class:`BoardFormatError` saying how to proceed — each in one line naming the version. A sharded
-manifest is also consistent (:func:`check_shards`): ranks ``0 … n-1`` in order; every piece lies
-inside its tensor and the pieces of a tensor hold exactly its element count; each
+are single files; :data:`~policies.board.types.SHARDED_FORMAT` (and format 3) with shards;
+:data:`~policies.board.types.STREAM_FORMAT` (and format 4), whose patches may be stored in chunks
+whose sizes add up to the patch's), every field validates (patch names are the layout's, base
+file names are :data:`~policies.board.types.BASE_FILES`), its digest is that of its tensor
+entries and its seal that of all its fields; otherwise :class:`VersionCorrupt` or, for another
+format, :class:`BoardFormatError` saying how to proceed — each in one line naming the version. A
+sharded manifest is also consistent (:func:`check_shards`): ranks ``0 … n-1`` in order; every
+piece lies inside its tensor and the pieces of a tensor hold exactly its element count; each
 tensor's checksum is :func:`pieces_checksum` of its pieces and each shard's digest that of its
 pieces; every rank has one patch per base of the version's patches, and the version's patch
 sizes and counts are the sums of the ranks'. It does not check that pieces do not overlap
 (the seal and the per-piece checksums catch damage; only a dishonest writer could lay out
 overlapping pieces whose sizes add up). The digest (:func:`manifest_digest`) is the same string
 as a patch's target digest; the seal (:func:`manifest_seal`) covers everything else. Not
-covered: xxh3 is a checksum, not a signature — it catches damage and inconsistent edits, not a
-writer who recomputes it.
+covered: xxh3 and the tensors' sum-128 are checksums, not signatures — they catch damage and
+inconsistent edits, not a writer who recomputes them.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from pydantic import BaseModel, ValidationError
 from policies.board.types import (
     BOARD_FORMAT,
     FORMATS,
-    SHARDED_FORMAT,
-    STREAM_FORMAT,
+    SHARDED_FORMATS,
+    STREAM_FORMATS,
     FileEntry,
     Manifest,
     PieceEntry,
@@ -144,13 +144,13 @@ def parse_manifest(raw: bytes, version: int, board: str) -> Manifest:
         ) from None
     if m.version != version or manifest_digest(m.tensors) != m.digest or manifest_seal(m) != m.seal:
         raise VersionCorrupt(f"version {version}: manifest does not match its own digest")
-    if (fmt == SHARDED_FORMAT) != bool(m.shards):
+    if (fmt in SHARDED_FORMATS) != bool(m.shards):
         raise VersionCorrupt(
             f"version {version}: a format {fmt} manifest "
-            + ("has no shards" if fmt == SHARDED_FORMAT else "has shards")
+            + ("has no shards" if fmt in SHARDED_FORMATS else "has shards")
         )
     chunked = [p for p in m.patches if p.chunks]
-    if chunked and fmt != STREAM_FORMAT:
+    if chunked and fmt not in STREAM_FORMATS:
         raise VersionCorrupt(f"version {version}: a format {fmt} manifest has chunked patches")
     for ref in chunked:
         if sum(c.bytes for c in ref.chunks) != ref.bytes:

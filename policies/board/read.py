@@ -28,7 +28,14 @@ from safetensors.torch import save as st_save
 from policies.board import plan as board_plan
 from policies.board.manifest import file_entries, one_line, parse_manifest, pieces_checksum
 from policies.board.store import Store
-from policies.board.stream import StagedChunk, StreamSource, apply_frame, check_chunks, follow
+from policies.board.stream import (
+    StagedChunk,
+    StreamSource,
+    apply_frame,
+    check_chunks,
+    follow,
+    sum_checksums,
+)
 from policies.board.types import (
     BASE_FILES,
     MAX_BASE_FILE_BYTES,
@@ -94,14 +101,14 @@ def view_checksums(view: Mapping[str, torch.Tensor], m: Manifest) -> dict[str, s
     """The checksums ``m`` would record for ``view`` (for a sharded ``m``: of its pieces' boxes;
     a tensor whose shape is not the manifest's gets no entry)."""
     if not m.shards:
-        return checksums(view)
+        return checksums(view, m.checksum_kind)
     pieces: dict[str, dict[int, PieceEntry]] = {}
     for shard in m.shards:
         for name, p in shard.pieces.items():
             t = view.get(name)
             if t is None or list(t.shape) != m.tensors[name].shape:
                 continue
-            got = tensor_checksum(t[piece_box(p)])
+            got = tensor_checksum(t[piece_box(p)], m.checksum_kind)
             pieces.setdefault(name, {})[shard.rank] = p.model_copy(update={"checksum": got})
     out = {name: pieces_checksum(by_rank) for name, by_rank in pieces.items()}
     out.update({a: out[p] for a, p in m.aliases.items() if p in out})
@@ -363,7 +370,7 @@ class BoardReader:
                 f"version {have} has digest {held.digest}"
             )
         source = StreamSource(chunk=self._chunk(want), stream=self.stream, latest=self.latest)
-        staged = follow(view, have, stream, source, where=where)
+        staged = follow(view, have, stream, source, where=where, base_checksums=sum_checksums(held))
         target = self.manifest(want)
         self._check_base(target)
         ref = next((p for p in target.patches if p.base == have and p.chunks), None)
@@ -397,7 +404,8 @@ class BoardReader:
         if ref.chunks:
             return self._apply_chunks(view, step, digest, m, ref)
         data = self.read_patch(step)
-        apply_frame(view, data, f"version {step.version}: {step.file}", digest, m.digest)
+        where = f"version {step.version}: {step.file}"
+        apply_frame(view, data, where, digest, m.digest, self._base_checksums(step.base))
         return m.digest
 
     def _apply_chunks(
@@ -416,16 +424,25 @@ class BoardReader:
                 "version actually held"
             )
         staged: list[StagedChunk] = []
+        sums = self._base_checksums(step.base)
         for i, chunk in enumerate(ref.chunks):
             rel = chunk_file(step.base, i)
             data = self._read_exact(step.version, rel, chunk.bytes)
             # the first chunk vouches for nothing unless the caller did: hash the base once
-            staged.append(apply_frame(view, data, f"version {step.version}: {rel}", digest))
+            where = f"version {step.version}: {rel}"
+            staged.append(apply_frame(view, data, where, digest, None, sums))
             digest = ref.base_digest
         wrong = check_chunks(m, ref, staged)
         if wrong is not None:
             raise VersionCorrupt(f"version {step.version}: {wrong}")
         return m.digest
+
+    def _base_checksums(self, base: int) -> dict[str, str] | None:
+        """The ``sum-128`` checksums of version ``base`` (None: not such, or collected)."""
+        try:
+            return sum_checksums(self.manifest(base))
+        except BoardError:
+            return None
 
     def _apply_sharded(
         self, view: MutableMapping[str, torch.Tensor], step: Step, digest: str | None, m: Manifest
@@ -511,7 +528,7 @@ class BoardReader:
                 if (
                     list(t.shape) != p.shape
                     or t.dtype != full[name].dtype
-                    or tensor_checksum(t) != p.checksum
+                    or tensor_checksum(t, m.checksum_kind) != p.checksum
                 ):
                     raise VersionCorrupt(
                         f"version {m.version}: checksum mismatch for rank {shard.rank}'s piece "
@@ -546,7 +563,7 @@ class BoardReader:
         if set(tensors) != set(m.tensors):
             raise VersionCorrupt(f"version {m.version}: tensor names differ from the manifest")
         for name, entry in m.tensors.items():
-            if tensor_checksum(tensors[name]) != entry.checksum:
+            if tensor_checksum(tensors[name], m.checksum_kind) != entry.checksum:
                 raise VersionCorrupt(f"version {m.version}: checksum mismatch for {name}")
         return tensors
 

@@ -58,6 +58,7 @@ from policies.board.types import (
 )
 from policies.codec import apply_patch, encode_patch, read_patch_header
 from policies.codec.digests import checksums, storage_key
+from policies.codec.kinds import SUM
 from policies.errors import BoardError, PatchBaseMismatch, PatchError, VersionCorrupt
 
 CHUNK_VIEW_BYTES = 16 * 2**20
@@ -202,12 +203,14 @@ def apply_frame(
     where: str,
     digest: str | None,
     target_digest: str | None = None,
+    base_checksums: Mapping[str, str] | None = None,
 ) -> StagedChunk:
     """Apply one patch frame (a chunk, or a whole single-file patch) in place, every tensor it
     writes verified; ``digest`` vouches for the base (the frame's base digest must be it) and
-    ``target_digest``, when given, for what it makes. A damaged frame, or one making another
-    target, is :class:`VersionCorrupt` and a frame for another base :class:`PatchBaseMismatch`,
-    each naming ``where``."""
+    ``target_digest``, when given, for what it makes; ``base_checksums`` (the base's
+    ``sum-128`` checksums, :func:`sum_checksums`) make the verification cost the words written.
+    A damaged frame, or one making another target, is :class:`VersionCorrupt` and a frame for
+    another base :class:`PatchBaseMismatch`, each naming ``where``."""
     try:
         hdr = read_patch_header(data)
         if target_digest is not None and hdr.target_digest != target_digest:
@@ -219,12 +222,20 @@ def apply_frame(
                 f"{where} applies to digest {hdr.base_digest}; the view held has digest "
                 f"{digest}: catch up from the version actually held"
             )
-        apply_patch(view, data, base_digest=digest, verify=True)
+        apply_patch(view, data, base_digest=digest, base_checksums=base_checksums, verify=True)
     except PatchBaseMismatch as exc:
         raise PatchBaseMismatch(str(exc) if where in str(exc) else f"{where}: {exc}") from None
     except PatchError as exc:
         raise VersionCorrupt(f"{where}: {exc}") from None
     return StagedChunk(chunk_ref(data), hdr.checksums)
+
+
+def sum_checksums(m: Manifest) -> dict[str, str] | None:
+    """``m``'s tensor checksums when they are ``sum-128`` (a patch's check from them then costs
+    the words it writes), else None."""
+    if m.checksum_kind != SUM or m.shards:
+        return None
+    return {name: e.checksum for name, e in m.tensors.items()}
 
 
 def check_chunks(m: Manifest, ref: PatchRef, staged: list[StagedChunk]) -> str | None:
@@ -263,11 +274,12 @@ def follow(
     *,
     where: str,
     stall_s: float | None = None,
+    base_checksums: Mapping[str, str] | None = None,
 ) -> list[StagedChunk]:
     """Apply every chunk of ``stream``'s patch from ``have`` to ``view`` as it lands, then wait
     until the pointer reaches the stream's version; the chunks staged (check them against the
     manifest with :func:`check_chunks`). ``where`` names the board in errors; ``stall_s``
-    defaults to :data:`STALL_S`."""
+    defaults to :data:`STALL_S`; ``base_checksums`` are passed to :func:`apply_frame`."""
     stall_s = STALL_S if stall_s is None else stall_s
     v = stream.version
     digest = stream.bases[have]
@@ -327,7 +339,8 @@ def follow(
             data = ahead.popleft().result()
             rel = chunk_file(have, i)
             try:
-                staged.append(apply_frame(view, data, f"version {v}: {rel}", digest))
+                here = f"version {v}: {rel}"
+                staged.append(apply_frame(view, data, here, digest, base_checksums=base_checksums))
             except PatchError as exc:
                 raise gone(f"failed at {rel} ({exc}): it is read again once published") from None
             except VersionCorrupt as exc:

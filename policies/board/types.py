@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
+from policies.codec.kinds import SUM, XXH3, Kind
 from policies.errors import BoardError
 
 MAX_VERSION = 2**63 - 1
@@ -23,16 +24,27 @@ patches were streamed; it writes :data:`STREAM_FORMAT` for those now). Format 2 
 manifest (base files, patch names and sizes included); format 1 (manifests without a ``format``
 field, from earlier sprawl) covered only the tensors and is refused
 (:class:`policies.errors.BoardFormatError` says how to proceed)."""
-SHARDED_FORMAT = 3
+SHARDED_FORMAT = 6
 """The manifest format of a sharded version (:class:`ShardEntry` per rank): format 2 plus
 ``shards``, so a sprawl that reads only format 2 says it is too old instead of calling the
-version corrupt."""
-STREAM_FORMAT = 4
+version corrupt; its tensor and piece checksums are ``sum-128`` (format 3, with xxh3-128 ones,
+stays readable)."""
+STREAM_FORMAT = 5
 """The manifest format of a version published by one process whose patches are stored in chunks
 (:attr:`PatchRef.chunks`, written as they are encoded, so replicas stage them while the rest is
-encoded): format 2 plus ``chunks``. Versions of formats 2 and 3 stay readable."""
-FORMATS = (BOARD_FORMAT, SHARDED_FORMAT, STREAM_FORMAT)
+encoded): format 2 plus ``chunks``, its tensor checksums ``sum-128``
+(:mod:`policies.codec.digests`: a replica verifies a patch from the words it writes). Format 4,
+the same with xxh3-128 checksums, stays readable, as do formats 2 and 3."""
+SHARDED_FORMATS = (3, SHARDED_FORMAT)
+STREAM_FORMATS = (4, STREAM_FORMAT)
+FORMATS = (BOARD_FORMAT, *SHARDED_FORMATS, *STREAM_FORMATS)
 """Every manifest format this sprawl reads."""
+
+
+def checksum_kind(fmt: int) -> Kind:
+    """The tensor checksum a manifest of format ``fmt`` records: ``sum-128`` from format 5 on."""
+    return SUM if fmt >= STREAM_FORMAT else XXH3
+
 
 BASE_FILES = (
     "config.json",
@@ -270,6 +282,11 @@ class Manifest(BaseModel):
         if unknown:
             raise ValueError(f"{unknown} are not base file names ({', '.join(BASE_FILES)})")
         return v
+
+    @property
+    def checksum_kind(self) -> Kind:
+        """The kind of :attr:`tensors`' checksums (and of its pieces', when sharded)."""
+        return checksum_kind(self.format)
 
     @property
     def density(self) -> float | None:

@@ -1,9 +1,15 @@
 """Applying a patch: :func:`apply_patch` (re-exported by :mod:`policies.codec`).
 
 Integrity is checked in this order: the frame checksum (:func:`parse_patch`), the base digest,
-then, with ``verify=True``, every written tensor against the target's xxh3-128 checksum. Tensors
-are decompressed, patched (compiled, :func:`policies.codec.ops.apply_section`) and verified on the
-process's codec threads (:mod:`policies.codec.workers`), one tensor per task.
+then, with ``verify=True``, every written tensor against the target's checksum (of the patch's
+kind, :attr:`PatchHeader.checksum_kind`). A ``sum-128`` checksum is updated as the patch is
+written when the caller passes the base's checksums: the base tensor's, plus each written
+word's new term less its old one (:mod:`policies.codec.kernels_sum`), so verifying costs the
+words written instead of a pass over the tensor. What that leaves out: a word of the base that
+was already wrong in memory and that the patch does not write (the caller vouched for the base,
+as with ``base_digest``). Tensors are decompressed, patched (compiled,
+:func:`policies.codec.ops.apply_section`) and verified on the process's codec threads
+(:mod:`policies.codec.workers`), one tensor per task.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping, MutableMapping
 from concurrent.futures import Future, wait
 
+import numpy as np
+import numpy.typing as npt
 import structlog
 import torch
 import zstandard
@@ -18,11 +26,14 @@ import zstandard
 from policies.codec.digests import (
     StorageKey,
     dtype_name,
+    hex_lanes,
+    lanes_hex,
     state_digest,
     storage_key,
     tensor_checksum,
 )
 from policies.codec.format import TensorRecord, parse_patch
+from policies.codec.kinds import SUM, Kind
 from policies.codec.ops import apply_section, unit_view
 from policies.codec.workers import workers
 from policies.errors import PatchBaseMismatch, PatchChecksumMismatch, PatchCorrupt, PatchError
@@ -37,12 +48,18 @@ def _decompress(data: memoryview, name: str) -> bytes:
         raise PatchCorrupt(f"{name}: section does not decompress: {exc}") from exc
 
 
-def _apply_section(dst: torch.Tensor, rec: TensorRecord, data: bytes, chunk: int) -> None:
+def _apply_section(
+    dst: torch.Tensor,
+    rec: TensorRecord,
+    data: bytes,
+    chunk: int,
+    acc: npt.NDArray[np.uint64] | None,
+) -> None:
     units = unit_view(dst.reshape(-1).view(torch.uint8).numpy(), rec.width)
     if units.size != rec.units:
         raise PatchBaseMismatch(f"{rec.name}: base has {units.size} units, patch {rec.units}")
     try:
-        apply_section(units, data, chunk)
+        apply_section(units, data, chunk, acc)
     except ValueError as exc:
         raise PatchCorrupt(f"{rec.name}: {exc}") from exc
 
@@ -59,17 +76,28 @@ def _target_tensor(rec: TensorRecord, data: bytes) -> torch.Tensor:
 
 
 def _build(
-    rec: TensorRecord, section: memoryview, dst: torch.Tensor | None, chunk: int, verify: bool
+    rec: TensorRecord,
+    section: memoryview,
+    dst: torch.Tensor | None,
+    chunk: int,
+    verify: Kind | None,
+    held: npt.NDArray[np.uint64] | None,
 ) -> torch.Tensor:
-    """One target tensor: decompressed (``full``) or ``dst`` patched in place, then verified."""
+    """One target tensor: decompressed (``full``) or ``dst`` patched in place, then verified
+    against its ``verify`` checksum (None: not), updated from ``held`` (the base tensor's
+    ``sum-128`` lanes) when given."""
+    acc = np.zeros(2, dtype=np.uint64) if held is not None and verify == SUM else None
     if dst is None:
         out = _target_tensor(rec, _decompress(section, rec.name))
     else:
         if rec.length:
-            _apply_section(dst, rec, _decompress(section, rec.name), chunk)
+            _apply_section(dst, rec, _decompress(section, rec.name), chunk, acc)
         out = dst
-    if verify and (dst is None or rec.length):
-        got = tensor_checksum(out)
+    if verify is not None and (dst is None or rec.length):
+        if acc is not None and dst is not None and held is not None:
+            got = lanes_hex(held + acc)
+        else:
+            got = tensor_checksum(out, verify)
         if got != rec.checksum:
             raise PatchChecksumMismatch(
                 f"{rec.name}: patched tensor checksum {got} != target {rec.checksum}"
@@ -106,19 +134,24 @@ def apply_patch(
     *,
     in_place: bool = True,
     base_digest: str | None = None,
+    base_checksums: Mapping[str, str] | None = None,
     verify: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Apply ``patch`` to ``base`` and return the target state.
 
     ``in_place=True`` writes into the base tensors and the base mapping (no copy of the view);
     ``in_place=False`` leaves ``base`` untouched. ``base_digest`` vouches for the base (e.g. the
-    digest a previous apply returned) instead of hashing it. Tensors are decoded and verified on
+    digest a previous apply returned) instead of hashing it; ``base_checksums``, the base's
+    ``sum-128`` checksums (e.g. its manifest's, vouched for like ``base_digest``), let a
+    ``sum-128`` patch's check be updated from the words written instead of hashing each
+    written tensor. Tensors are decoded and verified on
     the process's codec threads (:mod:`policies.codec.workers`), all of them done when this
     returns or raises. If a checksum check fails after writing in place, the base is partially
     patched: reload it from a verified version.
     """
     header, body = parse_patch(patch)
-    bdig = base_digest if base_digest is not None else state_digest(base)
+    kind = header.checksum_kind
+    bdig = base_digest if base_digest is not None else state_digest(base, kind=kind)
     if bdig != header.base_digest:
         raise PatchBaseMismatch(
             f"patch expects base {header.base_digest}, got base {bdig}: apply the patch to the "
@@ -137,11 +170,14 @@ def apply_patch(
                 raise PatchCorrupt(f"{rec.name}: unknown op {rec.op}")
             if rec.op == "alias":
                 continue
-            dst = None
+            dst, held = None, None
             if rec.op == "patch":
                 dst = _destination(rec, base, base_groups, target_group, in_place)
+                if base_checksums is not None and kind == SUM and rec.name in base_checksums:
+                    held = hex_lanes(base_checksums[rec.name])
             section = body[rec.offset : rec.offset + rec.length]
-            jobs[rec.name] = pool.submit(_build, rec, section, dst, header.chunk, verify)
+            check = kind if verify else None
+            jobs[rec.name] = pool.submit(_build, rec, section, dst, header.chunk, check, held)
         for rec in header.tensors:
             if rec.op != "alias":
                 out[rec.name] = jobs[rec.name].result()

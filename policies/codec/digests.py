@@ -1,10 +1,15 @@
-"""Checksums and digests of served views (xxh3-128), shared by the patch codec and the board
-(which also checksums its base files and manifests with :func:`bytes_checksum`).
+"""Checksums and digests of served views, shared by the patch codec and the board (which also
+checksums its base files and manifests with :func:`bytes_checksum`, xxh3-128).
 
-``tensor_checksum`` hashes a tensor's raw bytes in contiguous native order; ``state_digest``
-hashes ``name|dtype|shape|checksum`` lines in name order, so a board manifest's digest and a
-patch's target digest are the same string for the same state. Names that alias one storage
-(tied embeddings) are hashed once.
+``tensor_checksum`` sums a tensor's raw bytes in contiguous native order into a ``sum-128``
+checksum (:data:`SUM`, :mod:`policies.codec.kernels_sum`): a sum over its 64-bit words, so an
+apply that writes a few words updates the checksum of the tensor it held from those words alone
+(:mod:`policies.codec.apply`) instead of hashing the tensor again. Views published before it
+carry xxh3-128 checksums (:mod:`policies.codec.kinds`): every function here takes the ``kind``
+to compute.
+``state_digest`` hashes ``name|dtype|shape|checksum`` lines in name order, so a board
+manifest's digest and a patch's target digest are the same string for the same state. Names
+that alias one storage (tied embeddings) are hashed once.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 import xxhash
+
+from policies.codec.kernels_sum import add_words
+from policies.codec.kinds import SUM, XXH3, Kind
 
 
 def dtype_name(t: torch.Tensor) -> str:
@@ -34,9 +42,40 @@ def bytes_checksum(data: bytes | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
-def tensor_checksum(t: torch.Tensor) -> str:
-    """xxh3-128 (hex) of the tensor's raw bytes in contiguous native order."""
-    return bytes_checksum(raw_bytes(t).data)
+def _sum_lanes(raw: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint64]:
+    acc = np.zeros(2, dtype=np.uint64)
+    whole = raw.size // 8 * 8
+    if whole:
+        body = raw[:whole] if raw.ctypes.data % 8 == 0 else raw[:whole].copy()
+        add_words(body.view("<u8"), 0, acc)
+    if whole < raw.size:
+        tail = np.zeros(8, dtype=np.uint8)
+        tail[: raw.size - whole] = raw[whole:]
+        add_words(tail.view("<u8"), whole // 8, acc)
+    return acc + np.uint64(raw.size)
+
+
+def lanes_hex(acc: npt.NDArray[np.uint64]) -> str:
+    """A ``sum-128`` checksum's hex from its two lanes."""
+    return f"{int(acc[0]):016x}{int(acc[1]):016x}"
+
+
+def hex_lanes(checksum: str) -> npt.NDArray[np.uint64] | None:
+    """The two lanes of a ``sum-128`` checksum's hex (None when it is not one)."""
+    if len(checksum) != 32:
+        return None
+    try:
+        return np.array([int(checksum[:16], 16), int(checksum[16:], 16)], dtype=np.uint64)
+    except ValueError:
+        return None
+
+
+def tensor_checksum(t: torch.Tensor, kind: Kind = SUM) -> str:
+    """The ``kind`` checksum (hex) of the tensor's raw bytes in contiguous native order."""
+    raw = raw_bytes(t)
+    if kind == XXH3:
+        return bytes_checksum(raw.data)
+    return lanes_hex(_sum_lanes(raw))
 
 
 StorageKey = tuple[int, int, tuple[int, ...], tuple[int, ...], str]
@@ -53,14 +92,14 @@ def storage_key(t: torch.Tensor) -> StorageKey:
     )
 
 
-def checksums(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+def checksums(tensors: Mapping[str, torch.Tensor], kind: Kind = SUM) -> dict[str, str]:
     """Per-tensor checksums; names aliasing one storage are hashed once."""
     seen: dict[StorageKey, str] = {}
     out: dict[str, str] = {}
     for name, t in tensors.items():
         key = storage_key(t)
         if key not in seen:
-            seen[key] = tensor_checksum(t)
+            seen[key] = tensor_checksum(t, kind)
         out[name] = seen[key]
     return out
 
@@ -74,10 +113,13 @@ def digest_of(entries: Iterable[tuple[str, str, list[int], str]]) -> str:
 
 
 def state_digest(
-    tensors: Mapping[str, torch.Tensor], *, known: Mapping[str, str] | None = None
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    known: Mapping[str, str] | None = None,
+    kind: Kind = SUM,
 ) -> str:
     """Digest of a whole state; ``known`` supplies checksums already computed."""
-    sums = dict(known) if known is not None else checksums(tensors)
+    sums = dict(known) if known is not None else checksums(tensors, kind)
     missing = {k: v for k, v in tensors.items() if k not in sums}
-    sums.update(checksums(missing))
+    sums.update(checksums(missing, kind))
     return digest_of((k, dtype_name(t), list(t.shape), sums[k]) for k, t in tensors.items())

@@ -13,9 +13,13 @@ Guarantees:
   raises :class:`PatchBaseMismatch` before anything is modified.
 - Any change to the patch bytes (a flipped byte, truncation, appended bytes) raises
   :class:`PatchCorrupt` before anything is modified (xxh3-128 over the whole frame).
-- With ``verify=True`` every tensor the patch writes is checked against the target's xxh3-128
-  checksum (:class:`PatchChecksumMismatch`). Tensors the patch does not touch are covered by the
-  base digest (computed, or vouched for by the caller with ``base_digest=``).
+- With ``verify=True`` every tensor the patch writes is checked against the target's
+  ``sum-128`` checksum (:class:`PatchChecksumMismatch`; :mod:`policies.codec.digests`), which
+  the encoder computes from the whole target tensor, not from the changes it found. Tensors the
+  patch does not touch are covered by the base digest (computed, or vouched for by the caller
+  with ``base_digest=``). Given the base's checksums too (``base_checksums=``), the check costs
+  the words the patch writes, not a pass over the tensor: the checksum the base tensor had, plus
+  each written word's new term less its old one.
 - Tensors added, or whose dtype or shape changed, are shipped whole; removed names are listed.
   Names that alias one storage in the target (tied embeddings) are encoded once and stay tied.
 
@@ -31,7 +35,7 @@ exact only when their target bytes agree); a base tensor and its target on diffe
 Wire format (all integers little-endian)::
 
     frame   := MAGIC(8 = b"SPRWLPT1") | u32 H | header (H bytes, UTF-8 JSON) | body | xxh3-128(16)
-    header  := {"format": 1, "base_digest", "target_digest", "chunk": C, "removed": [name…],
+    header  := {"format": 2, "base_digest", "target_digest", "chunk": C, "removed": [name…],
                 "tensors": [{"name", "op", "dtype", "shape", "checksum", "units", "width",
                              "changed", "offset", "length", "alias_of"}…]}
     op      := "patch" (section at body[offset:offset+length]; length 0 = unchanged)

@@ -14,12 +14,15 @@ from typing import Literal
 
 import xxhash
 
+from policies.codec.kinds import SUM, XXH3, Kind
 from policies.errors import PatchCorrupt
 
 MAGIC = b"SPRWLPT1"
-FORMAT = 1
+FORMAT = 2
 CODEC = f"sprawl-patch/{FORMAT}"
 """The codec's name and format version, as a board manifest records it."""
+CHECKSUM_KINDS: dict[int, Kind] = {1: XXH3, FORMAT: SUM}
+"""The tensor checksum a patch format's records carry (format 1: xxh3-128, still applied)."""
 CHUNK = 1 << 16
 U32 = struct.Struct("<I")
 
@@ -70,8 +73,13 @@ class PatchHeader:
 
     @property
     def checksums(self) -> dict[str, str]:
-        """The target's per-tensor xxh3-128 checksums (what a manifest records)."""
+        """The target's per-tensor checksums (what a manifest records)."""
         return {t.name: t.checksum for t in self.tensors}
+
+    @property
+    def checksum_kind(self) -> Kind:
+        """Which checksum :attr:`checksums` are (:data:`CHECKSUM_KINDS`)."""
+        return CHECKSUM_KINDS[self.format]
 
 
 def parse_patch(patch: bytes) -> tuple[PatchHeader, memoryview]:
@@ -116,8 +124,11 @@ def parse_patch(patch: bytes) -> tuple[PatchHeader, memoryview]:
         raise PatchCorrupt(f"bad chunk size {header.chunk}")
     if any(r.width not in (1, 2, 4, 8) or r.offset < 0 or r.length < 0 for r in recs):
         raise PatchCorrupt("bad tensor record")
-    if header.format != FORMAT:
-        raise PatchCorrupt(f"unsupported patch format {header.format} (expected {FORMAT})")
+    if header.format not in CHECKSUM_KINDS:
+        raise PatchCorrupt(
+            f"unsupported patch format {header.format} (this sprawl reads "
+            f"{', '.join(map(str, CHECKSUM_KINDS))})"
+        )
     body = view[start:-16]
     if any(r.offset + r.length > len(body) for r in recs):
         raise PatchCorrupt("a tensor section extends past the patch body")

@@ -24,6 +24,7 @@ from policies.codec.kernels import (
     sign_bit,
     unit_bytes,
 )
+from policies.codec.kernels_sum import add_word_changes
 
 BLOCK = 1024
 """Units a block of :func:`_write_block` applies (its scattered lines stay in the cache between
@@ -57,9 +58,13 @@ def _write_block(
     coding: int,
     z: U64,
     old: U64,
+    acc: U64,
 ) -> None:
     """Apply values ``j … j+m`` of the byte planes at ``buf[vstart:]`` to units ``at[:m]``
     (ascending, as every caller lists them; ``at`` has :data:`AHEAD` readable entries past them).
+    A two-lane ``acc`` takes the change of the ``sum-128`` checksum (each written word's term
+    after its writes less its term before, :mod:`policies.codec.kernels_sum`), computed in the
+    passes (they hold each unit's old and new value); an empty one skips that.
 
     Scattered changes (two cache lines or more apart on average, as at 1% density) are applied
     in three passes: the units read into ``old``, the targets computed into ``z``, then
@@ -78,6 +83,7 @@ def _write_block(
     n = np.uint64(m)
     line = np.uint64(64 // unit_bytes(units))  # units per cache line
     scattered = m > 0 and at[n - np.uint64(1)] - at[0] >= np.uint64(2) * line * n
+    scattered |= acc.size > 0  # the checksum's change needs each unit's old and new values
     if scattered:
         for q in range(n):
             old[q] = units[at[q]]
@@ -101,6 +107,8 @@ def _write_block(
         else:
             for q in range(n):
                 z[q] = inverse(old[q], z[q], 2, sign)
+        if acc.size:
+            add_word_changes(units, at, old, z, m, acc)
         for q in range(n):
             units[at[q]] = z[q]
     elif coding == 0:
@@ -251,11 +259,13 @@ def apply_changes(
     n_bm: int,
     chunk: int,
     coding: int,
+    acc: U64,
 ) -> int:
     """Write the changes of an uncompressed section into ``units``; 0 or an error code.
 
     ``buf`` is the whole section, ``start`` where its MODES begin, ``lens`` its gap plane
-    lengths. Everything is checked first; on an error nothing has been written.
+    lengths; a two-lane ``acc`` takes the change of the units' ``sum-128`` checksum (empty:
+    not tracked). Everything is checked first; on an error nothing has been written.
     """
     err = _check_layout(units, buf, start, lens, n_vals, n_bm, chunk)
     nchunks = (units.size + chunk - 1) // chunk
@@ -288,7 +298,7 @@ def apply_changes(
             for q in range(m):
                 pos += _varint(buf, pstart, cur, j + q) + 1
                 at[q] = pos
-        _write_block(units, at, m, buf, vstart, n_vals, j, coding, z, old)
+        _write_block(units, at, m, buf, vstart, n_vals, j, coding, z, old, acc)
     j = n_sparse
     rank = 0
     for c in range(nchunks):
@@ -304,10 +314,10 @@ def apply_changes(
                         at[m] = c * chunk + 8 * i + bit
                         m += 1
                         if m == BLOCK:
-                            _write_block(units, at, m, buf, vstart, n_vals, j, coding, z, old)
+                            _write_block(units, at, m, buf, vstart, n_vals, j, coding, z, old, acc)
                             j += m
                             m = 0
-            _write_block(units, at, m, buf, vstart, n_vals, j, coding, z, old)
+            _write_block(units, at, m, buf, vstart, n_vals, j, coding, z, old, acc)
             j += m
     for c in range(nchunks):  # dense values come after all bitmask values
         if buf[start + c] == 3:
@@ -316,6 +326,6 @@ def apply_changes(
                 m = min(BLOCK, hi - lo)
                 for q in range(m):
                     at[q] = lo + q
-                _write_block(units, at, m, buf, vstart, n_vals, j, coding, z, old)
+                _write_block(units, at, m, buf, vstart, n_vals, j, coding, z, old, acc)
                 j += m
     return 0

@@ -48,6 +48,7 @@ CODINGS: tuple[Coding, ...] = ("xor", "delta", "odelta")
 UInt = npt.NDArray[np.unsignedinteger[Any]]
 I64 = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
+U64 = npt.NDArray[np.uint64]
 
 
 def unit_view(raw: U8, width: int) -> UInt:
@@ -381,8 +382,9 @@ def encode_section(b: UInt | None, t: UInt | None, ch: Changes, floating: bool, 
     return out
 
 
-def apply_section(units: UInt, data: bytes, chunk: int) -> None:
-    """Write the changes of an uncompressed section into ``units`` (in place).
+def apply_section(units: UInt, data: bytes, chunk: int, acc: U64 | None = None) -> None:
+    """Write the changes of an uncompressed section into ``units`` (in place); a two-lane
+    ``acc`` takes the change of their ``sum-128`` checksum (:mod:`policies.codec.digests`).
 
     Raises ``ValueError`` if the section does not fit ``units`` (nothing is written then).
     """
@@ -397,6 +399,7 @@ def apply_section(units: UInt, data: bytes, chunk: int) -> None:
     if np.any(lens > buf.size) or max(n_vals, n_bm) > buf.size:
         raise ValueError("section sizes do not add up")
     lens64 = lens.astype(np.int64)
-    err = apply_changes(units, buf, start, lens64, n_vals, n_bm, chunk, code)
+    track = np.empty(0, dtype=np.uint64) if acc is None else acc
+    err = apply_changes(units, buf, start, lens64, n_vals, n_bm, chunk, code, track)
     if err:
         raise ValueError(ERRORS[err])

