@@ -131,13 +131,15 @@ def write_chunks(
     while the next :data:`ENCODE_AHEAD` are encoded; the view's checksums and the manifest's
     record of each patch, by base. The patch from the stream's first base (the previous
     version) is written first. ``scan_on`` (the same bits as ``bases[version]`` and ``view``,
-    on a device) has that base's patch scanned there; the checksums are always ``view``'s."""
+    on a device) has that base's patch scanned there; the checksums are always ``view``'s: taken
+    from the host copy then, else summed by the first base's scan as it reads the view
+    (:func:`policies.codec.encode_patch`)."""
     last = len(stream.chunks) - 1
 
     def encode(i: int) -> tuple[dict[str, str], list[tuple[int, bytes]]]:
         names = stream.chunks[i]
         target = {n: view[n] for n in names}
-        part = checksums(target)
+        part = checksums(target) if scan_on is not None else None
         out = []
         for b, digest in stream.bases.items():
             base, scanned = bases[b], target
@@ -152,8 +154,10 @@ def write_chunks(
                 base_digest=digest,
                 target_checksums=part,
             )
+            if part is None:  # the first patch's, summed by its scan
+                part = {n: c for n, c in read_patch_header(data).checksums.items() if n in names}
             out.append((b, data))
-        return part, out
+        return part or {}, out
 
     sums: dict[str, str] = {}
     refs: dict[int, list[tuple[ChunkRef, int, int]]] = {b: [] for b in stream.bases}

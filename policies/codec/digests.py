@@ -21,7 +21,7 @@ import numpy.typing as npt
 import torch
 import xxhash
 
-from policies.codec.kernels_sum import add_words
+from policies.codec.kernels_sum import add_words, finish_sum
 from policies.codec.kinds import SUM, XXH3, Kind
 
 
@@ -44,15 +44,11 @@ def bytes_checksum(data: bytes | memoryview) -> str:
 
 def _sum_lanes(raw: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint64]:
     acc = np.zeros(2, dtype=np.uint64)
-    whole = raw.size // 8 * 8
+    whole = raw.size // 8
     if whole:
-        body = raw[:whole] if raw.ctypes.data % 8 == 0 else raw[:whole].copy()
+        body = raw[: whole * 8] if raw.ctypes.data % 8 == 0 else raw[: whole * 8].copy()
         add_words(body.view("<u8"), 0, acc)
-    if whole < raw.size:
-        tail = np.zeros(8, dtype=np.uint8)
-        tail[: raw.size - whole] = raw[whole:]
-        add_words(tail.view("<u8"), whole // 8, acc)
-    return acc + np.uint64(raw.size)
+    return finish_sum(raw, whole, acc)
 
 
 def lanes_hex(acc: npt.NDArray[np.uint64]) -> str:

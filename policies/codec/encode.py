@@ -84,6 +84,7 @@ from policies.codec.digests import (
     checksums,
     digest_of,
     dtype_name,
+    lanes_hex,
     raw_bytes,
     state_digest,
     storage_key,
@@ -133,23 +134,31 @@ def _compress(raw: bytes | memoryview, level: int) -> bytes:
     return zstandard.ZstdCompressor(level=level, threads=threads).compress(raw)
 
 
-def _whole(raw: bytes | memoryview, units: int, level: int) -> tuple[int, bytes]:
+Section = tuple[int, bytes, str | None]
+"""A tensor's changed units, its compressed section, and the target's ``sum-128`` checksum when
+the scan summed it (None: computed from the tensor)."""
+
+
+def _whole(raw: bytes | memoryview, units: int, level: int) -> Section:
     """A tensor shipped whole: every unit changed, its bytes compressed."""
-    return units, _compress(raw, level)
+    return units, _compress(raw, level), None
 
 
 def _section(
     b: UInt | None, t: UInt | None, changes: Changes, floating: bool, level: int, chunk: int
-) -> tuple[int, bytes]:
+) -> Section:
     """The changed units and the compressed section storing ``changes`` (empty if none)."""
+    lanes = changes.target_sum
+    checksum = lanes_hex(lanes) if lanes is not None else None
     if not changes.changed:
-        return 0, b""
-    return changes.changed, _compress(encode_section(b, t, changes, floating, chunk).data, level)
+        return 0, b"", checksum
+    section = _compress(encode_section(b, t, changes, floating, chunk).data, level)
+    return changes.changed, section, checksum
 
 
 def _one_job(
     b: torch.Tensor, t: torch.Tensor, w: int, floating: bool, level: int, chunk: int
-) -> tuple[int, bytes]:
+) -> Section:
     """A tensor of at most :data:`JOB_UNITS` units scanned and written by one job."""
     bu, tu = unit_view(raw_bytes(b), w), unit_view(raw_bytes(t), w)
     return _section(bu, tu, find_changes(bu, tu, chunk), floating, level, chunk)
@@ -157,7 +166,7 @@ def _one_job(
 
 def _start(
     pool: Pool, b: torch.Tensor, t: torch.Tensor, units: int, level: int, chunk: int
-) -> Future[tuple[int, bytes]]:
+) -> Future[Section]:
     """Queue one tensor's scan, then its section (the thread that finishes the scan queues the
     section ahead of other tensors' scans: what the encode waits on comes first).
 
@@ -189,17 +198,17 @@ def encode_patch(
     """Encode the patch that turns ``base`` into ``target``.
 
     ``base_digest`` and ``target_checksums`` may be passed when already known (a publisher has
-    them from the previous and current version); otherwise they are computed. ``chunk`` (units
-    per chunk, a multiple of 8 up to 2**21) is recorded in the patch.
+    them from the previous version and, for a scan off the host, of the current one's host
+    copy); otherwise they are computed: a tensor scanned on the host has its checksum summed
+    by the scan as it reads the target (no pass of its own). ``chunk`` (units per chunk, a
+    multiple of 8 up to 2**21) is recorded in the patch.
     """
     if chunk % 8 or not 8 <= chunk <= 1 << 21:
         raise ValueError(f"chunk must be a multiple of 8 in [8, 2**21], got {chunk}")
-    sums = dict(target_checksums) if target_checksums is not None else checksums(target)
-    sums.update(checksums({k: v for k, v in target.items() if k not in sums}))
+    sums = dict(target_checksums) if target_checksums is not None else {}
     bdig = base_digest if base_digest is not None else state_digest(base)
-    tdig = digest_of((k, dtype_name(t), list(t.shape), sums[k]) for k, t in target.items())
     records: list[dict[str, Any]] = []
-    sections: list[Future[tuple[int, bytes]] | None] = []
+    sections: list[Future[Section] | None] = []
     scans: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (record index, base, target)
     primary: dict[StorageKey, str] = {}
     pool = workers("encode")
@@ -209,7 +218,7 @@ def encode_patch(
             "name": name,
             "dtype": dtype_name(t),
             "shape": list(t.shape),
-            "checksum": sums[name],
+            "checksum": sums.get(name),
             "width": _width(t),
             "alias_of": None,
             "changed": 0,
@@ -217,7 +226,7 @@ def encode_patch(
         rec["units"] = t.numel() * t.element_size() // rec["width"]
         key = storage_key(t)
         b = base.get(name)
-        section: Future[tuple[int, bytes]] | None = None
+        section: Future[Section] | None = None
         if key in primary:
             rec.update(op="alias", alias_of=primary[key])
         elif b is None or dtype_name(b) != rec["dtype"] or tuple(b.shape) != tuple(t.shape):
@@ -233,7 +242,7 @@ def encode_patch(
     # Tensors are queued while those in flight hold fewer than _WINDOW_UNITS units (two at
     # least), so the pool never idles between tensors and the scanned changes held in memory
     # stay bounded; each tensor's section is queued by the thread that finishes its scan.
-    in_flight: deque[tuple[int, Future[tuple[int, bytes]]]] = deque()
+    in_flight: deque[tuple[int, Future[Section]]] = deque()
     held = 0
     for i, b, t in scans:
         units = records[i]["units"]
@@ -247,10 +256,21 @@ def encode_patch(
     body: list[bytes] = []
     offset = 0
     for rec, section in zip(records, sections, strict=True):
-        changed, data = section.result() if section is not None else (0, b"")
+        changed, data, summed = section.result() if section is not None else (0, b"", None)
         rec.update(changed=changed, offset=offset, length=len(data))
+        if rec["checksum"] is None:
+            rec["checksum"] = summed
         body.append(data)
         offset += len(data)
+    for rec in records:  # aliases: their primary's; tensors shipped whole or scanned off the host
+        if rec["checksum"] is None and rec["alias_of"] is not None:
+            rec["checksum"] = next(r["checksum"] for r in records if r["name"] == rec["alias_of"])
+    left = {r["name"]: target[r["name"]] for r in records if r["checksum"] is None}
+    summed_now = checksums(left)
+    for rec in records:
+        if rec["checksum"] is None:
+            rec["checksum"] = summed_now[rec["name"]]
+    tdig = digest_of((r["name"], r["dtype"], r["shape"], r["checksum"]) for r in records)
     header = {
         "format": FORMAT,
         "base_digest": bdig,

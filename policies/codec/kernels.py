@@ -155,6 +155,25 @@ def trailing_zeros(x: np.uint64) -> np.uint64:
     return _cttz(x)  # type: ignore[call-arg]  # an intrinsic, typed by numba
 
 
+SEED_A = np.uint64(0x165667B19E3779F9)
+STEP_A = np.uint64(0x9E3779B97F4A7C15)
+SEED_B = np.uint64(0x27D4EB2F165667C5)
+STEP_B = np.uint64(0xC2B2AE3D27D4EB4F)
+"""The two lanes' keys of the ``sum-128`` checksum: word ``j``'s is ``SEED + j · STEP``
+(:mod:`policies.codec.kernels_sum`)."""
+_LOW = np.uint64(0xFFFFFFFF)
+_HALF = np.uint64(32)
+
+
+@jit_inline
+def sum_terms(w: np.uint64, ka: np.uint64, kb: np.uint64) -> tuple[np.uint64, np.uint64]:
+    """The ``sum-128`` terms of word ``w`` under the lanes' keys ``ka`` and ``kb``."""
+    ta = w + ka
+    tb = w ^ kb
+    swapped = (w << _HALF) | (w >> _HALF)
+    return (ta & _LOW) * (ta >> _HALF) + swapped, (tb & _LOW) * (tb >> _HALF) + w
+
+
 @jit
 def scan_changes(
     b: UInt,
@@ -169,8 +188,11 @@ def scan_changes(
     svals: UInt,
     bpos: I64,
     bvals: UInt,
+    acc: U64,
 ) -> tuple[int, int, int]:
-    """Classify chunks ``c0 … c1`` of ``b → t`` and list what changed in them.
+    """Classify chunks ``c0 … c1`` of ``b → t`` and list what changed in them; add the
+    ``sum-128`` terms of every whole word of ``t`` in those chunks to the two lanes ``acc``
+    (read while the words are in L1: the checksum of the target costs no pass of its own).
 
     Compares the 8-byte words ``bw``/``tw`` (the same memory, whole words only) first and the
     units of changed words after. Writes each chunk's mode into ``modes``; the changed
@@ -190,6 +212,8 @@ def scan_changes(
     nwords = bw.size
     last = np.uint64(max(nwords - 1, 0))
     ns = nb = nd = 0
+    a = acc[0]
+    sb = acc[1]
     for c in range(c0, c1):
         lo = c * chunk
         hi = min(lo + chunk, n)
@@ -209,6 +233,14 @@ def scan_changes(
             words = ZERO
             for i in range(64):
                 words |= np.uint64(bw[w + np.uint64(i)] != tw[w + np.uint64(i)]) << np.uint64(i)
+            ka = SEED_A + w * STEP_A
+            kb = SEED_B + w * STEP_B
+            for i in range(64):  # running keys: the loop vectorizes
+                ta, tb = sum_terms(tw[w + np.uint64(i)], ka, kb)
+                a += ta
+                sb += tb
+                ka += STEP_A
+                kb += STEP_B
             while words:
                 cw = w + trailing_zeros(words)
                 words &= words - _ONE
@@ -226,6 +258,12 @@ def scan_changes(
                     svals[1, k] = t[u]
                     k += _ONE
             w += np.uint64(64)
+        j = w
+        while j < whi:  # the last < 64 whole words' terms
+            ta, tb = sum_terms(tw[j], SEED_A + j * STEP_A, SEED_B + j * STEP_B)
+            a += ta
+            sb += tb
+            j += _ONE
         k_end = int(np.int64(k))  # signed again for the arithmetic below
         for i in range(int(np.int64(w)) * lanes, hi):  # the last < 64 words' units
             if b[i] != t[i]:
@@ -248,6 +286,8 @@ def scan_changes(
         else:
             modes[c] = 1
             ns = k_end
+    acc[0] = a
+    acc[1] = sb
     return ns, nb, nd
 
 

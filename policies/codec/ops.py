@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
@@ -38,6 +38,7 @@ from policies.codec.kernels import (
     write_varints,
 )
 from policies.codec.kernels_apply import ERRORS, apply_changes
+from policies.codec.kernels_sum import finish_sum
 
 Coding = Literal["xor", "delta", "odelta"]
 SPARSE, BITMASK, DENSE = 1, 2, 3
@@ -230,6 +231,9 @@ class Changes(NamedTuple):
     """Every unit of the dense chunks, in chunk order, as (base, target) rows, when the scan ran
     off the host (:mod:`policies.codec.scan`); ``None``: :func:`encode_section` reads them from
     the tensors."""
+    target_sum: U64 | None = None
+    """The two lanes of the target's ``sum-128`` checksum, summed by the compiled scan as it
+    compared (:mod:`policies.codec.kernels_sum`); ``None`` when the scan ran off the host."""
 
     @property
     def changed(self) -> int:
@@ -259,9 +263,9 @@ def _scratch(units: int, chunk: int, dtype: np.dtype[Any]) -> tuple[I64, UInt, I
     return arrays
 
 
-Part = tuple[I64, UInt, I64, UInt, int]
-"""What one scan job of :func:`start_changes` finds (its range's ``spos, svals, bpos, bvals``
-and dense changes)."""
+Part = tuple[I64, UInt, I64, UInt, int, U64]
+"""What one scan job of :func:`start_changes` finds (its range's ``spos, svals, bpos, bvals``,
+dense changes and the ``sum-128`` lanes of its target words)."""
 
 
 def find_changes(b: UInt, t: UInt, chunk: int) -> Changes:
@@ -296,8 +300,10 @@ def _scan_jobs(
     def job(c0: int) -> Part:
         c1 = min(c0 + step, nchunks)
         spos, svals, bpos, bvals = _scratch(step * chunk, chunk, b.dtype)
-        ns, nb, nd = scan_changes(b, t, bw, tw, c0, c1, chunk, modes, spos, svals, bpos, bvals)
-        return spos[:ns].copy(), svals[:, :ns].copy(), bpos[:nb].copy(), bvals[:, :nb].copy(), nd
+        acc = np.zeros(2, dtype=np.uint64)
+        ns, nb, nd = scan_changes(b, t, bw, tw, c0, c1, chunk, modes, spos, svals, bpos, bvals, acc)
+        found = spos[:ns].copy(), svals[:, :ns].copy(), bpos[:nb].copy(), bvals[:, :nb].copy()
+        return *found, nd, acc
 
     def assemble(parts: list[Part]) -> Changes:
         pos: list[I64] = [np.empty(0, dtype=np.int64)]
@@ -309,9 +315,17 @@ def _scan_jobs(
             bpos=np.concatenate(pos + [p[2] for p in parts]),
             bvals=np.concatenate(vals + [p[3] for p in parts], axis=1),
             dense_changed=sum(p[4] for p in parts),
+            target_sum=finish_sum(t.view(np.uint8), tw.size, _lanes(p[5] for p in parts)),
         )
 
     return job, range(0, nchunks, step), assemble
+
+
+def _lanes(parts: Iterable[U64]) -> U64:
+    acc = np.zeros(2, dtype=np.uint64)
+    for p in parts:
+        acc += p
+    return acc
 
 
 def _sample(ch: Changes, source: UInt | tuple[UInt, UInt], chunk: int) -> tuple[UInt, UInt]:

@@ -3,6 +3,7 @@ version before it is published (policies/board/stream.py)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from policies.board import Board
+from policies.board import publish as board_publish
 from policies.board import stream as board_stream
 from policies.board.manifest import manifest_digest, manifest_seal
 from policies.board.types import (
@@ -26,7 +28,8 @@ from policies.board.types import (
     chunk_file,
 )
 from policies.codec import CODEC, encode_patch, read_patch_header
-from policies.codec.digests import checksums
+from policies.codec import encode as codec_encode
+from policies.codec.digests import XXH3, checksums
 from policies.errors import BoardError, VersionCorrupt
 from tests.support.stream import Gate
 
@@ -76,8 +79,11 @@ def _streaming(reader: Board, version: int) -> bool:
 
 
 def test_a_reader_stages_the_first_tensor_before_the_publisher_wrote_the_last(
-    make_board: MakeBoard,
+    make_board: MakeBoard, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # the gated publisher waits on the checks below, which take 1–1.5 s on an S3 board and
+    # more on a slow host: not a stall (the short STALL_S is for the dying publisher's tests)
+    monkeypatch.setattr(board_stream, "STALL_S", 30.0)
     v0 = _view(0)
     v1 = _step(v0, 1)
     pub = make_board()
@@ -236,6 +242,43 @@ def test_a_version_of_the_single_file_format_still_reads(make_board: MakeBoard) 
     reader.advance(held, 0, 1)
     assert _same(held, v1)
     assert _same(make_board().load(1)[1], v1)
+
+
+def test_a_run_published_with_xxh3_checksums_still_reads_and_continues(
+    make_board: MakeBoard, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A board written by the sprawl before ``sum-128`` (manifest format 4, patch format 1,
+    xxh3-128 checksums) loads, advances and verifies; a new publisher continues the run."""
+    v0 = _view(0)
+    v1 = _step(v0, 1)
+    with monkeypatch.context() as old:
+        old.setattr(codec_encode, "FORMAT", 1)
+        old.setattr(board_publish, "STREAM_FORMAT", 4)
+        xxh3 = functools.partial(checksums, kind=XXH3)
+        old.setattr(board_publish, "checksums", xxh3)
+        encode = board_stream.encode_patch
+
+        def old_encode(base: State, target: State, **kw: object) -> bytes:
+            return encode(base, target, **{**kw, "target_checksums": xxh3(target)})  # type: ignore[arg-type]
+
+        old.setattr(board_stream, "encode_patch", old_encode)
+        board = make_board()
+        board.publish(0, v0, view_name="bfloat16")
+        board.publish(1, v1, view_name="bfloat16")
+    reader = make_board()
+    m1 = reader.manifest(1)
+    assert m1.format == 4
+    assert m1.checksum_kind == XXH3
+    assert m1.patches[0].chunks
+    held = reader.load(0)[1]
+    reader.advance(held, 0, 1)
+    assert _same(held, v1)
+    reader.advance(held, 1, 1, verify_base=True)  # hashes the view as the manifest says: xxh3
+    v2 = _step(v1, 2)
+    make_board().publish(2, v2, view_name="bfloat16")  # a new process: anchors, format 5
+    assert make_board().manifest(2).format == STREAM_FORMAT
+    reader.advance(held, 1, 2)
+    assert _same(held, v2)
 
 
 def test_chunked_patches_in_a_format_2_manifest_are_refused(make_board: MakeBoard) -> None:

@@ -12,6 +12,7 @@ from hypothesis.extra import numpy as hnp
 
 from policies.codec import apply_patch, checksums, encode_patch, read_patch_header
 from policies.codec.digests import SUM, XXH3, hex_lanes, lanes_hex, tensor_checksum
+from policies.codec.ops import JOB_UNITS
 from policies.errors import PatchChecksumMismatch
 
 DTYPES = [torch.uint8, torch.bfloat16, torch.float32, torch.float64, torch.complex128]
@@ -48,6 +49,28 @@ def test_a_patch_checked_from_the_words_it_writes_passes_exactly_when_the_result
     view = {"w": base.clone()}
     out = apply_patch(view, patch, base_checksums=checksums({"w": base}))
     assert torch.equal(out["w"].reshape(-1).view(torch.uint8), target.reshape(-1).view(torch.uint8))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(changed_pairs(), st.sampled_from([8, 64, 1 << 16]))
+def test_the_checksums_the_scan_sums_are_those_of_the_whole_targets(
+    pair: tuple[torch.Tensor, torch.Tensor], chunk: int
+) -> None:
+    base, target = pair
+    patch = encode_patch({"w": base}, {"w": target}, chunk=chunk)
+    assert read_patch_header(patch).checksums == checksums({"w": target})
+
+
+def test_a_tensor_scanned_by_several_jobs_is_summed_whole() -> None:
+    """Past ``JOB_UNITS`` a tensor's scan is cut into jobs on the codec's threads; their sums
+    add up to the tensor's checksum (an odd byte count: a short last word too)."""
+    gen = torch.Generator().manual_seed(4)
+    base = torch.randint(0, 256, (3 * JOB_UNITS + 5,), dtype=torch.uint8, generator=gen)
+    target = base.clone()
+    target[:: 1 << 12] ^= 1
+    patch = encode_patch({"w": base, "tied": base}, {"w": target, "tied": target})
+    header = read_patch_header(patch)
+    assert header.checksums == {"w": tensor_checksum(target), "tied": tensor_checksum(target)}
 
 
 def test_changes_bunched_into_bitmask_and_dense_chunks_are_checked_from_the_words_written() -> None:
