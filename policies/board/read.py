@@ -430,7 +430,7 @@ class BoardReader:
             data = self._read_exact(step.version, rel, chunk.bytes)
             # the first chunk vouches for nothing unless the caller did: hash the base once
             where = f"version {step.version}: {rel}"
-            staged.append(apply_frame(view, data, where, digest, None, sums))
+            staged.append(apply_frame(view, data, where, digest, base_checksums=sums))
             digest = ref.base_digest
         wrong = check_chunks(m, ref, staged)
         if wrong is not None:

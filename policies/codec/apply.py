@@ -99,7 +99,7 @@ def _build(
             _apply_section(dst, rec, _decompress(section, rec.name), chunk, acc)
         out = dst
     if verify is not None and (dst is None or rec.length):
-        if acc is not None and dst is not None and held is not None:
+        if acc is not None and held is not None:
             got = lanes_hex(held + acc)
         else:
             got = tensor_checksum(out, verify)

@@ -262,9 +262,10 @@ def encode_patch(
             rec["checksum"] = summed
         body.append(data)
         offset += len(data)
+    by_name = {r["name"]: r for r in records}
     for rec in records:  # aliases: their primary's; tensors shipped whole or scanned off the host
         if rec["checksum"] is None and rec["alias_of"] is not None:
-            rec["checksum"] = next(r["checksum"] for r in records if r["name"] == rec["alias_of"])
+            rec["checksum"] = by_name[rec["alias_of"]]["checksum"]
     left = {r["name"]: target[r["name"]] for r in records if r["checksum"] is None}
     summed_now = checksums(left)
     for rec in records:

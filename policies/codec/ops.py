@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import struct
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
@@ -315,17 +315,12 @@ def _scan_jobs(
             bpos=np.concatenate(pos + [p[2] for p in parts]),
             bvals=np.concatenate(vals + [p[3] for p in parts], axis=1),
             dense_changed=sum(p[4] for p in parts),
-            target_sum=finish_sum(t.view(np.uint8), tw.size, _lanes(p[5] for p in parts)),
+            target_sum=finish_sum(
+                t.view(np.uint8), tw.size, sum((p[5] for p in parts), np.zeros(2, np.uint64))
+            ),
         )
 
     return job, range(0, nchunks, step), assemble
-
-
-def _lanes(parts: Iterable[U64]) -> U64:
-    acc = np.zeros(2, dtype=np.uint64)
-    for p in parts:
-        acc += p
-    return acc
 
 
 def _sample(ch: Changes, source: UInt | tuple[UInt, UInt], chunk: int) -> tuple[UInt, UInt]:
