@@ -97,14 +97,16 @@ log = structlog.get_logger(__name__)
 def encode_patches(
     bases: Mapping[int, tuple[Mapping[str, torch.Tensor], str]],
     target: Mapping[str, torch.Tensor],
-    sums: Mapping[str, str],
     opts: BoardOptions,
     *,
     scan_on: ScanOn | None = None,
-) -> dict[int, tuple[bytes, PatchRef]]:
-    """The patch from each base version (its view and digest) to ``target`` (whose tensor
-    checksums are ``sums``), with the manifest's record of it, by base; ``scan_on`` has one
-    base's patch scanned on a device."""
+) -> tuple[dict[str, str], dict[int, tuple[bytes, PatchRef]]]:
+    """``target``'s tensor checksums, and the patch from each base version (its view and
+    digest) to ``target`` with the manifest's record of it, by base; ``scan_on`` has one base's
+    patch scanned on a device. The checksums are summed by the first base's scan as it reads
+    ``target`` (:func:`policies.codec.encode_patch`); hashed when there is no base or a scan runs
+    on a device (they are the host copy's)."""
+    sums = checksums(target) if scan_on is not None or not bases else None
     patches: dict[int, tuple[bytes, PatchRef]] = {}
     for b, (view, digest) in bases.items():
         scanned = target
@@ -114,12 +116,14 @@ def encode_patches(
             view, scanned, level=opts.zstd_level, base_digest=digest, target_checksums=sums
         )
         hdr = read_patch_header(data)
+        if sums is None:  # the first patch's, summed by its scan
+            sums = {n: c for n, c in hdr.checksums.items() if n in target}
         ref = PatchRef(
             base=b, file=patch_file(b), bytes=len(data), changed=hdr.changed,
             units=hdr.units, base_digest=hdr.base_digest,
         )  # fmt: skip
         patches[b] = (data, ref)
-    return patches
+    return sums or {}, patches
 
 
 @dataclass

@@ -56,6 +56,7 @@ from policies.board.types import (
 )
 from policies.codec import apply_patch, read_patch_header
 from policies.codec.digests import checksums, storage_key, tensor_checksum
+from policies.codec.kinds import SUM
 from policies.errors import (
     BoardError,
     PatchBaseMismatch,
@@ -112,6 +113,22 @@ def view_checksums(view: Mapping[str, torch.Tensor], m: Manifest) -> dict[str, s
             pieces.setdefault(name, {})[shard.rank] = p.model_copy(update={"checksum": got})
     out = {name: pieces_checksum(by_rank) for name, by_rank in pieces.items()}
     out.update({a: out[p] for a, p in m.aliases.items() if p in out})
+    return out
+
+
+def _piece_checksums(base: Manifest, shard: ShardEntry) -> dict[str, str] | None:
+    """The ``sum-128`` checksums ``base`` records for the pieces of ``shard`` (its rank's, in
+    the same boxes; a patch's check from them then costs the words it writes), else None."""
+    if base.checksum_kind != SUM:
+        return None
+    held = next((s for s in base.shards if s.rank == shard.rank), None)
+    if held is None:
+        return None
+    out = {}
+    for name, p in shard.pieces.items():
+        was = held.pieces.get(name)
+        if was is not None and (was.offset, was.shape) == (p.offset, p.shape):
+            out[name] = was.checksum
     return out
 
 
@@ -455,8 +472,13 @@ class BoardReader:
                 f"{ref.base_digest}); the view held has digest {digest}: catch up from the "
                 "version actually held"
             )
+        try:
+            base = self.manifest(step.base)
+        except BoardError:  # collected: each piece written is hashed
+            base = None
         for shard in m.shards:
-            self._apply_shard(view, step, shard, m, vouched=digest is not None)
+            sums = _piece_checksums(base, shard) if base is not None else None
+            self._apply_shard(view, step, shard, m, vouched=digest is not None, base_checksums=sums)
         return m.digest
 
     def _apply_shard(
@@ -467,6 +489,7 @@ class BoardReader:
         m: Manifest,
         *,
         vouched: bool,
+        base_checksums: Mapping[str, str] | None,
     ) -> None:
         ref = next(p for p in shard.patches if p.base == step.base)
         rel = f"{shard_dir(shard.rank)}/{ref.file}"
@@ -491,7 +514,11 @@ class BoardReader:
             if {r.name for r in hdr.tensors} != set(shard.pieces):
                 raise VersionCorrupt(f"{where}: its tensors are not rank {shard.rank}'s pieces")
             out = apply_patch(
-                pieces, data, base_digest=ref.base_digest if vouched else None, verify=True
+                pieces,
+                data,
+                base_digest=ref.base_digest if vouched else None,
+                base_checksums=base_checksums,
+                verify=True,
             )
         except PatchBaseMismatch as exc:
             raise PatchBaseMismatch(str(exc) if where in str(exc) else f"{where}: {exc}") from None

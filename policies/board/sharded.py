@@ -85,7 +85,7 @@ from policies.board.types import (
     shard_dir,
 )
 from policies.codec import CODEC
-from policies.codec.digests import bytes_checksum, checksums, state_digest, storage_key
+from policies.codec.digests import bytes_checksum, state_digest, storage_key
 from policies.errors import BoardError
 
 log = structlog.get_logger(__name__)
@@ -169,8 +169,7 @@ class ShardedPublisher:
             view, device, scan_on = host_side(
                 _view(pieces, aliases, dtype), latest, self._device, prev_host
             )
-            sums = checksums(view)
-            patches = self._encode(version, latest, view, sums, held, scan_on)
+            sums, patches = self._encode(version, latest, view, held, scan_on)
         except Exception as exc:  # sent to the other ranks, then raised here unchanged
             err = exc
         digest = state_digest(view, known=sums)
@@ -313,14 +312,14 @@ class ShardedPublisher:
         version: int,
         latest: int | None,
         view: Mapping[str, torch.Tensor],
-        sums: Mapping[str, str],
         held: Mapping[int, _Held],
         scan_on: ScanOn | None,
-    ) -> dict[int, tuple[bytes, PatchRef]]:
-        """Step 2: this rank's patches into ``version``, by base (as :meth:`Board.publish`)."""
+    ) -> tuple[dict[str, str], dict[int, tuple[bytes, PatchRef]]]:
+        """Step 2: the checksums of this rank's pieces and its patches into ``version``, by base
+        (as :meth:`Board.publish`; :func:`policies.board.publish.encode_patches`)."""
         bases = board_plan.patch_bases(version, latest, held, self.options.catchup_levels)
         pieces = {b: (held[b].pieces, held[b].digest) for b in bases}
-        return encode_patches(pieces, view, sums, self.options, scan_on=scan_on)
+        return encode_patches(pieces, view, self.options, scan_on=scan_on)
 
     def _anchor_due(
         self, version: int, latest: int | None, deltas: list[int | None], full_bytes: int

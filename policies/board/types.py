@@ -194,7 +194,8 @@ class PieceEntry(BaseModel):
     offset: list[int]
     shape: list[int]
     checksum: str
-    """xxh3-128 of the piece's bytes (contiguous, native order)."""
+    """The piece's checksum (the manifest's :attr:`Manifest.checksum_kind`) of its bytes
+    (contiguous, native order)."""
 
 
 class ShardEntry(BaseModel):

@@ -22,6 +22,8 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 from policies.board import WEIGHTS, Board, BoardOptions, BoardReader, ShardedPublisher
 from policies.board.manifest import manifest_seal
 from policies.board.types import SHARDED_FORMAT, Manifest
+from policies.codec import apply as codec_apply
+from policies.codec.kinds import SUM
 from policies.errors import BoardError, VersionCorrupt
 from policies.serve.backends.base import free_port
 from policies.serve.backends.reference import ReferenceBackend
@@ -210,6 +212,37 @@ def test_a_damaged_piece_or_shard_patch_is_refused_naming_it(tmp_path: Path) -> 
         reader.advance(view, 1, 2)
     reader.advance(view, None, 2)  # routed around: the squashed patch from version 0
     assert reader.catch_up(1, 2).steps[0].base == 0
+
+
+def test_a_replica_checks_the_pieces_it_patches_from_the_words_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    states = [_state()]
+    for v in range(1, 3):
+        states.append(adam_like_step(states[-1], v, density=0.02))
+    pub = ShardedPublisher(str(tmp_path / "s"), "run")
+    ref = Board(str(tmp_path / "r"), "run")
+    for v, s in enumerate(states):
+        pub.publish(v, s)
+        ref.publish(v, _served(s), view_name="bf16")
+    reader = BoardReader(str(tmp_path / "s"), "run")
+    view: State = {}
+    reader.advance(view, None, 1)
+    hashed: list[torch.Size] = []
+    whole = codec_apply.tensor_checksum
+
+    def spy(t: torch.Tensor, kind: Any = SUM) -> str:
+        hashed.append(t.shape)
+        return whole(t, kind)
+
+    monkeypatch.setattr(codec_apply, "tensor_checksum", spy)
+    reader.advance(view, 1, 2)
+    assert hashed == []  # each piece checked as its base checksum plus what the patch wrote
+    expected = BoardReader(str(tmp_path / "r"), "run").load(2)[1]
+    assert all(torch.equal(view[k], expected[k]) for k in expected)
+    assert reader.manifest(2).shards[0].pieces["layers.0.weight"].checksum == (
+        whole(expected["layers.0.weight"], SUM)
+    )  # the publisher summed it as it scanned
 
 
 def test_an_inconsistent_sharded_manifest_is_refused_even_when_resealed(tmp_path: Path) -> None:
