@@ -157,18 +157,32 @@ def _section(
 
 
 def _one_job(
-    b: torch.Tensor, t: torch.Tensor, w: int, floating: bool, level: int, chunk: int
+    b: torch.Tensor,
+    t: torch.Tensor,
+    w: int,
+    floating: bool,
+    level: int,
+    chunk: int,
+    summing: bool,
 ) -> Section:
     """A tensor of at most :data:`JOB_UNITS` units scanned and written by one job."""
     bu, tu = unit_view(raw_bytes(b), w), unit_view(raw_bytes(t), w)
-    return _section(bu, tu, find_changes(bu, tu, chunk), floating, level, chunk)
+    changes = find_changes(bu, tu, chunk, summing=summing)
+    return _section(bu, tu, changes, floating, level, chunk)
 
 
 def _start(
-    pool: Pool, b: torch.Tensor, t: torch.Tensor, units: int, level: int, chunk: int
+    pool: Pool,
+    b: torch.Tensor,
+    t: torch.Tensor,
+    units: int,
+    level: int,
+    chunk: int,
+    summing: bool,
 ) -> Future[Section]:
     """Queue one tensor's scan, then its section (the thread that finishes the scan queues the
-    section ahead of other tensors' scans: what the encode waits on comes first).
+    section ahead of other tensors' scans: what the encode waits on comes first); ``summing``:
+    a host scan sums the target's checksum (a caller that knows it passes False).
 
     A small CPU tensor is one job, views taken there too: the caller's thread does next to
     nothing per tensor, where taking a tensor's views (torch calls, each of which hands the
@@ -179,10 +193,10 @@ def _start(
         scan = pool.submit(scan_tensor, b, t, w, chunk)
         return pool.then([scan], lambda ch: _section(None, None, ch[0], floating, level, chunk))
     if units <= JOB_UNITS:
-        return pool.submit(_one_job, b, t, w, floating, level, chunk)
+        return pool.submit(_one_job, b, t, w, floating, level, chunk, summing)
     # units are taken when the scan is queued: a strided tensor is copied only then
     bu, tu = unit_view(raw_bytes(b), w), unit_view(raw_bytes(t), w)
-    jobs, assemble = start_changes(bu, tu, pool, chunk)
+    jobs, assemble = start_changes(bu, tu, pool, chunk, summing=summing)
     return pool.then(jobs, lambda parts: _section(bu, tu, assemble(parts), floating, level, chunk))
 
 
@@ -250,7 +264,8 @@ def encode_patch(
             done, oldest = in_flight.popleft()
             oldest.result()
             held -= done
-        sections[i] = started = _start(pool, b, t, units, level, chunk)
+        summing = records[i]["checksum"] is None
+        sections[i] = started = _start(pool, b, t, units, level, chunk, summing)
         in_flight.append((units, started))
         held += units
     body: list[bytes] = []

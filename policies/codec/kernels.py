@@ -189,10 +189,12 @@ def scan_changes(
     bpos: I64,
     bvals: UInt,
     acc: U64,
+    summing: bool,
 ) -> tuple[int, int, int]:
-    """Classify chunks ``c0 … c1`` of ``b → t`` and list what changed in them; add the
-    ``sum-128`` terms of every whole word of ``t`` in those chunks to the two lanes ``acc``
-    (read while the words are in L1: the checksum of the target costs no pass of its own).
+    """Classify chunks ``c0 … c1`` of ``b → t`` and list what changed in them; when
+    ``summing``, add the ``sum-128`` terms of every whole word of ``t`` in those chunks to the
+    two lanes ``acc`` (read while the words are in L1: the checksum of the target costs no pass
+    of its own; a caller that knows it skips that compute).
 
     Compares the 8-byte words ``bw``/``tw`` (the same memory, whole words only) first and the
     units of changed words after. Writes each chunk's mode into ``modes``; the changed
@@ -233,14 +235,15 @@ def scan_changes(
             words = ZERO
             for i in range(64):
                 words |= np.uint64(bw[w + np.uint64(i)] != tw[w + np.uint64(i)]) << np.uint64(i)
-            ka = SEED_A + w * STEP_A
-            kb = SEED_B + w * STEP_B
-            for i in range(64):  # running keys: the loop vectorizes
-                ta, tb = sum_terms(tw[w + np.uint64(i)], ka, kb)
-                a += ta
-                sb += tb
-                ka += STEP_A
-                kb += STEP_B
+            if summing:
+                ka = SEED_A + w * STEP_A
+                kb = SEED_B + w * STEP_B
+                for i in range(64):  # running keys: the loop vectorizes
+                    ta, tb = sum_terms(tw[w + np.uint64(i)], ka, kb)
+                    a += ta
+                    sb += tb
+                    ka += STEP_A
+                    kb += STEP_B
             while words:
                 cw = w + trailing_zeros(words)
                 words &= words - _ONE
@@ -258,7 +261,7 @@ def scan_changes(
                     svals[1, k] = t[u]
                     k += _ONE
             w += np.uint64(64)
-        j = w
+        j = w if summing else whi
         while j < whi:  # the last < 64 whole words' terms
             ta, tb = sum_terms(tw[j], SEED_A + j * STEP_A, SEED_B + j * STEP_B)
             a += ta

@@ -268,27 +268,29 @@ Part = tuple[I64, UInt, I64, UInt, int, U64]
 dense changes and the ``sum-128`` lanes of its target words)."""
 
 
-def find_changes(b: UInt, t: UInt, chunk: int) -> Changes:
+def find_changes(b: UInt, t: UInt, chunk: int, *, summing: bool = True) -> Changes:
     """Find and classify the changes of ``b → t`` in this thread (compiled; the ~4 Mi-unit
-    ranges :func:`start_changes` queues on a pool, one after another)."""
-    job, starts, assemble = _scan_jobs(b, t, chunk)
+    ranges :func:`start_changes` queues on a pool, one after another); ``summing``: the
+    target's ``sum-128`` too (:attr:`Changes.target_sum`)."""
+    job, starts, assemble = _scan_jobs(b, t, chunk, summing)
     return assemble([job(c0) for c0 in starts])
 
 
 def start_changes(
-    b: UInt, t: UInt, pool: Executor, chunk: int
+    b: UInt, t: UInt, pool: Executor, chunk: int, *, summing: bool = True
 ) -> tuple[list[Future[Part]], Callable[[list[Part]], Changes]]:
     """Queue the scan of ``b → t`` on ``pool`` now: its jobs (one per range of ~4 Mi units),
     and the call that joins their parts, in order, into the :class:`Changes`."""
-    job, starts, assemble = _scan_jobs(b, t, chunk)
+    job, starts, assemble = _scan_jobs(b, t, chunk, summing)
     return [pool.submit(job, c0) for c0 in starts], assemble
 
 
 def _scan_jobs(
-    b: UInt, t: UInt, chunk: int
+    b: UInt, t: UInt, chunk: int, summing: bool
 ) -> tuple[Callable[[int], Part], range, Callable[[list[Part]], Changes]]:
     """The scan of ``b → t`` as a job per range of chunks (called with its first chunk), the
-    ranges' first chunks, and the call that joins the jobs' parts into the :class:`Changes`."""
+    ranges' first chunks, and the call that joins the jobs' parts into the :class:`Changes`
+    (with the target's ``sum-128`` when ``summing``)."""
     n = b.size
     nchunks = -(-n // chunk)
     lanes = 8 // b.itemsize
@@ -301,7 +303,9 @@ def _scan_jobs(
         c1 = min(c0 + step, nchunks)
         spos, svals, bpos, bvals = _scratch(step * chunk, chunk, b.dtype)
         acc = np.zeros(2, dtype=np.uint64)
-        ns, nb, nd = scan_changes(b, t, bw, tw, c0, c1, chunk, modes, spos, svals, bpos, bvals, acc)
+        ns, nb, nd = scan_changes(
+            b, t, bw, tw, c0, c1, chunk, modes, spos, svals, bpos, bvals, acc, summing
+        )
         found = spos[:ns].copy(), svals[:, :ns].copy(), bpos[:nb].copy(), bvals[:, :nb].copy()
         return *found, nd, acc
 
@@ -317,7 +321,9 @@ def _scan_jobs(
             dense_changed=sum(p[4] for p in parts),
             target_sum=finish_sum(
                 t.view(np.uint8), tw.size, sum((p[5] for p in parts), np.zeros(2, np.uint64))
-            ),
+            )
+            if summing
+            else None,
         )
 
     return job, range(0, nchunks, step), assemble

@@ -58,7 +58,10 @@ def test_the_checksums_the_scan_sums_are_those_of_the_whole_targets(
 ) -> None:
     base, target = pair
     patch = encode_patch({"w": base}, {"w": target}, chunk=chunk)
-    assert read_patch_header(patch).checksums == checksums({"w": target})
+    sums = checksums({"w": target})
+    assert read_patch_header(patch).checksums == sums
+    # told the checksums, the scan skips summing them and makes the same patch
+    assert encode_patch({"w": base}, {"w": target}, chunk=chunk, target_checksums=sums) == patch
 
 
 def test_a_tensor_scanned_by_several_jobs_is_summed_whole() -> None:
@@ -71,6 +74,10 @@ def test_a_tensor_scanned_by_several_jobs_is_summed_whole() -> None:
     patch = encode_patch({"w": base, "tied": base}, {"w": target, "tied": target})
     header = read_patch_header(patch)
     assert header.checksums == {"w": tensor_checksum(target), "tied": tensor_checksum(target)}
+    known = encode_patch(
+        {"w": base, "tied": base}, {"w": target, "tied": target}, target_checksums=header.checksums
+    )
+    assert known == patch  # the jobs skip summing what the caller knows
 
 
 def test_changes_bunched_into_bitmask_and_dense_chunks_are_checked_from_the_words_written() -> None:
