@@ -16,9 +16,10 @@ and is checked to hold one row per forwarded position
 /v1/models`` → ``max_model_len``), read by :meth:`VLLMBackend.connect`.
 
 Versions: **stage** advances the island's :class:`~policies.serve.backends.shadow.Shadow` with
-patches from the board and writes the staged view as an island-local safetensors file (the
-engine must be able to read ``work_dir``); **apply** asks every worker to load it through
-vLLM's own ``reload_weights`` (:mod:`policies.serve.backends.vllm_worker`, ``POST
+patches from the board, writes the staged view as an island-local safetensors file (the engine
+must be able to read ``work_dir``) and has every worker check and read it while it serves
+(``sprawl_prepare``: the pause then holds only the reload); **apply** asks every worker to load
+it through vLLM's own ``reload_weights`` (:mod:`policies.serve.backends.vllm_worker`, ``POST
 /collective_rpc``), checks that every worker loaded the manifest's digest, and resets the prefix
 cache so no KV block of the old weights is reused. Mode ``"pause"`` wraps it in ``POST
 /pause?mode=keep`` … ``POST /resume`` and resets the running requests' KV too
@@ -48,13 +49,18 @@ from policies.codec.kinds import SUM
 from policies.errors import EngineError
 from policies.serve.backends.base import EngineUnavailable, HttpBackend, Sample
 from policies.serve.backends.shadow import Shadow
-from policies.serve.backends.vllm_worker import RPC_METHOD
+from policies.serve.backends.vllm_worker import PREPARE_METHOD, RPC_METHOD
 from policies.serve.decode import QuiesceMode
 from policies.wire.lane import FinishReason, GenerateRequest
 from policies.wire.routing import checked_routing, routing_rows
 
 log = structlog.get_logger(__name__)
 STATUS_EVERY_S = 1.0
+PREPARE_POLL_S = 0.005
+"""How soon the sidecar first asks the workers whether the staged file is read (doubling to
+0.1 s)."""
+PREPARE_WAIT_S = 120.0
+"""How long an activation waits, serving, for the workers to read the staged file."""
 ADAPTER: ContextVar[str | None] = ContextVar("sprawl_vllm_adapter", default=None)
 """The LoRA adapter the current request runs through (set by ``vllm_lora.VLLMLoraBackend``)."""
 
@@ -212,12 +218,46 @@ class VLLMBackend(HttpBackend):
         await anyio.to_thread.run_sync(self.shadow.stage, board, version)
         staged, view = self.shadow.take(version)
         await anyio.to_thread.run_sync(write_view, view, self._file(version))
-        self._digests[version] = await anyio.to_thread.run_sync(file_digest, staged.manifest, view)
+        digest = await anyio.to_thread.run_sync(file_digest, staged.manifest, view)
+        self._digests[version] = digest
+        await self._prepare(version, digest)
+
+    async def _prepare(self, version: int, digest: str) -> list[dict[str, Any]] | None:
+        """Have every worker check and read the staged file while it serves, or say whether it
+        is done (``sprawl_prepare``); their answers, or None when they cannot (an engine env
+        built before that method, or the engine away: logged, and each activation then reads the
+        file itself, paused)."""
+        body = {"method": PREPARE_METHOD, "args": [str(self._file(version)), digest]}
+        try:
+            out = await self.call("/collective_rpc", body)
+        except EngineError as exc:
+            log.warning("vllm.prepare_failed", engine=self.url, version=version, error=str(exc))
+            return None
+        results = out.get("results") if isinstance(out, dict) else None
+        if not isinstance(results, list) or not all(
+            isinstance(r, dict) and r.get("ok") is True for r in results
+        ):
+            log.warning("vllm.prepare_failed", engine=self.url, version=version, out=str(out)[:300])
+            return None
+        return results
+
+    async def _prepared(self, version: int, digest: str) -> None:
+        """Wait, the engine serving, until every worker has read and checked the staged file
+        (at most :data:`PREPARE_WAIT_S`; the activation then waits for the rest, paused)."""
+        wait = PREPARE_POLL_S
+        with anyio.move_on_after(PREPARE_WAIT_S):
+            while True:
+                results = await self._prepare(version, digest)
+                if results is None or all(r.get("done") is True for r in results):
+                    return
+                await anyio.sleep(wait)
+                wait = min(2 * wait, 0.1)
 
     async def apply(self, version: int, mode: QuiesceMode) -> None:
         staged, _ = self.shadow.take(version)
         path = self._file(version)
         digest = self._digests.get(version, staged.manifest.digest)
+        await self._prepared(version, digest)
         if mode == "pause":
             await self.call("/pause?mode=keep", {})
         try:
@@ -257,3 +297,11 @@ class VLLMBackend(HttpBackend):
         digests = {r.get("digest") for r in results}
         if digests != {digest}:
             raise EngineError(f"vllm workers loaded {digests} for version {version}, not {digest}")
+        log.info(  # what the pause held: the wait for the checked file, then the reload
+            "vllm.reloaded",
+            engine=self.url,
+            version=version,
+            prepared=all(r.get("prepared") is True for r in results),
+            check_s=max(float(r.get("check_s") or 0.0) for r in results),
+            reload_s=max(float(r.get("reload_s") or 0.0) for r in results),
+        )

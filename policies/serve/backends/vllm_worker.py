@@ -3,10 +3,24 @@
 Start vLLM with ``--worker-extension-cls policies.serve.backends.vllm_worker.SprawlWorkerExtension``
 (sprawl importable in the engine's environment: ``scripts/build-vllm-env.sh``). vLLM appends
 this class to its worker's bases, so each method runs inside every worker process; the sidecar
-calls, between engine steps::
+calls::
 
-    POST /collective_rpc {"method": "sprawl_activate", "args": [path, digest]}
-    → {"results": [{"ok": true, "digest": …, "reload_s": …} per worker]}
+    POST /collective_rpc {"method": "sprawl_prepare", "args": [path, digest]}   (once staged,
+    → {"results": [{"ok": true, "started": …, "done": …} per worker]}          then until done)
+    POST /collective_rpc {"method": "sprawl_activate", "args": [path, digest]}  (paused)
+    → {"results": [{"ok": true, "digest": …, "prepared": true, "check_s": …, "reload_s": …} …]}
+
+:meth:`SprawlWorkerExtension.sprawl_prepare` returns at once and checks and reads the file on a
+thread of the worker's own while the engine serves (an RPC runs between engine steps: a read
+done in it would hold generation for as long); asked again for the same file it says whether
+that is done, and the sidecar pauses only then. The activation (inside the pause) takes the
+tensors read, waiting for them if they are not (a sidecar that stopped asking), and reloads:
+``check_s`` is that wait (the whole check and read when nothing was prepared), ``reload_s``
+vLLM's reload. A preparation is used only for the same path and digest, and only if
+the file is still the one it read (same inode, size and modification time); otherwise, or without
+a preparation, the activation checks and reads the file itself first. A newer preparation
+replaces an older one. The prepared tensors stay in the worker's host memory until the
+activation (one served view, which the activation used to read and hold for its own duration).
 
 ``path`` is the staged version as an island-local safetensors file (HF names, the served dtype;
 no ``lm_head.weight`` when the embeddings are tied), written by the sidecar from its shadow — the
@@ -40,6 +54,8 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,6 +64,7 @@ from safetensors import SafetensorError, safe_open
 from policies.codec.digests import state_digest
 
 RPC_METHOD = "sprawl_activate"
+PREPARE_METHOD = "sprawl_prepare"
 _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
@@ -65,6 +82,29 @@ def _read(path: str) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
 
 
+def _identity(path: str) -> tuple[int, int, int]:
+    """What tells a file apart from one written in its place: inode, size, modification time."""
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A file being checked and read ahead of its activation (:meth:`sprawl_prepare`)."""
+
+    path: str
+    digest: str
+    identity: tuple[int, int, int]
+    tensors: Future[dict[str, torch.Tensor]]
+
+    def serves(self, path: str, digest: str) -> bool:
+        """Whether this preparation is of ``path`` as it is now, for ``digest``."""
+        try:
+            return (path, digest) == (self.path, self.digest) and _identity(path) == self.identity
+        except OSError:
+            return False
+
+
 class SprawlWorkerExtension:
     """Mixed into vLLM's worker class (see the module docstring)."""
 
@@ -79,7 +119,13 @@ class SprawlWorkerExtension:
             expected: dict[str, tuple[str, list[int]]] = {}
             for f in sorted(glob.glob(os.path.join(config.model, "*.safetensors"))):
                 expected.update(_header(f))
-            state = {"expected": expected, "dtype": config.dtype, "current": None}
+            state = {
+                "expected": expected,
+                "dtype": config.dtype,
+                "current": None,
+                "prepared": None,
+                "reader": ThreadPoolExecutor(1, thread_name_prefix="sprawl-prepare"),
+            }
             self.__dict__["_sprawl_state"] = state
         return state
 
@@ -97,6 +143,38 @@ class SprawlWorkerExtension:
         dtypes = [(k, d) for k, (d, _) in got.items() if _ST_DTYPES.get(d) != state["dtype"]]
         if dtypes:
             raise ValueError(f"not the served dtype {state['dtype']}: {dtypes[:5]}")
+
+    def _sprawl_load(self, path: str, digest: str) -> dict[str, torch.Tensor]:
+        """``path``'s tensors, checked (names, shapes, dtype, then the state digest ``digest``);
+        raises what a bad file raises (``OSError``, ``ValueError``, ``SafetensorError``)."""
+        self._sprawl_check(path)
+        tensors = _read(path)
+        got = state_digest(tensors)
+        if got != digest:
+            raise ValueError(f"the file's digest {got} is not the version's {digest}")
+        return tensors
+
+    def sprawl_prepare(self, path: str, digest: str) -> dict[str, Any]:
+        """Start checking and reading ``path`` (for ``digest``) on the worker's reader thread and
+        return at once, the engine serving on meanwhile (see the module docstring); asked again
+        for the same file, say whether that is ``done`` (the sidecar waits for it before it
+        pauses)."""
+        state = self._sprawl()
+        out: dict[str, Any] = {"ok": False, "path": path, "rank": int(getattr(self, "rank", 0))}
+        prepared: _Prepared | None = state["prepared"]
+        if prepared is not None and prepared.serves(path, digest):
+            out.update(ok=True, started=False, done=prepared.tensors.done())
+            return out
+        state["prepared"] = None  # another file: the older preparation's tensors are let go
+        try:
+            identity = _identity(path)
+        except OSError as exc:
+            out.update(error=f"{type(exc).__name__}: {exc}")
+            return out
+        future = state["reader"].submit(self._sprawl_load, path, digest)
+        state["prepared"] = _Prepared(path, digest, identity, future)
+        out.update(ok=True, started=True, done=False)
+        return out
 
     def _sprawl_reload(self, tensors: dict[str, torch.Tensor] | None) -> None:
         """vLLM's in-place reload (None: the startup checkpoint), then the tied head."""
@@ -119,12 +197,17 @@ class SprawlWorkerExtension:
         """Make the served view in ``path`` live, all or nothing (see the module docstring)."""
         t0 = time.perf_counter()
         out: dict[str, Any] = {"ok": False, "path": path, "rank": int(getattr(self, "rank", 0))}
+        state = self._sprawl()
+        prepared: _Prepared | None = state["prepared"]
+        state["prepared"] = None
+        if prepared is not None and not prepared.serves(path, digest):
+            prepared = None
+        out["prepared"] = prepared is not None
         try:
-            self._sprawl_check(path)
-            tensors = _read(path)
-            got = state_digest(tensors)
-            if got != digest:
-                raise ValueError(f"the file's digest {got} is not the version's {digest}")
+            if prepared is not None:  # read while the engine served; waits if still reading
+                tensors = prepared.tensors.result()
+            else:
+                tensors = self._sprawl_load(path, digest)
         # The RPC boundary: whatever failed is reported to the sidecar as data, nothing changed.
         except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
             out.update(error=f"{type(exc).__name__}: {exc}", changed=False)
@@ -135,9 +218,15 @@ class SprawlWorkerExtension:
         except Exception as exc:  # vLLM's loaders raise anything; the model must be put back
             out.update(error=f"{type(exc).__name__}: {exc}", changed=True, **self._sprawl_undo())
             return out
-        self._sprawl()["current"] = path
+        state["current"] = path
         done = time.perf_counter()
-        out.update(ok=True, digest=got, reload_s=round(done - t1, 6), total_s=round(done - t0, 6))
+        out.update(
+            ok=True,
+            digest=digest,
+            check_s=round(t1 - t0, 6),
+            reload_s=round(done - t1, 6),
+            total_s=round(done - t0, 6),
+        )
         return out
 
     def sprawl_status(self) -> dict[str, Any]:

@@ -90,10 +90,15 @@ async def _text(s: aiohttp.ClientSession, url: str) -> str:
 
 
 def vllm_fake(
-    loaded: Callable[[str], list[dict[str, Any]]], routing: list[int] | None = None
+    loaded: Callable[[str], list[dict[str, Any]]],
+    routing: list[int] | None = None,
+    *,
+    prepares: bool = True,
 ) -> Fake:
     """vLLM 0.32's shapes: ``/v1/models`` with ``max_model_len``, the dev routes, and
-    ``/collective_rpc`` answering one result per worker (``loaded(digest)``). With ``routing``
+    ``/collective_rpc`` answering one result per worker (``loaded(digest)`` for an activation;
+    ``sprawl_prepare`` started, or, unless ``prepares``, the 500 of a worker extension without
+    that method). With ``routing``
     (a list the test may change), it is an engine started with ``--enable-return-routed-experts``
     for a model of 2 MoE layers, top-2: each choice has ``routed_experts`` with one row per
     forwarded position from ``routed_experts_prompt_start`` on, plus ``routing[0]`` rows."""
@@ -126,12 +131,20 @@ def vllm_fake(
         return {"id": "cmpl-1", "object": "text_completion", "choices": [choice]}
 
     current: list[str | None] = [None]  # what the (two) workers serve: None = startup weights
+    prepared: set[tuple[str, str]] = set()
 
-    async def rpc(body: dict[str, Any]) -> dict[str, Any]:
+    async def rpc(body: dict[str, Any]) -> dict[str, Any] | web.Response:
         if body["method"] == "sprawl_status":
             return {"results": [{"current": current[0]}, {"current": current[0]}]}
         path, digest = body["args"]
         assert _staged(Path(path).parent)  # the staged version, island-local
+        if body["method"] == "sprawl_prepare":  # started, then done when asked again
+            if not prepares:
+                error = "AttributeError: 'Worker' object has no attribute 'sprawl_prepare'"
+                return web.json_response({"error": error}, status=500)
+            started = (path, digest) not in prepared
+            prepared.add((path, digest))
+            return {"results": [{"ok": True, "started": started, "done": not started}] * 2}
         results = loaded(digest)
         if all(r.get("ok") and r.get("digest") == digest for r in results):
             current[0] = path
@@ -184,10 +197,18 @@ async def test_vllm_activates_staged_files_by_rpc_and_sends_every_sampling_field
         if path not in ("/v1/completions", "/v1/models")
         and (body or {}).get("method") != "sprawl_status"  # asked at every reconcile
     ]
-    assert activation[-4:] == ["/pause", "/collective_rpc", "/reset_prefix_cache", "/resume"]
-    rpc = fake.bodies("/collective_rpc")[-1]
-    assert rpc["method"] == "sprawl_activate"
-    assert rpc["args"][1] == board.manifest(1).digest
+    assert activation[-6:] == [
+        "/collective_rpc",  # sprawl_prepare: the workers read the staged file while serving
+        "/collective_rpc",  # asked again: done, so the pause holds only the reload
+        "/pause",
+        "/collective_rpc",  # sprawl_activate
+        "/reset_prefix_cache",
+        "/resume",
+    ]
+    rpcs = [b for b in fake.bodies("/collective_rpc") if b["method"] != "sprawl_status"][-3:]
+    assert [b["method"] for b in rpcs] == ["sprawl_prepare", "sprawl_prepare", "sprawl_activate"]
+    assert rpcs[2]["args"][1] == board.manifest(1).digest
+    assert rpcs[0]["args"] == rpcs[1]["args"] == rpcs[2]["args"]
     assert _staged(tmp_path) == ["v00000001.safetensors"]
     assert status == 200
     assert body["policy_version"] == {"start": 1, "end": 1}
@@ -201,6 +222,28 @@ async def test_vllm_activates_staged_files_by_rpc_and_sends_every_sampling_field
     assert sent["logprobs"] == 0
     assert status_long == 400  # the engine's max_model_len (64), not the board's config
     assert long["error"]["param"] == "prompt_token_ids"
+
+
+async def test_vllm_workers_that_cannot_prepare_still_activate_every_version(
+    board: Board, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """An engine env built before ``sprawl_prepare`` answers it with a 500: the sidecar logs
+    it, and the activation checks and reads the file itself, as it did before."""
+    fake = vllm_fake(_ok, prepares=False)
+    async with (
+        fake.serve() as engine,
+        standalone(
+            board, "vllm", engine, model="m", activation="pause", materialize_dir=tmp_path
+        ) as url,
+    ):
+        await wait_version(url, 0)
+        publish_scaled(board, 1, tiny_model_dir, scale=0.5)
+        await wait_version(url, 1)
+        status, body = await generate(url, {"prompt_token_ids": [3, 4], "max_tokens": 2})
+    assert (status, body["policy_version"]) == (200, {"start": 1, "end": 1})
+    methods = [b["method"] for b in fake.bodies("/collective_rpc")]
+    assert methods.count("sprawl_prepare") == 4  # at staging and before the pause, refused
+    assert methods.count("sprawl_activate") == 2  # versions 0 and 1
 
 
 async def test_vllm_routing_of_an_moe_model_is_passed_on_when_it_covers_every_position(
@@ -371,6 +414,55 @@ async def test_vllm_worker_extension_checks_before_it_loads(board: Board, tmp_pa
     assert (shape["ok"], shape["changed"]) == (False, False)
     assert "model.norm.weight" in shape["error"]
     assert worker.reloads == 1  # refused files never reached vLLM's loader
+
+
+async def test_vllm_workers_read_a_prepared_file_while_serving_and_only_reload_it_after(
+    board: Board, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from policies.serve.backends import vllm_worker
+    from policies.serve.backends.vllm import write_view
+
+    manifest, view = board.load(0)
+    write_view(view, tmp_path / "start" / "model.safetensors")
+    worker = _Worker(tmp_path / "start", _Model(view))
+    path = str(tmp_path / "v0.safetensors")
+    write_view(view, Path(path))
+    assert worker.sprawl_prepare(path, manifest.digest) == {
+        "ok": True,
+        "path": path,
+        "rank": 0,
+        "started": True,
+        "done": False,
+    }
+    worker._sprawl()["prepared"].tensors.result()  # read and checked while the engine serves
+    asked = worker.sprawl_prepare(path, manifest.digest)
+    assert (asked["ok"], asked["started"], asked["done"]) == (True, False, True)
+
+    def no_reads(_: str) -> dict[str, torch.Tensor]:
+        raise AssertionError("the activation read the file again")
+
+    monkeypatch.setattr(vllm_worker, "_read", no_reads)
+    out = worker.sprawl_activate(path, manifest.digest)
+    assert (out["ok"], out["prepared"], out["digest"]) == (True, True, manifest.digest)
+    for name, t in view.items():
+        assert torch.equal(worker.model.weights[name.replace(".", "__")], t)
+    monkeypatch.undo()
+
+    # a preparation serves only its own file, as it still is, for its digest
+    write_view(view, Path(path))  # the same bytes, written in its place
+    assert worker.sprawl_prepare(path, manifest.digest)["ok"]
+    worker._sprawl()["prepared"].tensors.result()
+    write_view(view, Path(path))
+    again = worker.sprawl_activate(path, manifest.digest)
+    assert (again["ok"], again["prepared"]) == (True, False)  # read again: another file now
+    assert worker.sprawl_prepare(path, "not-the-digest")["ok"]  # checked on the reader thread
+    refused = worker.sprawl_activate(path, "not-the-digest")
+    assert (refused["ok"], refused["changed"], refused["prepared"]) == (False, False, True)
+    assert "digest" in refused["error"]
+    assert worker.sprawl_prepare(str(tmp_path / "missing.safetensors"), manifest.digest)[
+        "error"
+    ].startswith("FileNotFoundError")
+    assert worker.reloads == 2  # the refused file never reached vLLM's loader
 
 
 async def test_vllm_workers_check_a_sharded_version_against_its_whole_tensors(

@@ -17,6 +17,7 @@ from typing import Any
 
 import anyio
 import pytest
+from structlog.testing import capture_logs
 
 from policies.board import Board, failpoints
 from policies.serve.backends.base import free_port
@@ -159,13 +160,17 @@ async def test_trainer_versions_through_the_sidecar_serve_like_a_fresh_engine(
         ) as url:
             await wait_version(url, 0, timeout_s=120)
             greedy_v0 = [(await generate(url, b))[1] for b in bodies]
-            for step in range(3):
-                before = await metric(url, "sprawl_board_bytes_read_total")
-                await anyio.to_thread.run_sync(trainer.step, _samples(step))
-                await wait_version(url, step + 1, timeout_s=120)
-                read = await metric(url, "sprawl_board_bytes_read_total") - before
-                patch = board.manifest(step + 1).patches[0].bytes
-                assert 0 < read <= 2 * patch + 4096, (read, patch)  # the patch, not the checkpoint
+            with capture_logs() as logs:
+                for step in range(3):
+                    before = await metric(url, "sprawl_board_bytes_read_total")
+                    await anyio.to_thread.run_sync(trainer.step, _samples(step))
+                    await wait_version(url, step + 1, timeout_s=120)
+                    read = await metric(url, "sprawl_board_bytes_read_total") - before
+                    patch = board.manifest(step + 1).patches[0].bytes
+                    assert 0 < read <= 2 * patch + 4096, (read, patch)  # the patch, not the ckpt
+            reloads = [e for e in logs if e["event"] == "vllm.reloaded"]
+            assert [e["version"] for e in reloads] == [1, 2, 3]
+            assert all(e["prepared"] for e in reloads), reloads  # read while serving, not paused
             live = [(await generate(url, b))[1] for b in [*bodies, sampled]]
             assert all(r["policy_version"] == {"start": 3, "end": 3} for r in live)
             assert [r["choices"][0]["token_ids"] for r in live[:3]] != [
