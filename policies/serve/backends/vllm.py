@@ -17,9 +17,9 @@ and is checked to hold one row per forwarded position
 
 Versions: **stage** advances the island's :class:`~policies.serve.backends.shadow.Shadow` with
 patches from the board, writes the staged view as an island-local safetensors file (the engine
-must be able to read ``work_dir``) and has every worker check and read it while it serves
-(``sprawl_prepare``: the pause then holds only the reload); **apply** asks every worker to load
-it through vLLM's own ``reload_weights`` (:mod:`policies.serve.backends.vllm_worker`, ``POST
+must be able to read ``work_dir``) and waits until every worker has checked and read it while
+serving (``sprawl_prepare``: the pause then holds only the reload); **apply** asks every worker
+to load it through vLLM's own ``reload_weights`` (:mod:`policies.serve.backends.vllm_worker`, ``POST
 /collective_rpc``), checks that every worker loaded the manifest's digest, and resets the prefix
 cache so no KV block of the old weights is reused. Mode ``"pause"`` wraps it in ``POST
 /pause?mode=keep`` … ``POST /resume`` and resets the running requests' KV too
@@ -60,7 +60,7 @@ PREPARE_POLL_S = 0.005
 """How soon the sidecar first asks the workers whether the staged file is read (doubling to
 0.1 s)."""
 PREPARE_WAIT_S = 120.0
-"""How long an activation waits, serving, for the workers to read the staged file."""
+"""How long staging waits, serving, for the workers to read the staged file."""
 ADAPTER: ContextVar[str | None] = ContextVar("sprawl_vllm_adapter", default=None)
 """The LoRA adapter the current request runs through (set by ``vllm_lora.VLLMLoraBackend``)."""
 
@@ -220,7 +220,7 @@ class VLLMBackend(HttpBackend):
         await anyio.to_thread.run_sync(write_view, view, self._file(version))
         digest = await anyio.to_thread.run_sync(file_digest, staged.manifest, view)
         self._digests[version] = digest
-        await self._prepare(version, digest)
+        await self._prepared(version, digest)
 
     async def _prepare(self, version: int, digest: str) -> list[dict[str, Any]] | None:
         """Have every worker check and read the staged file while it serves, or say whether it
@@ -242,8 +242,9 @@ class VLLMBackend(HttpBackend):
         return results
 
     async def _prepared(self, version: int, digest: str) -> None:
-        """Wait, the engine serving, until every worker has read and checked the staged file
-        (at most :data:`PREPARE_WAIT_S`; the activation then waits for the rest, paused)."""
+        """Have every worker read and check the staged file, and wait, the engine serving, until
+        they all have (at most :data:`PREPARE_WAIT_S`; the activation then waits for the rest,
+        paused)."""
         wait = PREPARE_POLL_S
         with anyio.move_on_after(PREPARE_WAIT_S):
             while True:
@@ -257,7 +258,6 @@ class VLLMBackend(HttpBackend):
         staged, _ = self.shadow.take(version)
         path = self._file(version)
         digest = self._digests.get(version, staged.manifest.digest)
-        await self._prepared(version, digest)
         if mode == "pause":
             await self.call("/pause?mode=keep", {})
         try:

@@ -242,7 +242,7 @@ async def test_vllm_workers_that_cannot_prepare_still_activate_every_version(
         status, body = await generate(url, {"prompt_token_ids": [3, 4], "max_tokens": 2})
     assert (status, body["policy_version"]) == (200, {"start": 1, "end": 1})
     methods = [b["method"] for b in fake.bodies("/collective_rpc")]
-    assert methods.count("sprawl_prepare") == 4  # at staging and before the pause, refused
+    assert methods.count("sprawl_prepare") == 2  # once at each staging: refused, not retried
     assert methods.count("sprawl_activate") == 2  # versions 0 and 1
 
 
