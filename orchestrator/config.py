@@ -82,7 +82,7 @@ class WarmStartConfig(_Section):
 class ModelConfig(_Section):
     path: Path = Path("runs/models/tiny")
     """HF causal-LM directory (safetensors) the trainer starts from."""
-    init: Literal["tiny", "small", "tiny-moe"] | None = "tiny"
+    init: Literal["tiny", "small", "medium", "tiny-moe"] | None = "tiny"
     """Build sprawl's own model of this size at ``path`` if it is missing (None: require it)."""
     warm_start: WarmStartConfig | None = None
     """Warm-start the model sprawl builds at ``path`` by SFT (``[model.warm_start]``); the model

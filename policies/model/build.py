@@ -111,7 +111,7 @@ from policies.wire.toolcalls import (
 
 log = structlog.get_logger(__name__)
 
-ModelSize = Literal["tiny", "small", "tiny-moe"]
+ModelSize = Literal["tiny", "small", "medium", "tiny-moe"]
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -155,6 +155,9 @@ SPECS: dict[ModelSize, ModelSpec] = {
     # Small enough that an RL demo runs on 2 CPU cores.
     "tiny": ModelSpec(2048, 64, 2, 4, 2, 176, 2048, corpus_docs=20_000),
     "small": ModelSpec(4096, 256, 4, 8, 4, 688, 2048, corpus_docs=40_000),
+    # ~100 M parameters (0.2 GB served in bf16): what grows with the model, such as an engine's
+    # reload of a version (``bench sync --engine``), measured at a size where it shows.
+    "medium": ModelSpec(4096, 1024, 8, 16, 8, 2816, 2048, corpus_docs=40_000),
     # The tiny model's tokenizer and attention, with a mixture of experts for its MLPs.
     "tiny-moe": ModelSpec(
         2048,

@@ -200,3 +200,15 @@ def test_small_size(tmp_path: Path) -> None:
     assert config["vocab_size"] == len(AutoTokenizer.from_pretrained(out)) == spec.vocab_size
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.get_input_embeddings().weight.shape == (spec.vocab_size, 256)
+
+
+@pytest.mark.slow
+def test_medium_size_loads_with_its_shape(tmp_path: Path) -> None:
+    out = init_model(tmp_path / "medium", "medium", seed=0)
+    config = read_json(out / "config.json")
+    spec = SPECS["medium"]
+    assert (config["hidden_size"], config["num_hidden_layers"]) == (1024, 8)
+    assert config["hidden_size"] // config["num_attention_heads"] >= 32  # vLLM CPU attention
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert 95e6 < sum(p.numel() for p in model.parameters()) < 105e6
+    assert model.get_input_embeddings().weight.shape == (spec.vocab_size, 1024)
