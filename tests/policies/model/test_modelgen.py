@@ -18,7 +18,7 @@ from structlog.testing import capture_logs
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from policies.model.build import SPECIAL_TOKENS, SPECS, TOOL_TOKENS, init_model
+from policies.model.build import SPECIAL_TOKENS, SPECS, TOOL_TOKENS, ModelSize, init_model
 from policies.model.corpus import generate_corpus
 from policies.wire.toolcalls import CHAT_TEMPLATE, parse_assistant
 
@@ -191,24 +191,26 @@ def test_loads_offline_in_a_fresh_process(tiny_model_dir: Path, tmp_path: Path) 
 
 
 @pytest.mark.slow
-def test_small_size(tmp_path: Path) -> None:
-    out = init_model(tmp_path / "small", "small", seed=3)
+@pytest.mark.parametrize(
+    ("size", "hidden", "layers", "heads", "kv_heads", "millions"),
+    [("small", 256, 4, 8, 4, 3.95), ("medium", 1024, 8, 16, 8, 98.6)],
+)
+def test_larger_sizes_build_and_load_with_their_shapes(
+    tmp_path: Path,
+    size: ModelSize,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    millions: float,
+) -> None:
+    out = init_model(tmp_path / size, size, seed=3)
     config = read_json(out / "config.json")
-    spec = SPECS["small"]
-    assert (config["hidden_size"], config["num_hidden_layers"]) == (256, 4)
-    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (8, 4)
+    spec = SPECS[size]
+    assert (config["hidden_size"], config["num_hidden_layers"]) == (hidden, layers)
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (heads, kv_heads)
+    assert hidden // heads >= 32  # vLLM's CPU attention needs head_dim >= 32
     assert config["vocab_size"] == len(AutoTokenizer.from_pretrained(out)) == spec.vocab_size
     model = AutoModelForCausalLM.from_pretrained(out)
-    assert model.get_input_embeddings().weight.shape == (spec.vocab_size, 256)
-
-
-@pytest.mark.slow
-def test_medium_size_loads_with_its_shape(tmp_path: Path) -> None:
-    out = init_model(tmp_path / "medium", "medium", seed=0)
-    config = read_json(out / "config.json")
-    spec = SPECS["medium"]
-    assert (config["hidden_size"], config["num_hidden_layers"]) == (1024, 8)
-    assert config["hidden_size"] // config["num_attention_heads"] >= 32  # vLLM CPU attention
-    model = AutoModelForCausalLM.from_pretrained(out)
-    assert 95e6 < sum(p.numel() for p in model.parameters()) < 105e6
-    assert model.get_input_embeddings().weight.shape == (spec.vocab_size, 1024)
+    assert model.get_input_embeddings().weight.shape == (spec.vocab_size, hidden)
+    assert sum(p.numel() for p in model.parameters()) / 1e6 == pytest.approx(millions, abs=0.1)

@@ -174,19 +174,28 @@ def _ok(digest: str) -> list[dict[str, Any]]:
     return [{"ok": True, "digest": digest}, {"ok": True, "digest": digest}]
 
 
+@asynccontextmanager
+async def _at_version_1(
+    fake: Fake, board: Board, work: Path, model_dir: Path
+) -> AsyncIterator[str]:
+    """A vLLM sidecar (pause mode) over ``fake``, once it serves version 1, published from 0."""
+    async with (
+        fake.serve() as engine,
+        standalone(
+            board, "vllm", engine, model="m", activation="pause", materialize_dir=work
+        ) as url,
+    ):
+        await wait_version(url, 0)
+        publish_scaled(board, 1, model_dir, scale=0.5)
+        await wait_version(url, 1)
+        yield url
+
+
 async def test_vllm_activates_staged_files_by_rpc_and_sends_every_sampling_field(
     board: Board, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     fake = vllm_fake(_ok)
-    async with (
-        fake.serve() as engine,
-        standalone(
-            board, "vllm", engine, model="m", activation="pause", materialize_dir=tmp_path
-        ) as url,
-    ):
-        await wait_version(url, 0)
-        publish_scaled(board, 1, tiny_model_dir, scale=0.5)
-        await wait_version(url, 1)
+    async with _at_version_1(fake, board, tmp_path, tiny_model_dir) as url:
         status, body = await generate(
             url, {"prompt_token_ids": [3, 4], "max_tokens": 2, "seed": 9, "top_k": 5}
         )
@@ -230,15 +239,7 @@ async def test_vllm_workers_that_cannot_prepare_still_activate_every_version(
     """An engine env built before ``sprawl_prepare`` answers it with a 500: the sidecar logs
     it, and the activation checks and reads the file itself, as it did before."""
     fake = vllm_fake(_ok, prepares=False)
-    async with (
-        fake.serve() as engine,
-        standalone(
-            board, "vllm", engine, model="m", activation="pause", materialize_dir=tmp_path
-        ) as url,
-    ):
-        await wait_version(url, 0)
-        publish_scaled(board, 1, tiny_model_dir, scale=0.5)
-        await wait_version(url, 1)
+    async with _at_version_1(fake, board, tmp_path, tiny_model_dir) as url:
         status, body = await generate(url, {"prompt_token_ids": [3, 4], "max_tokens": 2})
     assert (status, body["policy_version"]) == (200, {"start": 1, "end": 1})
     methods = [b["method"] for b in fake.bodies("/collective_rpc")]
