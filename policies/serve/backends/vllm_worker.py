@@ -16,9 +16,9 @@ done in it would hold generation for as long); asked again for the same file it 
 that is done, and the sidecar pauses only then. The activation (inside the pause) takes the
 tensors read, waiting for them if they are not (a sidecar that stopped asking), and reloads:
 ``check_s`` is that wait (the whole check and read when nothing was prepared), ``reload_s``
-vLLM's reload. A preparation is used only for the same path and digest, and only if
-the file is still the one it read (same inode, size and modification time); otherwise, or without
-a preparation, the activation checks and reads the file itself first. A newer preparation
+vLLM's reload. A preparation is used only for the same path and digest, and only if the file
+is still the one it read (same inode, size and modification time); otherwise, or without a
+preparation, the activation checks and reads the file itself first. A newer preparation
 replaces an older one. The prepared tensors stay in the worker's host memory until the
 activation (one served view, which the activation used to read and hold for its own duration).
 
