@@ -3,12 +3,15 @@
 Start vLLM with ``--worker-extension-cls policies.serve.backends.vllm_worker.SprawlWorkerExtension``
 (sprawl importable in the engine's environment: ``scripts/build-vllm-env.sh``). vLLM appends
 this class to its worker's bases, so each method runs inside every worker process; the sidecar
-calls::
+calls, once a version is staged and then until every worker says it is done::
 
-    POST /collective_rpc {"method": "sprawl_prepare", "args": [path, digest]}   (once staged,
-    → {"results": [{"ok": true, "started": …, "done": …} per worker]}          then until done)
-    POST /collective_rpc {"method": "sprawl_activate", "args": [path, digest]}  (paused)
-    → {"results": [{"ok": true, "digest": …, "prepared": true, "check_s": …, "reload_s": …} …]}
+    POST /collective_rpc {"method": "sprawl_prepare", "args": [path, digest]}
+    → {"results": [{"ok": true, "started": …, "done": …} per worker]}
+
+and then, generation paused::
+
+    POST /collective_rpc {"method": "sprawl_activate", "args": [path, digest]}
+    → {"results": [{"ok": true, "digest": …, "prepared": …, "check_s": …, "reload_s": …} …]}
 
 :meth:`SprawlWorkerExtension.sprawl_prepare` returns at once and checks and reads the file on a
 thread of the worker's own while the engine serves (an RPC runs between engine steps: a read
