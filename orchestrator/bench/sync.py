@@ -3,7 +3,8 @@
 Every replica reads the board through its own :class:`Link`, a serial link of ``--link-mbit``
 Mbit/s: a read is delivered once the link has carried its bytes after every earlier read of that
 replica (a token bucket on the board's read path, so the time follows the bytes actually
-fetched). Two views, one run each:
+fetched), and each read, found or not, first takes a round trip of ``--link-rtt-ms`` (default 0;
+reads in flight together overlap theirs). Two views, one run each:
 
 - **demo**: sprawl's tiny model (bf16), each replica a real reference :class:`Engine` behind a
   :class:`Sidecar` (``activation="pause"``), reconciling from its own throttled board;
@@ -61,20 +62,27 @@ View = dict[str, torch.Tensor]
 
 
 class Link:
-    """A serial link of ``mbit_s`` Mbit/s: each transfer waits for the earlier ones to finish."""
+    """A serial link of ``mbit_s`` Mbit/s with a round trip of ``rtt_ms``: a read's bytes start
+    crossing one round trip after it was asked for, and only once the link has carried every
+    earlier read's; reads asked for together overlap their round trips (as requests in flight to
+    an object store do). A read of nothing there costs its round trip."""
 
-    def __init__(self, mbit_s: float) -> None:
+    def __init__(self, mbit_s: float, rtt_ms: float = 0.0) -> None:
         self.rate = mbit_s * 1e6 / 8
+        self.rtt = rtt_ms / 1e3
         self.bytes = 0
         self._lock = threading.Lock()
         self._free_at = 0.0
 
-    def carry(self, nbytes: int) -> None:
+    def carry(self, nbytes: int | None, asked: float | None = None) -> None:
+        """Return once ``nbytes`` (None: an answer that the object is not there), asked for at
+        ``asked`` (a ``time.perf_counter()``; default now), have crossed the link."""
         with self._lock:
-            now = time.perf_counter()
-            self._free_at = max(now, self._free_at) + nbytes / self.rate
-            done = self._free_at
-            self.bytes += nbytes
+            answer = (time.perf_counter() if asked is None else asked) + self.rtt
+            done = answer
+            if nbytes is not None:
+                self._free_at = done = max(answer, self._free_at) + nbytes / self.rate
+                self.bytes += nbytes
         time.sleep(max(0.0, done - time.perf_counter()))
 
 
@@ -86,8 +94,13 @@ class ThrottledBoard(Board):
         self.link = link
 
     def _read(self, path: str, limit: int) -> bytes:
-        data = super()._read(path, limit)
-        self.link.carry(len(data))
+        asked = time.perf_counter()
+        try:
+            data = super()._read(path, limit)
+        except FileNotFoundError:
+            self.link.carry(None, asked)
+            raise
+        self.link.carry(len(data), asked)
         return data
 
 
@@ -201,13 +214,14 @@ def run_synthetic(
     replicas: int,
     poll_s: float,
     repeats: int = 1,
+    rtt_ms: float = 0.0,
 ) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(1)
     pub = Board(str(root), "synthetic")
     view0 = synthetic_view(size_mb)
     view_bytes = sum(t.nbytes for t in view0.values())
     pub.publish(0, view0, view_name="bfloat16")
-    boards = [ThrottledBoard(str(root), "synthetic", Link(mbit)) for _ in range(replicas)]
+    boards = [ThrottledBoard(str(root), "synthetic", Link(mbit, rtt_ms)) for _ in range(replicas)]
     t0 = time.perf_counter()
     _, held0 = boards[0].load(0)  # the full checkpoint over the link, verified
     full_s = time.perf_counter() - t0
@@ -222,7 +236,7 @@ def run_synthetic(
         for h in held:
             for name, t in h.items():
                 t.copy_(view0[name])
-        links = [ThrottledBoard(str(root), run, Link(mbit)) for _ in range(replicas)]
+        links = [ThrottledBoard(str(root), run, Link(mbit, rtt_ms)) for _ in range(replicas)]
         runs.append(_sync(again, links, held, view1, poll_s))
         shutil.rmtree(root / run)
     held.clear()
@@ -234,7 +248,7 @@ def run_synthetic(
         pub.publish(v, last, view_name="bfloat16")
     catch_up = {"behind": 8}
     for name, view in zip(("squashed", "chained"), behind, strict=True):
-        lag = ThrottledBoard(str(root), "synthetic", Link(mbit))
+        lag = ThrottledBoard(str(root), "synthetic", Link(mbit, rtt_ms))
         hops = [(0, 8)] if name == "squashed" else [(v - 1, v) for v in range(1, 9)]
         t0 = time.perf_counter()
         patches = 0
@@ -267,7 +281,13 @@ def run_synthetic(
 
 
 async def _demo(
-    root: Path, model: Path, density: float, mbit: float, replicas: int, poll_s: float
+    root: Path,
+    model: Path,
+    density: float,
+    mbit: float,
+    replicas: int,
+    poll_s: float,
+    rtt_ms: float = 0.0,
 ) -> tuple[dict[str, Any], Engine]:
     engines = [Engine(model, dtype=torch.bfloat16) for _ in range(replicas)]
     weights = load_file(model / "model.safetensors")
@@ -278,7 +298,7 @@ async def _demo(
     cars = [
         Sidecar(
             ReferenceBackend(engines[i]),
-            ThrottledBoard(str(root), "demo", Link(mbit)),
+            ThrottledBoard(str(root), "demo", Link(mbit, rtt_ms)),
             poll_interval_s=poll_s,
             registry=CollectorRegistry(),
             activation="pause",
@@ -327,6 +347,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--size-mb", type=int, default=1024)
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--link-mbit", type=float, default=100.0)
+    parser.add_argument(
+        "--link-rtt-ms",
+        type=float,
+        default=0.0,
+        help="round trip of every read (an object store in another region: 50-150)",
+    )
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--poll-ms", type=float, default=5.0)
     parser.add_argument(
@@ -345,6 +371,8 @@ def main(argv: list[str]) -> int:
     for flag in ("link_mbit", "poll_ms"):
         if not getattr(args, flag) > 0:
             parser.error(f"--{flag.replace('_', '-')}: must be > 0")
+    if not args.link_rtt_ms >= 0:
+        parser.error("--link-rtt-ms: must be >= 0")
     if not 0 < args.density <= 1:
         parser.error("--density: must be in (0, 1]")
     configure(level="warning")
@@ -355,7 +383,14 @@ def main(argv: list[str]) -> int:
     poll_s = args.poll_ms / 1e3
     with tempfile.TemporaryDirectory(prefix="sprawl-bench-sync-") as tmp:
         demo, engine = anyio.run(
-            _demo, Path(tmp), args.model, args.density, args.link_mbit, args.replicas, poll_s
+            _demo,
+            Path(tmp),
+            args.model,
+            args.density,
+            args.link_mbit,
+            args.replicas,
+            poll_s,
+            args.link_rtt_ms,
         )
         try:
             demo["pause"] = pause_trials(
@@ -371,9 +406,11 @@ def main(argv: list[str]) -> int:
             args.replicas,
             poll_s,
             args.repeats,
+            args.link_rtt_ms,
         )
     result = {
         "link_mbit_s": args.link_mbit,
+        "link_rtt_ms": args.link_rtt_ms,
         "density": args.density,
         "torch_threads": torch.get_num_threads(),
         "demo": demo,

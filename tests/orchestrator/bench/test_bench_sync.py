@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,19 @@ def test_link_takes_the_time_its_bytes_need() -> None:
     assert link.bytes == 1_000_000
 
 
+def test_reads_in_flight_together_overlap_their_round_trips_but_not_their_bytes() -> None:
+    link = Link(80.0, rtt_ms=200.0)  # 10 MB/s: 100 KB take 10 ms
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda _: link.carry(100_000, t0), range(2)))
+    both = time.perf_counter() - t0
+    assert 0.22 <= both < 0.4  # one round trip and both reads' bytes, not two round trips
+    t1 = time.perf_counter()
+    link.carry(None)  # not there: the answer still takes a round trip, and carries no bytes
+    assert 0.2 <= time.perf_counter() - t1 < 0.35
+    assert link.bytes == 200_000
+
+
 def test_adam_step_moves_values_by_one_ulp_and_stays_finite() -> None:
     view = synthetic_view(1)
     view["edge"] = torch.tensor([0.0, -0.0, 3.3895e38, 1.0], dtype=torch.bfloat16)
@@ -41,6 +55,7 @@ def test_adam_step_moves_values_by_one_ulp_and_stays_finite() -> None:
         (["--repeats", "0"], "--repeats: must be at least 1"),
         (["--replicas", "0"], "--replicas: must be at least 1"),
         (["--link-mbit", "0"], "--link-mbit: must be > 0"),
+        (["--link-rtt-ms", "-1"], "--link-rtt-ms: must be >= 0"),
         (["--density", "1.5"], "--density: must be in (0, 1]"),
     ],
 )
@@ -66,6 +81,7 @@ def test_bench_sync_small_run(
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert out["link_mbit_s"] == 100.0
+    assert out["link_rtt_ms"] == 0.0
     for part in ("demo", "synthetic"):
         r = out[part]
         assert r["exact"] is True
