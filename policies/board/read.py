@@ -33,6 +33,7 @@ from policies.board.stream import (
     StreamSource,
     apply_frame,
     check_chunks,
+    fetching,
     follow,
     sum_checksums,
 )
@@ -442,13 +443,17 @@ class BoardReader:
             )
         staged: list[StagedChunk] = []
         sums = self._base_checksums(step.base)
-        for i, chunk in enumerate(ref.chunks):
-            rel = chunk_file(step.base, i)
-            data = self._read_exact(step.version, rel, chunk.bytes)
-            # the first chunk vouches for nothing unless the caller did: hash the base once
-            where = f"version {step.version}: {rel}"
-            staged.append(apply_frame(view, data, where, digest, base_checksums=sums))
-            digest = ref.base_digest
+        sizes = [c.bytes for c in ref.chunks]
+
+        def fetch(i: int) -> bytes:
+            return self._read_exact(step.version, chunk_file(step.base, i), sizes[i])
+
+        with fetching(fetch, sizes) as chunks:  # the next ones cross while one is applied
+            for i, data in enumerate(chunks):
+                # the first chunk vouches for nothing unless the caller did: hash the base once
+                where = f"version {step.version}: {chunk_file(step.base, i)}"
+                staged.append(apply_frame(view, data, where, digest, base_checksums=sums))
+                digest = ref.base_digest
         wrong = check_chunks(m, ref, staged)
         if wrong is not None:
             raise VersionCorrupt(f"version {step.version}: {wrong}")

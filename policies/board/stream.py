@@ -14,8 +14,11 @@ as soon as it is encoded, while the next is encoded; the manifest (format
 chunk is durable.
 
 A replica holding ``u`` that sees the stream (:func:`follow`) fetches chunk ``i`` by its name as
-soon as it exists (on a thread of its own, up to :data:`FETCH_AHEAD` chunks ahead of the one it
-applies, so its link carries the next chunk meanwhile), applies it to its view in place and
+soon as it exists (:func:`fetching`: up to :data:`FETCH_AHEAD` chunks ahead of the one it
+applies, asked for together, so its link carries the next chunks meanwhile and a round trip to
+the board is paid once, not once a chunk; a chunk not there yet is asked for again only after
+the one before it has landed, since the publisher writes them in order), applies it to its
+view in place and
 verifies every tensor it wrote against the chunk's checksums (:func:`apply_frame`) while the
 publisher encodes the next; once the pointer reaches the version it checks what it staged
 against the manifest (:func:`check_chunks`): every chunk the one the manifest vouches for, every
@@ -41,8 +44,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -70,8 +74,13 @@ CHECK_S = 0.1
 that the pointer did not reach the version without the chunk it waits for)."""
 ENCODE_AHEAD = 2
 """Chunks encoded at once by a publisher (the next while one is written)."""
-FETCH_AHEAD = 2
-"""Chunks a replica fetches ahead of the one it applies (the link busy while it applies)."""
+FETCH_AHEAD = 4
+"""Chunk fetches a replica keeps in flight ahead of the one it applies: the link stays busy while
+it applies, and a board a round trip away (an object store in another region) answers several
+requests per round trip."""
+FETCH_BYTES = 512 * 2**20
+"""The most bytes (by the sizes the fetcher was given: a stream's announced limits, a published
+patch's chunk sizes) fetched ahead at once; one chunk at least."""
 STALL_S = 60.0
 """A stream with no new chunk (or no commit) for this long is given up as abandoned."""
 
@@ -260,6 +269,37 @@ def check_chunks(m: Manifest, ref: PatchRef, staged: list[StagedChunk]) -> str |
     return None
 
 
+@contextmanager
+def fetching(
+    fetch: Callable[[int], bytes], sizes: Sequence[int], stop: threading.Event | None = None
+) -> Iterator[Iterator[bytes]]:
+    """``fetch(i)`` of chunks ``0 … len(sizes) - 1``, yielded in order while up to
+    :data:`FETCH_AHEAD` of the next ones (at most :data:`FETCH_BYTES` of their ``sizes``, one at
+    least) are fetched at once on threads of their own. Leaving the block sets ``stop`` (a
+    ``fetch`` waiting for a chunk watches it) and waits for the fetches in flight."""
+    pool = ThreadPoolExecutor(max_workers=FETCH_AHEAD, thread_name_prefix="board-fetch")
+
+    def in_order() -> Iterator[bytes]:
+        ahead: deque[tuple[int, Future[bytes]]] = deque()
+        queued = 0
+        for _ in sizes:
+            while (
+                queued < len(sizes)
+                and len(ahead) < FETCH_AHEAD
+                and (not ahead or sum(sizes[j] for j, _ in ahead) + sizes[queued] <= FETCH_BYTES)
+            ):
+                ahead.append((queued, pool.submit(fetch, queued)))
+                queued += 1
+            yield ahead.popleft()[1].result()
+
+    try:
+        yield in_order()
+    finally:
+        if stop is not None:
+            stop.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 @dataclass(frozen=True)
 class StreamSource:
     """What :func:`follow` reads: a chunk by its relative path (None while it does not exist),
@@ -309,9 +349,17 @@ def follow(
                 raise gone(f"stalled: no {what} for {stall_s:g} s (the publisher died?)")
             time.sleep(POLL_S)
 
+    arrived = [threading.Event() for _ in stream.limits]
+
     def fetch(i: int) -> bytes:
         rel, limit = chunk_file(have, i), stream.limits[i]
-        got: list[bytes] = []
+        # asked for at once (the publisher is usually ahead); if it is not there yet, asked for
+        # again only once the chunk before it landed (they are written in order), so one chunk
+        # is polled at a time, its stall clock starting then
+        got = [data] if (data := source.chunk(rel, limit)) is not None else []
+        while i and not got and not arrived[i - 1].wait(POLL_S):
+            if stop.is_set():
+                raise gone("was given up")
 
         def landed() -> bool:
             if stop.is_set():  # the applying side raised: nothing waits for this chunk
@@ -327,20 +375,13 @@ def follow(
                 raise gone(f"was overtaken: the version was published without {rel}")
 
         wait(landed, f"chunk {i}", overtaken)
+        arrived[i].set()
         if len(got[0]) > limit:
             raise gone(f"read {rel} larger than its announced {limit} bytes")
         return got[0]
 
-    # One thread fetches the chunks in order, FETCH_AHEAD ahead of the one being applied, so
-    # the link carries the next chunk while this one is applied and verified.
-    n = len(stream.limits)
-    fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="board-fetch")
-    try:
-        ahead: deque[Future[bytes]] = deque()
-        for i in range(n):
-            while len(ahead) < FETCH_AHEAD and i + len(ahead) < n:
-                ahead.append(fetcher.submit(fetch, i + len(ahead)))
-            data = ahead.popleft().result()
+    with fetching(fetch, stream.limits, stop) as chunks:
+        for i, data in enumerate(chunks):
             rel = chunk_file(have, i)
             try:
                 here = f"version {v}: {rel}"
@@ -349,8 +390,5 @@ def follow(
                 raise gone(f"failed at {rel} ({exc}): it is read again once published") from None
             except VersionCorrupt as exc:
                 raise gone(f"failed ({exc}): it is read again once published") from None
-    finally:
-        stop.set()
-        fetcher.shutdown(wait=True, cancel_futures=True)
     wait(lambda: (source.latest() or -1) >= v, "commit", lambda: None)
     return staged

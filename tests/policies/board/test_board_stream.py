@@ -3,6 +3,7 @@ version before it is published (policies/board/stream.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import threading
@@ -384,3 +385,126 @@ def test_a_replica_whose_apply_fails_stops_fetching_at_once(
     with pytest.raises(BoardError, match="damaged"):
         board_stream.follow({}, 0, stream, _source_of(chunks, stream, [0], {}), where="test")
     assert time.monotonic() - start < 5
+
+
+def _stub_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    def apply(view: State, data: bytes, where: str, digest: str | None, **_: object) -> object:
+        return board_stream.StagedChunk(board_stream.chunk_ref(data), {})
+
+    monkeypatch.setattr(board_stream, "apply_frame", apply)
+
+
+def test_a_replica_asks_for_the_next_chunks_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A board a round trip away (an object store in another region) answers the requests in
+    flight together once per round trip; asked for one by one, every chunk would cost one."""
+    _stub_apply(monkeypatch)
+    n = board_stream.FETCH_AHEAD + 2
+    stream = Stream(
+        version=1, id="s", bases={0: "d0"}, chunks=[[f"t{i}"] for i in range(n)], limits=[9] * n
+    )
+    chunks = {chunk_file(0, i): bytes([i]) for i in range(n)}
+    together = threading.Barrier(board_stream.FETCH_AHEAD, timeout=10)
+    source = _source_of(chunks, stream, [1], {})
+
+    def chunk(rel: str, limit: int) -> bytes | None:
+        if rel in {chunk_file(0, i) for i in range(board_stream.FETCH_AHEAD)}:
+            together.wait()  # broken (raises) unless all of the first ones are asked at once
+        return source.chunk(rel, limit)
+
+    staged = board_stream.follow(
+        {}, 0, stream, dataclasses.replace(source, chunk=chunk), where="test"
+    )
+    assert [s.ref for s in staged] == [board_stream.chunk_ref(bytes([i])) for i in range(n)]
+
+
+def test_a_chunk_not_written_yet_is_polled_only_after_the_one_before_it_landed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The publisher writes chunks in order: while chunk 1 is missing, asking for chunks 2 and 3
+    again and again would only multiply the requests (an object store bills each)."""
+    _stub_apply(monkeypatch)
+    stream = Stream(
+        version=1, id="s", bases={0: "d0"}, chunks=[["a"], ["b"], ["c"], ["d"]], limits=[9] * 4
+    )
+    chunks = {chunk_file(0, 0): b"\x00"}
+    latest = [0]
+    asked: dict[str, list[bool]] = {}  # per chunk: whether chunk 1 had landed at each ask
+    source = _source_of(chunks, stream, latest, {})
+
+    def chunk(rel: str, limit: int) -> bytes | None:
+        asked.setdefault(rel, []).append(chunk_file(0, 1) in chunks)
+        return source.chunk(rel, limit)
+
+    def publisher() -> None:
+        time.sleep(0.3)
+        chunks[chunk_file(0, 1)] = b"\x01"
+        time.sleep(0.3)
+        chunks.update({chunk_file(0, 2): b"\x02", chunk_file(0, 3): b"\x03"})
+        latest[0] = 1
+
+    writer = threading.Thread(target=publisher)
+    writer.start()
+    staged = board_stream.follow(
+        {}, 0, stream, dataclasses.replace(source, chunk=chunk), where="test"
+    )
+    writer.join()
+    assert len(staged) == 4
+    assert asked[chunk_file(0, 1)].count(False) > 5  # polled while it was missing
+    for i in (2, 3):
+        assert asked[chunk_file(0, i)].count(False) <= 1  # asked once at most before it landed
+
+
+def test_fetching_keeps_the_bytes_in_flight_within_its_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(board_stream, "FETCH_BYTES", 25)
+    lock = threading.Lock()
+    flying, most = [0], [0]
+
+    def fetch(i: int) -> bytes:
+        with lock:
+            flying[0] += 1
+            most[0] = max(most[0], flying[0])
+        time.sleep(0.05)
+        with lock:
+            flying[0] -= 1
+        return bytes([i])
+
+    for sizes, allowed in (([10] * 6, 2), ([100] * 3, 1)):
+        most[0] = 0
+        with board_stream.fetching(fetch, sizes) as got:
+            assert [d[0] for d in got] == list(range(len(sizes)))
+        assert most[0] <= allowed  # 10 + 10 fit in 25; a chunk past the budget goes alone
+
+
+def test_a_published_version_is_caught_up_with_the_next_chunks_in_flight(
+    tmp_path: Path,
+) -> None:
+    """Chunks of a version already published (a replica catching up) cross while the one
+    before them is applied, asked for together."""
+    v0 = _view(0)
+    v1 = _step(v0, 1)
+    publisher = Board(str(tmp_path / "board"), "run")
+    publisher.publish(0, v0, view_name="bfloat16")
+    publisher.publish(1, v1, view_name="bfloat16")
+    lock = threading.Lock()
+    flying, most = [0], [0]
+
+    class Slow(Board):
+        def _read(self, path: str, limit: int) -> bytes:
+            if not path.endswith(".patch"):
+                return super()._read(path, limit)
+            with lock:
+                flying[0] += 1
+                most[0] = max(most[0], flying[0])
+            time.sleep(0.1)  # a round trip
+            try:
+                return super()._read(path, limit)
+            finally:
+                with lock:
+                    flying[0] -= 1
+
+    held = {k: t.clone() for k, t in v0.items()}
+    Slow(str(tmp_path / "board"), "run").advance(held, 0, 1)
+    assert _same(held, v1)
+    assert most[0] >= 2
