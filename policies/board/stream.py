@@ -17,10 +17,9 @@ A replica holding ``u`` that sees the stream (:func:`follow`) fetches chunk ``i`
 soon as it exists (:func:`fetching`: up to :data:`FETCH_AHEAD` chunks ahead of the one it
 applies, asked for together, so its link carries the next chunks meanwhile and a round trip to
 the board is paid once, not once a chunk; a chunk not there yet is asked for again only after
-the one before it has landed, since the publisher writes them in order), applies it to its
-view in place and
-verifies every tensor it wrote against the chunk's checksums (:func:`apply_frame`) while the
-publisher encodes the next; once the pointer reaches the version it checks what it staged
+the one before it has landed, since the publisher writes them in order), applies it to its view
+in place and verifies every tensor it wrote against the chunk's checksums (:func:`apply_frame`)
+while the publisher encodes the next; once the pointer reaches the version it checks what it staged
 against the manifest (:func:`check_chunks`): every chunk the one the manifest vouches for, every
 tensor's checksum the manifest's, every tensor covered once. Only then is the version staged: a
 half-published version is never servable.
@@ -74,7 +73,7 @@ CHECK_S = 0.1
 that the pointer did not reach the version without the chunk it waits for)."""
 ENCODE_AHEAD = 2
 """Chunks encoded at once by a publisher (the next while one is written)."""
-FETCH_AHEAD = 4
+FETCH_AHEAD = 8
 """Chunk fetches a replica keeps in flight ahead of the one it applies: the link stays busy while
 it applies, and a board a round trip away (an object store in another region) answers several
 requests per round trip."""
