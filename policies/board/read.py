@@ -17,6 +17,7 @@ from __future__ import annotations
 import shutil
 import uuid
 from collections.abc import Callable, Mapping, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import structlog
@@ -347,8 +348,13 @@ class BoardReader:
         (:meth:`stream`): its chunks are applied as they land, and this returns once it is
         published and they match its manifest (:mod:`policies.board.stream`).
         """
-        if have is not None and want is not None and want > (self.latest() or -1):
-            return self._advance_streamed(view, have, want, verify_base=verify_base)
+        if have is not None and want is not None:
+            # the pointer and the stream asked for together: one round trip to a distant board
+            with ThreadPoolExecutor(1, thread_name_prefix="board-read") as pool:
+                streaming = pool.submit(self.stream)
+                if want > (self.latest() or -1):
+                    stream = streaming.result()
+                    return self._advance_streamed(view, have, want, stream, verify_base=verify_base)
         plan = self.catch_up(have, want)
         self._check_base(self.manifest(plan.want))
         digest: str | None = None
@@ -372,11 +378,17 @@ class BoardReader:
         return target
 
     def _advance_streamed(
-        self, view: MutableMapping[str, torch.Tensor], have: int, want: int, *, verify_base: bool
+        self,
+        view: MutableMapping[str, torch.Tensor],
+        have: int,
+        want: int,
+        stream: Stream | None,
+        *,
+        verify_base: bool,
     ) -> Manifest:
-        """:meth:`advance` to ``want`` while it is being streamed (or refuse: not published)."""
+        """:meth:`advance` to ``want`` while ``stream`` (the run's ``STREAM``, read with the
+        pointer that is still below ``want``) streams it (or refuse: not published)."""
         where = f"{self.safe_url}/{self.run}"
-        stream = self.stream()
         if stream is None or stream.version != want or have not in stream.bases:
             raise BoardError(f"version {want} is not published on {where} (newest: {have})")
         held = self.manifest(have)
@@ -388,7 +400,15 @@ class BoardReader:
                 f"version {have} has digest {held.digest}"
             )
         source = StreamSource(chunk=self._chunk(want), stream=self.stream, latest=self.latest)
-        staged = follow(view, have, stream, source, where=where, base_checksums=sum_checksums(held))
+        staged = follow(
+            view,
+            have,
+            stream,
+            source,
+            where=where,
+            base_checksums=sum_checksums(held),
+            on_commit=lambda: self.manifest(want),  # read while the last chunks are applied
+        )
         target = self.manifest(want)
         self._check_base(target)
         ref = next((p for p in target.patches if p.base == have and p.chunks), None)

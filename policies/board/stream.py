@@ -318,10 +318,12 @@ def follow(
     where: str,
     stall_s: float | None = None,
     base_checksums: Mapping[str, str] | None = None,
+    on_commit: Callable[[], object] | None = None,
 ) -> list[StagedChunk]:
-    """Apply every chunk of ``stream``'s patch from ``have`` to ``view`` as it lands, then wait
-    until the pointer reaches the stream's version; the chunks staged (check them against the
-    manifest with :func:`check_chunks`). ``where`` names the board in errors; ``stall_s``
+    """Apply every chunk of ``stream``'s patch from ``have`` to ``view`` as it lands, and wait
+    until the pointer reaches the stream's version (watched, and then ``on_commit`` called, on a
+    thread of its own once the last chunk is asked for); the chunks staged (check them against
+    the manifest with :func:`check_chunks`). ``where`` names the board in errors; ``stall_s``
     defaults to :data:`STALL_S`; ``base_checksums`` are passed to :func:`apply_frame`."""
     stall_s = STALL_S if stall_s is None else stall_s
     v = stream.version
@@ -349,16 +351,26 @@ def follow(
             time.sleep(POLL_S)
 
     arrived = [threading.Event() for _ in stream.limits]
+    landings: list[int] = []  # the chunks landed so far, in the order they did
+    asking_last = threading.Event()
 
     def fetch(i: int) -> bytes:
         rel, limit = chunk_file(have, i), stream.limits[i]
-        # asked for at once (the publisher is usually ahead); if it is not there yet, asked for
-        # again only once the chunk before it landed (they are written in order), so one chunk
-        # is polled at a time, its stall clock starting then
+        if i == len(stream.limits) - 1:
+            asking_last.set()
+        # Asked for at once (the publisher is usually ahead). If it is not there yet, it is
+        # polled only once the chunk before it has landed (they are written in order; its stall
+        # clock starts then), and asked for once more whenever another chunk lands meanwhile
+        # (the publisher got further, maybe past it): one chunk is polled at a time.
         got = [data] if (data := source.chunk(rel, limit)) is not None else []
+        seen = len(landings)
         while i and not got and not arrived[i - 1].wait(POLL_S):
             if stop.is_set():
                 raise gone("was given up")
+            if len(landings) != seen:
+                seen = len(landings)
+                if (data := source.chunk(rel, limit)) is not None:
+                    got.append(data)
 
         def landed() -> bool:
             if stop.is_set():  # the applying side raised: nothing waits for this chunk
@@ -375,19 +387,41 @@ def follow(
 
         wait(landed, f"chunk {i}", overtaken)
         arrived[i].set()
+        landings.append(i)
         if len(got[0]) > limit:
             raise gone(f"read {rel} larger than its announced {limit} bytes")
         return got[0]
 
-    with fetching(fetch, stream.limits, stop) as chunks:
-        for i, data in enumerate(chunks):
-            rel = chunk_file(have, i)
-            try:
-                here = f"version {v}: {rel}"
-                staged.append(apply_frame(view, data, here, digest, base_checksums=base_checksums))
-            except PatchError as exc:
-                raise gone(f"failed at {rel} ({exc}): it is read again once published") from None
-            except VersionCorrupt as exc:
-                raise gone(f"failed ({exc}): it is read again once published") from None
-    wait(lambda: (source.latest() or -1) >= v, "commit", lambda: None)
+    given_up = threading.Event()
+
+    def committed() -> None:
+        """Wait for the pointer to reach the version, then ``on_commit``, from when the last
+        chunk is asked for: their round trips to the board overlap the last chunks'."""
+        while not asking_last.wait(POLL_S):
+            if given_up.is_set():
+                return
+        wait(lambda: given_up.is_set() or (source.latest() or -1) >= v, "commit", lambda: None)
+        if on_commit is not None and not given_up.is_set():
+            on_commit()
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="board-commit") as watcher:
+        commit = watcher.submit(committed)
+        try:
+            with fetching(fetch, stream.limits, stop) as chunks:
+                for i, data in enumerate(chunks):
+                    rel = chunk_file(have, i)
+                    here = f"version {v}: {rel}"
+                    try:
+                        staged.append(
+                            apply_frame(view, data, here, digest, base_checksums=base_checksums)
+                        )
+                    except PatchError as exc:
+                        why = f"failed at {rel} ({exc}): it is read again once published"
+                        raise gone(why) from None
+                    except VersionCorrupt as exc:
+                        raise gone(f"failed ({exc}): it is read again once published") from None
+        except BaseException:
+            given_up.set()
+            raise
+        commit.result()
     return staged

@@ -420,8 +420,9 @@ def test_a_replica_asks_for_the_next_chunks_together(monkeypatch: pytest.MonkeyP
 def test_a_chunk_not_written_yet_is_polled_only_after_the_one_before_it_landed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The publisher writes chunks in order: while chunk 1 is missing, asking for chunks 2 and 3
-    again and again would only multiply the requests (an object store bills each)."""
+    """The publisher writes chunks in order: while chunk 1 is missing, polling chunks 2 and 3 too
+    would only multiply the requests (an object store bills each). They are asked for again
+    only when a chunk lands (here chunk 0)."""
     _stub_apply(monkeypatch)
     stream = Stream(
         version=1, id="s", bases={0: "d0"}, chunks=[["a"], ["b"], ["c"], ["d"]], limits=[9] * 4
@@ -450,8 +451,8 @@ def test_a_chunk_not_written_yet_is_polled_only_after_the_one_before_it_landed(
     writer.join()
     assert len(staged) == 4
     assert asked[chunk_file(0, 1)].count(False) > 5  # polled while it was missing
-    for i in (2, 3):
-        assert asked[chunk_file(0, i)].count(False) <= 1  # asked once at most before it landed
+    for i in (2, 3):  # at once, and once more when chunk 0 landed
+        assert asked[chunk_file(0, i)].count(False) <= 2
 
 
 def test_fetching_keeps_the_bytes_in_flight_within_its_budget(
@@ -508,3 +509,79 @@ def test_a_published_version_is_caught_up_with_the_next_chunks_in_flight(
     Slow(str(tmp_path / "board"), "run").advance(held, 0, 1)
     assert _same(held, v1)
     assert most[0] >= 2
+
+
+def test_a_replica_asks_for_the_pointer_and_the_stream_together(tmp_path: Path) -> None:
+    """Advancing to a version being streamed reads the pointer (is it published yet?) and the
+    stream: asked one after the other, a board a round trip away costs two."""
+    v0 = _view(0)
+    v1 = _step(v0, 1)
+    pub = Board(str(tmp_path / "board"), "run")
+    gate = Gate(pub, at=len(NAMES) - 1)
+    pub.publish(0, v0, view_name="bfloat16")
+    lock, both, asked = threading.Lock(), threading.Event(), [0]
+
+    class Distant(Board):
+        def _read(self, path: str, limit: int) -> bytes:
+            if path.rsplit("/", 1)[-1] in ("POINTER", "STREAM"):
+                with lock:
+                    asked[0] += 1
+                    first_pair = asked[0] <= 2
+                    if asked[0] == 2:
+                        both.set()
+                if first_pair and not both.wait(10):  # the other one asked for meanwhile?
+                    raise AssertionError(f"{path} was asked for alone")
+            return super()._read(path, limit)
+
+    publish = threading.Thread(target=pub.publish, args=(1, v1), kwargs={"view_name": "bfloat16"})
+    publish.start()
+    assert gate.reached.wait(30)
+    held = {k: t.clone() for k, t in v0.items()}
+    done: list[object] = []
+
+    def follow() -> None:
+        try:
+            done.append(Distant(str(tmp_path / "board"), "run").advance(held, 0, 1))
+        except BaseException as exc:  # reported by the assertion below
+            done.append(exc)
+
+    t = threading.Thread(target=follow)
+    t.start()
+    assert both.wait(30)
+    gate.go.set()  # the version is published only once the replica follows its stream
+    publish.join(30)
+    t.join(30)
+    assert isinstance(done[0], Manifest), done
+    assert done[0].version == 1
+    assert _same(held, v1)
+
+
+def test_the_commit_is_watched_while_the_last_chunks_are_applied(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reading the pointer and then the new manifest only after the last chunk is applied
+    would add two round trips to a distant board after the link has done its part."""
+    stream = Stream(
+        version=1, id="s", bases={0: "d0"}, chunks=[["a"], ["b"], ["c"]], limits=[9] * 3
+    )
+    chunks = {chunk_file(0, i): bytes([i]) for i in range(3)}
+    applied: list[float] = []
+
+    def slow_apply(view: State, data: bytes, where: str, digest: str | None, **_: object) -> object:
+        time.sleep(0.2)
+        applied.append(time.monotonic())
+        return board_stream.StagedChunk(board_stream.chunk_ref(data), {})
+
+    monkeypatch.setattr(board_stream, "apply_frame", slow_apply)
+    read: list[float] = []
+    staged = board_stream.follow(
+        {},
+        0,
+        stream,
+        _source_of(chunks, stream, [1], {}),
+        where="test",
+        on_commit=lambda: read.append(time.monotonic()),
+    )
+    assert len(staged) == 3
+    assert len(read) == 1
+    assert read[0] < applied[0]  # all chunks were asked for at once: watched from the start
