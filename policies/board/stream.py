@@ -334,11 +334,19 @@ def follow(
     def gone(why: str) -> BoardError:
         return BoardError(f"version {v} on {where}: the stream staged from {have} {why}")
 
-    def wait(ready: Callable[[], bool], what: str, overtaken: Callable[[], None]) -> None:
-        deadline = checked = time.monotonic()
-        deadline += stall_s
+    def wait(
+        ready: Callable[[], bool],
+        what: str,
+        overtaken: Callable[[], None],
+        since: threading.Event | None = None,
+    ) -> None:
+        """Poll ``ready``; given up after ``stall_s`` without it, counted from when ``since`` is
+        set (or from now, if it is already)."""
+        start = checked = time.monotonic()
         while not ready():
             now = time.monotonic()
+            if since is not None and not since.is_set():
+                start = now  # the stall clock has not started
             if now - checked >= CHECK_S:  # the stream's fate, less often than the next chunk
                 checked = now
                 current = source.stream()
@@ -346,13 +354,15 @@ def follow(
                 if (current is None or current.id != stream.id) and not ready():
                     raise gone("was replaced by another publish")
                 overtaken()
-            if now > deadline:
+            if now > start + stall_s:
                 raise gone(f"stalled: no {what} for {stall_s:g} s (the publisher died?)")
             time.sleep(POLL_S)
 
     arrived = [threading.Event() for _ in stream.limits]
     landings: list[int] = []  # the chunks landed so far, in the order they did
     asking_last = threading.Event()
+    if not stream.limits:  # nothing to fetch: only the commit to wait for
+        asking_last.set()
 
     def fetch(i: int) -> bytes:
         rel, limit = chunk_file(have, i), stream.limits[i]
@@ -396,11 +406,17 @@ def follow(
 
     def committed() -> None:
         """Wait for the pointer to reach the version, then ``on_commit``, from when the last
-        chunk is asked for: their round trips to the board overlap the last chunks'."""
+        chunk is asked for: their round trips to the board overlap the last chunks'. The stall
+        clock starts once the last chunk has landed (the publisher may still be writing the
+        ones before it)."""
         while not asking_last.wait(POLL_S):
             if given_up.is_set():
                 return
-        wait(lambda: given_up.is_set() or (source.latest() or -1) >= v, "commit", lambda: None)
+
+        def ready() -> bool:
+            return given_up.is_set() or (source.latest() or -1) >= v
+
+        wait(ready, "commit", lambda: None, since=arrived[-1] if arrived else None)
         if on_commit is not None and not given_up.is_set():
             on_commit()
 

@@ -585,3 +585,29 @@ def test_the_commit_is_watched_while_the_last_chunks_are_applied(
     assert len(staged) == 3
     assert len(read) == 1
     assert read[0] < applied[0]  # all chunks were asked for at once: watched from the start
+
+
+def test_a_slow_publisher_is_not_taken_for_a_stalled_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every chunk, and the commit, come within the stall timeout of the one before, though the
+    whole stream takes longer: the replica keeps following (its stall clocks count from the
+    last progress, not from when it first asked)."""
+    _stub_apply(monkeypatch)
+    monkeypatch.setattr(board_stream, "STALL_S", 0.5)
+    stream = Stream(
+        version=1, id="s", bases={0: "d0"}, chunks=[["a"], ["b"], ["c"], ["d"]], limits=[9] * 4
+    )
+    chunks: dict[str, bytes] = {}
+    latest = [0]
+
+    def publisher() -> None:
+        for i in range(4):
+            time.sleep(0.3)
+            chunks[chunk_file(0, i)] = bytes([i])
+        time.sleep(0.3)
+        latest[0] = 1
+
+    writer = threading.Thread(target=publisher)
+    writer.start()
+    staged = board_stream.follow({}, 0, stream, _source_of(chunks, stream, latest, {}), where="t")
+    writer.join()
+    assert len(staged) == 4
