@@ -16,13 +16,14 @@ chunk is durable.
 A replica holding ``u`` that sees the stream (:func:`follow`) fetches chunk ``i`` by its name as
 soon as it exists (:func:`fetching`: up to :data:`FETCH_AHEAD` chunks ahead of the one it
 applies, asked for together, so its link carries the next chunks meanwhile and a round trip to
-the board is paid once, not once a chunk; a chunk not there yet is asked for again only after
-the one before it has landed, since the publisher writes them in order), applies it to its view
-in place and verifies every tensor it wrote against the chunk's checksums (:func:`apply_frame`)
-while the publisher encodes the next; once the pointer reaches the version it checks what it staged
-against the manifest (:func:`check_chunks`): every chunk the one the manifest vouches for, every
-tensor's checksum the manifest's, every tensor covered once. Only then is the version staged: a
-half-published version is never servable.
+the board is paid once, not once a chunk; a chunk not there yet is polled only after the one
+before it has landed, since the publisher writes them in order, and asked for once more whenever
+another lands), applies it to its view in place and verifies every tensor it wrote against the
+chunk's checksums (:func:`apply_frame`) while the publisher encodes the next; the pointer is
+watched, and ``on_commit`` called, while the last chunks cross. Once the pointer reaches the
+version it checks what it staged against the manifest (:func:`check_chunks`): every chunk the
+one the manifest vouches for, every tensor's checksum the manifest's, every tensor covered once.
+Only then is the version staged: a half-published version is never servable.
 
 Guarantees: the reader reads at most the announced limit of a chunk; a stream whose publisher
 died (no new chunk for ``stall_s``), was replaced (another ``STREAM`` id) or was overtaken (the
@@ -420,22 +421,22 @@ def follow(
         if on_commit is not None and not given_up.is_set():
             on_commit()
 
+    def apply(i: int, data: bytes) -> StagedChunk:
+        rel = chunk_file(have, i)
+        here = f"version {v}: {rel}"
+        try:
+            return apply_frame(view, data, here, digest, base_checksums=base_checksums)
+        except PatchError as exc:
+            raise gone(f"failed at {rel} ({exc}): it is read again once published") from None
+        except VersionCorrupt as exc:
+            raise gone(f"failed ({exc}): it is read again once published") from None
+
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="board-commit") as watcher:
         commit = watcher.submit(committed)
         try:
             with fetching(fetch, stream.limits, stop) as chunks:
                 for i, data in enumerate(chunks):
-                    rel = chunk_file(have, i)
-                    here = f"version {v}: {rel}"
-                    try:
-                        staged.append(
-                            apply_frame(view, data, here, digest, base_checksums=base_checksums)
-                        )
-                    except PatchError as exc:
-                        why = f"failed at {rel} ({exc}): it is read again once published"
-                        raise gone(why) from None
-                    except VersionCorrupt as exc:
-                        raise gone(f"failed ({exc}): it is read again once published") from None
+                    staged.append(apply(i, data))
         except BaseException:
             given_up.set()
             raise

@@ -455,27 +455,38 @@ def test_a_chunk_not_written_yet_is_polled_only_after_the_one_before_it_landed(
         assert asked[chunk_file(0, i)].count(False) <= 2
 
 
+class _InFlight:
+    """Counts the calls inside it at once; ``most`` is the most seen."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.now = self.most = 0
+
+    def __enter__(self) -> None:
+        with self._lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self.now -= 1
+
+
 def test_fetching_keeps_the_bytes_in_flight_within_its_budget(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(board_stream, "FETCH_BYTES", 25)
-    lock = threading.Lock()
-    flying, most = [0], [0]
-
-    def fetch(i: int) -> bytes:
-        with lock:
-            flying[0] += 1
-            most[0] = max(most[0], flying[0])
-        time.sleep(0.05)
-        with lock:
-            flying[0] -= 1
-        return bytes([i])
-
     for sizes, allowed in (([10] * 6, 2), ([100] * 3, 1)):
-        most[0] = 0
+        flying = _InFlight()
+
+        def fetch(i: int, flying: _InFlight = flying) -> bytes:
+            with flying:
+                time.sleep(0.05)
+            return bytes([i])
+
         with board_stream.fetching(fetch, sizes) as got:
             assert [d[0] for d in got] == list(range(len(sizes)))
-        assert most[0] <= allowed  # 10 + 10 fit in 25; a chunk past the budget goes alone
+        assert flying.most <= allowed  # 10 + 10 fit in 25; a chunk past the budget goes alone
 
 
 def test_a_published_version_is_caught_up_with_the_next_chunks_in_flight(
@@ -488,27 +499,20 @@ def test_a_published_version_is_caught_up_with_the_next_chunks_in_flight(
     publisher = Board(str(tmp_path / "board"), "run")
     publisher.publish(0, v0, view_name="bfloat16")
     publisher.publish(1, v1, view_name="bfloat16")
-    lock = threading.Lock()
-    flying, most = [0], [0]
+    flying = _InFlight()
 
     class Slow(Board):
         def _read(self, path: str, limit: int) -> bytes:
             if not path.endswith(".patch"):
                 return super()._read(path, limit)
-            with lock:
-                flying[0] += 1
-                most[0] = max(most[0], flying[0])
-            time.sleep(0.1)  # a round trip
-            try:
+            with flying:
+                time.sleep(0.1)  # a round trip
                 return super()._read(path, limit)
-            finally:
-                with lock:
-                    flying[0] -= 1
 
     held = {k: t.clone() for k, t in v0.items()}
     Slow(str(tmp_path / "board"), "run").advance(held, 0, 1)
     assert _same(held, v1)
-    assert most[0] >= 2
+    assert flying.most >= 2
 
 
 def test_a_replica_asks_for_the_pointer_and_the_stream_together(tmp_path: Path) -> None:
