@@ -149,9 +149,11 @@ def same_bits(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> b
     )
 
 
-def _streaming(board: Board, version: int) -> bool:
-    stream = board.stream()
-    return stream is not None and stream.version == version
+def _announced(board: Board, version: int) -> bool:
+    """Whether ``version`` is published or being streamed (asked for together, as a sidecar
+    does)."""
+    latest, stream = board.latest_and_stream()
+    return (latest or -1) >= version or (stream is not None and stream.version == version)
 
 
 def against_the_limit(
@@ -193,7 +195,7 @@ def _sync(
     follows it."""
 
     def follow(i: int) -> float:
-        while (boards[i].latest() or 0) < 1 and not _streaming(boards[i], 1):
+        while not _announced(boards[i], 1):
             time.sleep(poll_s)
         boards[i].advance(held[i], 0, 1)  # chunk by chunk while version 1 is being streamed
         return time.perf_counter()

@@ -219,6 +219,13 @@ class BoardReader:
             log.warning("board.stream_unreadable", board=self.safe_url, run=self.run, error=error)
             return None
 
+    def latest_and_stream(self) -> tuple[int | None, Stream | None]:
+        """:meth:`latest` and :meth:`stream`, asked for together: a watcher of a board a round
+        trip away learns of a version being streamed in one round trip, not two."""
+        with ThreadPoolExecutor(1, thread_name_prefix="board-read") as pool:
+            streaming = pool.submit(self.stream)
+            return self.latest(), streaming.result()
+
     def _chunk(self, version: int) -> Callable[[str, int], bytes | None]:
         def read(rel: str, limit: int) -> bytes | None:
             try:
@@ -349,12 +356,9 @@ class BoardReader:
         published and they match its manifest (:mod:`policies.board.stream`).
         """
         if have is not None and want is not None:
-            # the pointer and the stream asked for together: one round trip to a distant board
-            with ThreadPoolExecutor(1, thread_name_prefix="board-read") as pool:
-                streaming = pool.submit(self.stream)
-                if want > (self.latest() or -1):
-                    stream = streaming.result()
-                    return self._advance_streamed(view, have, want, stream, verify_base=verify_base)
+            latest, stream = self.latest_and_stream()
+            if want > (latest or -1):
+                return self._advance_streamed(view, have, want, stream, verify_base=verify_base)
         plan = self.catch_up(have, want)
         self._check_base(self.manifest(plan.want))
         digest: str | None = None

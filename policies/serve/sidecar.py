@@ -31,11 +31,12 @@ Guarantees:
   reconcile;
 - board URLs are logged with their credentials (``user:password@``, query strings) removed.
 
-Streaming: when the board is streaming a version from the one served (``Board.stream``), the
-sidecar stages it at once: chunks are fetched and applied to the shadow as the publisher writes
-them, each tensor verified as soon as it is whole, so activation waits only for the last chunk
-and the commit; a stream that is abandoned (publisher died or restarted) leaves the shadow
-to be rebuilt and the old version serving (``policies.board.stream``).
+Streaming: when the board is streaming a version from the one served (``Board.stream``, read with
+the pointer at every reconcile: ``Board.latest_and_stream``), the sidecar stages it at once: chunks
+are fetched and applied to the shadow as the publisher writes them, each tensor verified as soon as
+it is whole, so activation waits only for the last chunk and the commit; a stream that is abandoned
+(publisher died or restarted) leaves the shadow to be rebuilt and the old version serving
+(``policies.board.stream``).
 
 Catch-up: the sidecar always targets the newest version; the board plans the route (squashed
 patches when far behind, an anchor when too far) and the backend applies it to a CPU
@@ -225,8 +226,8 @@ class Sidecar:
         except PolicyError as exc:
             log.warning("engine_unavailable", error=redact(str(exc)), serving=self.applied_version)
             return
-        try:
-            target = await anyio.to_thread.run_sync(self.board.latest)
+        try:  # the stream asked for with the pointer: one round trip to a distant board
+            target, stream = await anyio.to_thread.run_sync(self.board.latest_and_stream)
         except BoardError as exc:
             log.warning("board_unreadable", error=redact(str(exc)))
             return
@@ -234,7 +235,6 @@ class Sidecar:
         if applied is not None and (target is None or target <= applied):
             # nothing newer is published: stage a version being streamed from the one served,
             # chunk by chunk as it lands (it is activated only once published and verified)
-            stream = await anyio.to_thread.run_sync(self.board.stream)
             if stream is None or stream.version <= applied or applied not in stream.bases:
                 return
             target = stream.version

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from policies.board import Board
+from policies.board import Board, BoardReader
 from policies.errors import BoardError
 
 
@@ -26,3 +26,25 @@ class Gate:
             if self.crash:
                 raise BoardError("publisher died")
         self._write(path, data)
+
+
+class AskedTogether:
+    """Has ``board``'s first reads of the pointer and of ``STREAM`` each wait (10 s at most) for
+    the other to be asked for: asked one after the other (two round trips to a distant board),
+    the first raises ``AssertionError``. ``both`` is set once both were asked for."""
+
+    def __init__(self, board: BoardReader) -> None:
+        self._lock, self.both, self._asked = threading.Lock(), threading.Event(), 0
+        self._read = board._read
+        board._read = self.read  # type: ignore[method-assign]
+
+    def read(self, path: str, limit: int) -> bytes:
+        if path.rsplit("/", 1)[-1] in ("POINTER", "STREAM"):
+            with self._lock:
+                self._asked += 1
+                first_pair = self._asked <= 2
+                if self._asked == 2:
+                    self.both.set()
+            if first_pair and not self.both.wait(10):
+                raise AssertionError(f"{path} was asked for alone")
+        return self._read(path, limit)

@@ -32,7 +32,7 @@ from policies.codec import CODEC, encode_patch, read_patch_header
 from policies.codec import encode as codec_encode
 from policies.codec.digests import XXH3, checksums
 from policies.errors import BoardError, VersionCorrupt
-from tests.support.stream import Gate
+from tests.support.stream import AskedTogether, Gate
 
 MakeBoard = Callable[..., Board]
 State = dict[str, torch.Tensor]
@@ -523,20 +523,8 @@ def test_a_replica_asks_for_the_pointer_and_the_stream_together(tmp_path: Path) 
     pub = Board(str(tmp_path / "board"), "run")
     gate = Gate(pub, at=len(NAMES) - 1)
     pub.publish(0, v0, view_name="bfloat16")
-    lock, both, asked = threading.Lock(), threading.Event(), [0]
-
-    class Distant(Board):
-        def _read(self, path: str, limit: int) -> bytes:
-            if path.rsplit("/", 1)[-1] in ("POINTER", "STREAM"):
-                with lock:
-                    asked[0] += 1
-                    first_pair = asked[0] <= 2
-                    if asked[0] == 2:
-                        both.set()
-                if first_pair and not both.wait(10):  # the other one asked for meanwhile?
-                    raise AssertionError(f"{path} was asked for alone")
-            return super()._read(path, limit)
-
+    distant = Board(str(tmp_path / "board"), "run")
+    together = AskedTogether(distant)
     publish = threading.Thread(target=pub.publish, args=(1, v1), kwargs={"view_name": "bfloat16"})
     publish.start()
     assert gate.reached.wait(30)
@@ -545,13 +533,13 @@ def test_a_replica_asks_for_the_pointer_and_the_stream_together(tmp_path: Path) 
 
     def follow() -> None:
         try:
-            done.append(Distant(str(tmp_path / "board"), "run").advance(held, 0, 1))
+            done.append(distant.advance(held, 0, 1))
         except BaseException as exc:  # reported by the assertion below
             done.append(exc)
 
     t = threading.Thread(target=follow)
     t.start()
-    assert both.wait(30)
+    assert together.both.wait(30)
     gate.go.set()  # the version is published only once the replica follows its stream
     publish.join(30)
     t.join(30)

@@ -16,7 +16,7 @@ from policies.serve.backends.reference import ReferenceBackend
 from policies.serve.engine import Engine
 from policies.serve.sidecar import Sidecar
 from tests.support.boards import adam_like_step, tiny_board
-from tests.support.stream import Gate
+from tests.support.stream import AskedTogether, Gate
 
 pytestmark = pytest.mark.anyio
 
@@ -68,5 +68,36 @@ async def test_a_sidecar_stages_a_streamed_version_and_activates_it_once_publish
         assert sidecar.applied_version == 1
         live = engine.live_tensors()
         assert all(torch.equal(_bits(live[k]), _bits(t)) for k, t in v1.items() if k in live)
+    finally:
+        engine.close()
+
+
+async def test_a_sidecar_asks_for_the_pointer_and_the_stream_together(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """A serving sidecar learns of a version being streamed from the pointer (nothing newer
+    published) and ``STREAM``: asked one after the other, a board a round trip away costs two
+    at every version."""
+    pub = tiny_board(tmp_path, tiny_model_dir)
+    v1 = adam_like_step(pub.load(0)[1], seed=1, density=0.05)
+    engine = Engine(tiny_model_dir, dtype=torch.bfloat16)
+    board = Board(pub.url, pub.run)
+    sidecar = Sidecar(
+        ReferenceBackend(engine), board, poll_interval_s=3600, registry=CollectorRegistry()
+    )
+    try:
+        await sidecar.reconcile()
+        assert sidecar.applied_version == 0
+        gate = Gate(pub, at=0)  # streaming, and nothing of version 1 written yet
+        publish = threading.Thread(target=pub.publish, args=(1, v1), kwargs={"view_name": "bf16"})
+        publish.start()
+        assert await anyio.to_thread.run_sync(gate.reached.wait, 30)
+        together = AskedTogether(board)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sidecar.reconcile)
+            assert await anyio.to_thread.run_sync(together.both.wait, 30)
+            gate.go.set()
+        await anyio.to_thread.run_sync(publish.join, 30)
+        assert sidecar.applied_version == 1
     finally:
         engine.close()
