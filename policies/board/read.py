@@ -221,7 +221,7 @@ class BoardReader:
 
     def latest_and_stream(self) -> tuple[int | None, Stream | None]:
         """:meth:`latest` and :meth:`stream`, asked for together: a watcher of a board a round
-        trip away learns of a version being streamed in one round trip, not two."""
+        trip away reads both in one round trip, not two."""
         with ThreadPoolExecutor(1, thread_name_prefix="board-read") as pool:
             streaming = pool.submit(self.stream)
             return self.latest(), streaming.result()
