@@ -1,16 +1,17 @@
 """``orchestrate bench sync --engine reference|vllm|llamacpp``: a real engine behind its sidecar,
 following versions over a slow link.
 
-One run: sprawl's ``small`` model (bf16 view; built if missing), published as version 0 and
-served by the engine (the reference engine in process, a live vLLM CPU server, or the sidecar's
-own llama-server); the engine's sidecar reads the board through a serial link of
-``--link-mbit`` Mbit/s (:class:`~orchestrator.bench.sync.ThrottledBoard`). Then ``--versions``
-versions are published, each moving ``--density`` of the bf16 values by ±1 ulp (an Adam step),
-and for each: ``sync_s`` (from the start of ``Board.publish`` to the sidecar
-serving it), ``board_bytes_read`` (what crossed the link to stage it) and ``patch_bytes``. Also:
-``full_checkpoint_bytes`` (the anchor the engine started from), ``pause_ms`` p50 / p99 (the time
-generation was held per activation, pause mode), and ``exact``: greedy token ids and log probs
-of the live engine after the last version equal those of a fresh engine started on that version.
+One run: sprawl's ``small`` model (bf16 view; built if missing), published as version 0 and served
+by the engine (the reference engine in process, a live vLLM CPU server, or the sidecar's own
+llama-server); the engine's sidecar reads the board through a serial link of ``--link-mbit`` Mbit/s,
+each read a round trip of ``--link-rtt-ms`` away (default 0;
+:class:`~orchestrator.bench.sync.ThrottledBoard`). Then ``--versions`` versions are published, each
+moving ``--density`` of the bf16 values by ±1 ulp (an Adam step), and for each: ``sync_s`` (from the
+start of ``Board.publish`` to the sidecar serving it), ``board_bytes_read`` (what crossed the link
+to stage it) and ``patch_bytes``. Also: ``full_checkpoint_bytes`` (the anchor the engine started
+from), ``pause_ms`` p50 / p99 (the time generation was held per activation, pause mode), and
+``exact``: greedy token ids and log probs of the live engine after the last version equal those of a
+fresh engine started on that version.
 
 Targets (issue #14): board bytes per version ≤ 2 × the patch; vLLM pause p50 ≤ 100 ms; exact.
 """
@@ -34,7 +35,7 @@ from prometheus_client import CollectorRegistry
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from orchestrator.bench.sync import Link, ThrottledBoard, adam_step
+from orchestrator.bench.sync import Link, ThrottledBoard, adam_step, add_link_flags, parse_flags
 from policies.board import Board, Manifest
 from policies.board.read import WEIGHTS
 from policies.serve.backends.base import HttpBackend
@@ -142,7 +143,14 @@ def _publish(board: Board, version: int, view: dict[str, torch.Tensor]) -> Manif
 
 
 async def run(
-    kind: str, root: Path, model: Path, versions: int, density: float, mbit: float, poll_s: float
+    kind: str,
+    root: Path,
+    model: Path,
+    versions: int,
+    density: float,
+    mbit: float,
+    poll_s: float,
+    rtt_ms: float = 0.0,
 ) -> dict[str, Any]:
     pub = Board(str(root / "board"), "bench")
     pub.create(model)
@@ -150,7 +158,7 @@ async def run(
     pub.publish(0, view, view_name="bfloat16")
     start_dir = pub.materialize(0, root / "v0")
     full_bytes = (start_dir / WEIGHTS).stat().st_size
-    link = Link(mbit)
+    link = Link(mbit, rtt_ms)
     gen = torch.Generator().manual_seed(1)
     rows: list[dict[str, Any]] = []
     async with _engine(kind, start_dir, root, "live") as inner:
@@ -197,6 +205,7 @@ async def run(
         "engine": kind,
         "model": str(model),
         "link_mbit_s": mbit,
+        "link_rtt_ms": rtt_ms,
         "density": density,
         "full_checkpoint_bytes": full_bytes,
         "full_checkpoint_link_s": round(full_bytes * 8 / (mbit * 1e6), 3),
@@ -216,11 +225,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--engine", choices=ENGINES, required=True)
     parser.add_argument("--model", type=Path, default=Path("runs/models/small"))
     parser.add_argument("--versions", type=int, default=10)
-    parser.add_argument("--density", type=float, default=0.01)
-    parser.add_argument("--link-mbit", type=float, default=100.0)
-    parser.add_argument("--poll-ms", type=float, default=20.0)
+    add_link_flags(parser, poll_ms=20.0)
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
+    args = parse_flags(parser, argv, ("versions",))
     configure(level="warning")
     if not (args.model / "config.json").exists():
         from policies.model.build import init_model
@@ -236,6 +243,7 @@ def main(argv: list[str]) -> int:
             args.density,
             args.link_mbit,
             args.poll_ms / 1e3,
+            args.link_rtt_ms,
         )
     if args.json:
         sys.stdout.write(json.dumps(result) + "\n")

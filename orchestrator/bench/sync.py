@@ -343,10 +343,8 @@ async def _demo(
     return result, engines[0]
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="orchestrate bench sync", description=__doc__)
-    parser.add_argument("--model", type=Path, default=Path("runs/models/tiny"))
-    parser.add_argument("--size-mb", type=int, default=1024)
+def add_link_flags(parser: argparse.ArgumentParser, poll_ms: float) -> None:
+    """The flags of a sync over a :class:`Link` (``bench sync``, ``bench sync --engine``)."""
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--link-mbit", type=float, default=100.0)
     parser.add_argument(
@@ -355,19 +353,16 @@ def main(argv: list[str]) -> int:
         default=0.0,
         help="round trip of every read (an object store in another region: 50-150)",
     )
-    parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--poll-ms", type=float, default=5.0)
-    parser.add_argument(
-        "--repeats",
-        type=int,
-        default=5,
-        help="syncs of the synthetic view (each from a fresh version 0); sync_s is the median",
-    )
-    parser.add_argument("--pause-trials", type=int, default=20)
-    parser.add_argument("--pause-load", type=int, default=8)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--poll-ms", type=float, default=poll_ms)
+
+
+def parse_flags(
+    parser: argparse.ArgumentParser, argv: list[str], counts: tuple[str, ...]
+) -> argparse.Namespace:
+    """``argv`` parsed, every flag of :func:`add_link_flags` and each of ``counts`` (at least
+    1) checked: a bad value is a usage error naming its flag."""
     args = parser.parse_args(argv)
-    for flag in ("size_mb", "replicas", "repeats"):
+    for flag in counts:
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')}: must be at least 1")
     for flag in ("link_mbit", "poll_ms"):
@@ -377,6 +372,25 @@ def main(argv: list[str]) -> int:
         parser.error("--link-rtt-ms: must be >= 0")
     if not 0 < args.density <= 1:
         parser.error("--density: must be in (0, 1]")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="orchestrate bench sync", description=__doc__)
+    parser.add_argument("--model", type=Path, default=Path("runs/models/tiny"))
+    parser.add_argument("--size-mb", type=int, default=1024)
+    add_link_flags(parser, poll_ms=5.0)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="syncs of the synthetic view (each from a fresh version 0); sync_s is the median",
+    )
+    parser.add_argument("--pause-trials", type=int, default=20)
+    parser.add_argument("--pause-load", type=int, default=8)
+    parser.add_argument("--json", action="store_true")
+    args = parse_flags(parser, argv, ("size_mb", "replicas", "repeats"))
     configure(level="warning")
     if not (args.model / "config.json").exists():
         from policies.model.build import init_model
