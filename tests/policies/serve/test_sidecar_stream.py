@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -25,14 +27,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(torch.int16)
 
 
-async def test_a_sidecar_stages_a_streamed_version_and_activates_it_once_published(
-    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(board_stream, "CHUNK_VIEW_BYTES", 1)  # one tensor per chunk
-    pub = tiny_board(tmp_path, tiny_model_dir)
-    v0 = pub.load(0)[1]
-    v1 = adam_like_step(v0, seed=1, density=0.05)
-    engine = Engine(tiny_model_dir, dtype=torch.bfloat16)
+@contextlib.asynccontextmanager
+async def _serving_v0(
+    tmp_path: Path, model: Path
+) -> AsyncIterator[tuple[Board, Board, Sidecar, Engine]]:
+    """A publisher's board holding version 0 of ``model``, and the board and sidecar of a
+    reference engine serving it."""
+    pub = tiny_board(tmp_path, model)
+    engine = Engine(model, dtype=torch.bfloat16)
     board = Board(pub.url, pub.run)
     sidecar = Sidecar(
         ReferenceBackend(engine), board, poll_interval_s=3600, registry=CollectorRegistry()
@@ -40,6 +42,17 @@ async def test_a_sidecar_stages_a_streamed_version_and_activates_it_once_publish
     try:
         await sidecar.reconcile()
         assert sidecar.applied_version == 0
+        yield pub, board, sidecar, engine
+    finally:
+        engine.close()
+
+
+async def test_a_sidecar_stages_a_streamed_version_and_activates_it_once_published(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(board_stream, "CHUNK_VIEW_BYTES", 1)  # one tensor per chunk
+    async with _serving_v0(tmp_path, tiny_model_dir) as (pub, board, sidecar, engine):
+        v1 = adam_like_step(pub.load(0)[1], seed=1, density=0.05)
         last = len(board_stream.plan_chunks(v1)) - 1
         gate = Gate(pub, at=last)
         publish = threading.Thread(target=pub.publish, args=(1, v1), kwargs={"view_name": "bf16"})
@@ -68,8 +81,6 @@ async def test_a_sidecar_stages_a_streamed_version_and_activates_it_once_publish
         assert sidecar.applied_version == 1
         live = engine.live_tensors()
         assert all(torch.equal(_bits(live[k]), _bits(t)) for k, t in v1.items() if k in live)
-    finally:
-        engine.close()
 
 
 async def test_a_sidecar_asks_for_the_pointer_and_the_stream_together(
@@ -78,16 +89,8 @@ async def test_a_sidecar_asks_for_the_pointer_and_the_stream_together(
     """A serving sidecar learns of a version being streamed from the pointer (nothing newer
     published) and ``STREAM``: asked one after the other, a board a round trip away costs two
     at every version."""
-    pub = tiny_board(tmp_path, tiny_model_dir)
-    v1 = adam_like_step(pub.load(0)[1], seed=1, density=0.05)
-    engine = Engine(tiny_model_dir, dtype=torch.bfloat16)
-    board = Board(pub.url, pub.run)
-    sidecar = Sidecar(
-        ReferenceBackend(engine), board, poll_interval_s=3600, registry=CollectorRegistry()
-    )
-    try:
-        await sidecar.reconcile()
-        assert sidecar.applied_version == 0
+    async with _serving_v0(tmp_path, tiny_model_dir) as (pub, board, sidecar, _):
+        v1 = adam_like_step(pub.load(0)[1], seed=1, density=0.05)
         gate = Gate(pub, at=0)  # streaming, and nothing of version 1 written yet
         publish = threading.Thread(target=pub.publish, args=(1, v1), kwargs={"view_name": "bf16"})
         publish.start()
@@ -99,5 +102,3 @@ async def test_a_sidecar_asks_for_the_pointer_and_the_stream_together(
             gate.go.set()
         await anyio.to_thread.run_sync(publish.join, 30)
         assert sidecar.applied_version == 1
-    finally:
-        engine.close()
