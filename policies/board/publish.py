@@ -45,15 +45,16 @@ Guarantees:
   credentials and any configured secret removed (the original exception is not chained);
 - :meth:`gc` keeps every version a replica holding ``≥ keep_from`` (or starting fresh) needs.
 
-A view on a device (a GPU trainer's) is never copied to the host whole when the publisher holds
-the previous version: the changes are found on the device and only they cross
-(:func:`policies.codec.scan.host_copy` builds the host copy the checksums, the catch-up patches
-and the next publish need from the previous host copy), and the delta from the previous
-version is scanned on the device too; the publisher then also keeps a reference to the
-device view (one more served view of device memory; the caller must not modify it after
-publishing). ``board.published`` logs the bytes that crossed to the host as ``to_host_bytes``.
-A publisher's first version, and a view whose tensors are the previous one's storage (live
-parameters the optimizer changed in place: pass a copy, as the trainers do), are copied whole.
+A view on a device (a GPU trainer's) is never copied to the host whole when the publisher holds the
+previous version: the changes are found on the device and only they cross
+(:func:`policies.codec.scan.host_copy` builds the host copy the catch-up patches and the next
+publish need from the previous host copy, and its checksums from the previous version's and the
+changes: nothing of it is hashed), and the delta from the previous version is scanned on the device
+too; the publisher then also keeps a reference to the device view (one more served view of device
+memory; the caller must not modify it after publishing). ``board.published`` logs the bytes that
+crossed to the host as ``to_host_bytes``. A publisher's first version, and a view whose tensors are
+the previous one's storage (live parameters the optimizer changed in place: pass a copy, as the
+trainers do), are copied whole.
 
 Not covered: concurrent publishers to one run (one trainer publishes; the forward-only check is
 not atomic against another writer); a reader racing :meth:`gc` below ``keep_from``.
@@ -67,6 +68,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import structlog
 import torch
@@ -100,13 +102,20 @@ def encode_patches(
     opts: BoardOptions,
     *,
     scan_on: ScanOn | None = None,
+    known: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, str], dict[int, tuple[bytes, PatchRef]]]:
     """``target``'s tensor checksums, and the patch from each base version (its view and
     digest) to ``target`` with the manifest's record of it, by base; ``scan_on`` has one base's
-    patch scanned on a device. The checksums are summed by the first base's scan as it reads
-    ``target`` (:func:`policies.codec.encode_patch`); hashed when there is no base or a scan runs
-    on a device (they are the host copy's)."""
-    sums = checksums(target) if scan_on is not None or not bases else None
+    patch scanned on a device. The checksums are ``known`` when given (a device view's host
+    copy, :func:`host_side`), else summed by the first base's scan as it reads ``target``
+    (:func:`policies.codec.encode_patch`), else (no base, or a scan on a device) hashed."""
+    sums = (
+        dict(known)
+        if known is not None
+        else checksums(target)
+        if scan_on is not None or not bases
+        else None
+    )
     patches: dict[int, tuple[bytes, PatchRef]] = {}
     for b, (view, digest) in bases.items():
         scanned = target
@@ -130,6 +139,9 @@ def encode_patches(
 class _Held:
     view: dict[str, torch.Tensor]
     digest: str
+    checksums: dict[str, str]
+    """The view's ``sum-128`` tensor checksums (a device view's next host copy is summed from
+    them and its changes)."""
 
 
 def _on_device(view: Mapping[str, torch.Tensor]) -> bool:
@@ -163,23 +175,37 @@ DeviceView = tuple[int, dict[str, torch.Tensor]]
 """A published version and its view on the device it lives on."""
 
 
+class HostSide(NamedTuple):
+    """What a publisher of a view works from (:func:`host_side`)."""
+
+    view: dict[str, torch.Tensor]
+    """The view on the host."""
+    device: dict[str, torch.Tensor] | None
+    """Its tensors on their device (None: the view is on the host)."""
+    scan_on: ScanOn | None
+    """The delta to scan on the device (None: scan on the host)."""
+    checksums: dict[str, str] | None
+    """The host copy's checksums, when they came from the previous version's and the changes."""
+
+
 def host_side(
     view: Mapping[str, torch.Tensor],
     latest: int | None,
     prev: DeviceView | None,
     prev_host: Mapping[str, torch.Tensor] | None,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None, ScanOn | None]:
-    """What a publisher of ``view`` works from: its host copy, its device tensors (None when it
-    is on the host) and the delta to scan on the device (None: scan on the host). With the
-    previous version ``latest`` held on the device (``prev``) and on the host (``prev_host``),
-    only the changes cross (module docstring); otherwise the view is copied whole."""
+    prev_checksums: Mapping[str, str] | None = None,
+) -> HostSide:
+    """What a publisher of ``view`` works from. With the previous version ``latest`` held on
+    the device (``prev``) and on the host (``prev_host``, whose ``sum-128`` checksums are
+    ``prev_checksums``), only the changes cross and the host copy's checksums are summed from
+    them (module docstring); otherwise the view is copied whole."""
     if not _on_device(view):
-        return host_view(view), None, None
+        return HostSide(host_view(view), None, None, None)
     device = {k: v.detach() for k, v in view.items()}
     if prev is None or prev_host is None or prev[0] != latest or not _follows(prev[1], device):
-        return host_view(device), device, None
-    host = device_scan.host_copy(prev_host, prev[1], device)
-    return host, device, (prev[0], prev[1], device)
+        return HostSide(host_view(device), device, None, None)
+    host, sums = device_scan.host_copy(prev_host, prev[1], device, prev_checksums)
+    return HostSide(host, device, (prev[0], prev[1], device), sums)
 
 
 class Board(BoardReader):
@@ -233,8 +259,14 @@ class Board(BoardReader):
         head = self._head if self._head is not None and self._head.version == latest else None
         held = self._held if head is not None else {}
         before = device_scan.host_bytes.total
-        prev_host = held[latest].view if latest in held else None
-        tensors, device, scan_on = host_side(view, latest, self._device, prev_host)
+        prev = held.get(latest) if latest is not None else None
+        tensors, device, scan_on, known = host_side(
+            view,
+            latest,
+            self._device,
+            prev.view if prev else None,
+            prev.checksums if prev else None,
+        )
         full_bytes = sum(t.nbytes for t in {storage_key(t): t for t in tensors.values()}.values())
         bases = board_plan.patch_bases(version, latest, held, opts.catchup_levels)
         vdir = self._vdir(version)
@@ -252,6 +284,7 @@ class Board(BoardReader):
                 opts,
                 lambda rel, data: self._write(f"{vdir}/{rel}", data),
                 scan_on=scan_on,
+                known=known,
             )
         else:
             sums = checksums(tensors)
@@ -299,7 +332,7 @@ class Board(BoardReader):
         self._write(f"{vdir}/{MANIFEST}", manifest.model_dump_json(indent=1).encode())
         pointer = Pointer(version=version, digest=digest)
         self._write(f"{self.root}/POINTER", pointer.model_dump_json().encode())
-        held = {**held, version: _Held(tensors, digest)}
+        held = {**held, version: _Held(tensors, digest, sums)}
         self._held = {v: held[v] for v in board_plan.keep_views(version, held, opts.catchup_levels)}
         self._head = manifest
         self._device = (version, device) if device is not None else None

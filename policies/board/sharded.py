@@ -112,6 +112,8 @@ class _Held:
     digest: str
     """The digest of ``pieces`` (this rank's patches' base digest)."""
     version_digest: str
+    checksums: dict[str, str]
+    """The pieces' ``sum-128`` checksums (a device view's next host copy is summed from them)."""
 
 
 class ShardedPublisher:
@@ -165,11 +167,15 @@ class ShardedPublisher:
         sums: dict[str, str] = {}
         patches: dict[int, tuple[bytes, PatchRef]] = {}
         try:
-            prev_host = held[latest].pieces if latest in held else None
-            view, device, scan_on = host_side(
-                _view(pieces, aliases, dtype), latest, self._device, prev_host
+            prev = held.get(latest) if latest is not None else None
+            view, device, scan_on, known = host_side(
+                _view(pieces, aliases, dtype),
+                latest,
+                self._device,
+                prev.pieces if prev else None,
+                prev.checksums if prev else None,
             )
-            sums, patches = self._encode(version, latest, view, held, scan_on)
+            sums, patches = self._encode(version, latest, view, held, scan_on, known)
         except Exception as exc:  # sent to the other ranks, then raised here unchanged
             err = exc
         digest = state_digest(view, known=sums)
@@ -198,7 +204,7 @@ class ShardedPublisher:
         except Exception as exc:  # sent to the other ranks, then raised here unchanged
             err = exc
         manifest = Manifest.model_validate_json(self._agree("committing", committed, err)[0])
-        held = {**held, version: _Held(view, digest, manifest.digest)}
+        held = {**held, version: _Held(view, digest, manifest.digest, sums)}
         kept = board_plan.keep_views(version, held, self.options.catchup_levels)
         self._held = {v: held[v] for v in kept}
         self._head = manifest
@@ -314,12 +320,13 @@ class ShardedPublisher:
         view: Mapping[str, torch.Tensor],
         held: Mapping[int, _Held],
         scan_on: ScanOn | None,
+        known: Mapping[str, str] | None,
     ) -> tuple[dict[str, str], dict[int, tuple[bytes, PatchRef]]]:
         """Step 2: the checksums of this rank's pieces and its patches into ``version``, by base
         (as :meth:`Board.publish`; :func:`policies.board.publish.encode_patches`)."""
         bases = board_plan.patch_bases(version, latest, held, self.options.catchup_levels)
         pieces = {b: (held[b].pieces, held[b].digest) for b in bases}
-        return encode_patches(pieces, view, self.options, scan_on=scan_on)
+        return encode_patches(pieces, view, self.options, scan_on=scan_on, known=known)
 
     def _anchor_due(
         self, version: int, latest: int | None, deltas: list[int | None], full_bytes: int

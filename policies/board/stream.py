@@ -135,20 +135,28 @@ def write_chunks(
     write: Callable[[str, bytes], None],
     *,
     scan_on: ScanOn | None = None,
+    known: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, str], dict[int, PatchRef]]:
     """Encode and write every chunk of ``stream`` (``write(relative path, data)``), in order,
     while the next :data:`ENCODE_AHEAD` are encoded; the view's checksums and the manifest's
     record of each patch, by base. The patch from the stream's first base (the previous
     version) is written first. ``scan_on`` (the same bits as ``bases[version]`` and ``view``,
-    on a device) has that base's patch scanned there; the checksums are always ``view``'s: taken
-    from the host copy then, else summed by the first base's scan as it reads the view
-    (:func:`policies.codec.encode_patch`)."""
+    on a device) has that base's patch scanned there; the checksums are always ``view``'s:
+    ``known`` when given (a device view's host copy, summed from its changes), hashed from the
+    host copy when scanned on a device, else summed by the first base's scan as it reads the
+    view (:func:`policies.codec.encode_patch`)."""
     last = len(stream.chunks) - 1
 
     def encode(i: int) -> tuple[dict[str, str], list[tuple[int, bytes]]]:
         names = stream.chunks[i]
         target = {n: view[n] for n in names}
-        part = checksums(target) if scan_on is not None else None
+        part = (
+            {n: known[n] for n in names}
+            if known is not None
+            else checksums(target)
+            if scan_on is not None
+            else None
+        )
         out = []
         for b, digest in stream.bases.items():
             base, scanned = bases[b], target

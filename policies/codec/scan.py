@@ -13,15 +13,17 @@ section needs no host copy of the tensors), so :func:`~policies.codec.ops.encode
 writes the same bytes (held to it by ``tests/policies/codec/test_codec_scan.py``). Units are
 compared as integers of the unit width, never as floats.
 
-:func:`host_copy` is how a publisher whose view lives on a device (a GPU trainer) gets the host
-copy it checksums and keeps, without copying the view across: it compares the new view with the
-previous one where both live and scatters only the changed units into a copy of the previous
-version's host copy. Guarantee: the result equals ``target`` bit for bit whenever
-``base_host`` equals ``base`` (the caller's invariant: ``base_host`` is the host copy of the
-view published before, which must not have been modified since); names that alias one storage
-in ``target`` alias one host tensor. Every byte :func:`scan_tensor` and :func:`host_copy` move
-to the host from another device is counted in :data:`host_bytes` (a publish logs them as
-``to_host_bytes``).
+:func:`host_copy` is how a publisher whose view lives on a device (a GPU trainer) gets the host copy
+it checksums and keeps, without copying the view across: it compares the new view with the previous
+one where both live and scatters only the changed units into a copy of the previous version's host
+copy. Guarantee: the result equals ``target`` bit for bit whenever ``base_host`` equals ``base``
+(the caller's invariant: ``base_host`` is the host copy of the view published before, which must not
+have been modified since); names that alias one storage in ``target`` alias one host tensor. Given
+the ``sum-128`` checksums of ``base_host``, it also returns the copy's, each patched tensor's from
+its base's and the words its changes write (:func:`policies.codec.kernels_sum.add_word_changes`, as
+a replica checks a patch), with no pass over the copy (only tensors copied whole are hashed). Every
+byte :func:`scan_tensor` and :func:`host_copy` move to the host from another device is counted in
+:data:`host_bytes` (a publish logs them as ``to_host_bytes``).
 
 Not covered: tensors whose element size is not 1, 2, 4 or 8 bytes or a multiple of 8 (the
 encoder refuses them before scanning); a base and target on different devices
@@ -32,11 +34,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from policies.codec.digests import StorageKey, storage_key
+from policies.codec.digests import StorageKey, checksums, hex_lanes, lanes_hex, storage_key
+from policies.codec.kernels import U64
+from policies.codec.kernels_sum import add_word_changes
 from policies.codec.ops import BITMASK, DENSE, SPARSE, Changes
 from policies.errors import PatchError
 
@@ -127,32 +132,82 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
 
 
+class HostCopy(NamedTuple):
+    """What :func:`host_copy` returns."""
+
+    view: dict[str, torch.Tensor]
+    checksums: dict[str, str] | None
+    """Every tensor's ``sum-128`` checksum, when the base's were given (else None): a patched
+    tensor's from its base's and the words its changes write (no pass over the tensor), a
+    tensor copied whole or without a base checksum hashed."""
+
+
+def _patched(
+    copy: torch.Tensor, width: int, at: torch.Tensor, new: torch.Tensor, held: U64 | None
+) -> str | None:
+    """Write the units ``new`` at positions ``at`` (host tensors) into ``copy``; the copy's
+    ``sum-128`` checksum from ``held``, its lanes before the write, when given."""
+    units = _units(copy, width)
+    checksum = None
+    if held is not None:
+        acc = np.zeros(2, dtype=np.uint64)
+        unsigned = np.dtype(f"<u{width}")
+        add_word_changes(
+            units.numpy().view(unsigned),
+            at.numpy().astype(np.uint64),
+            units[at].numpy().view(unsigned).astype(np.uint64),
+            new.numpy().view(unsigned).astype(np.uint64),
+            at.numel(),
+            acc,
+        )
+        checksum = lanes_hex(held + acc)
+    units[at] = new
+    return checksum
+
+
 def host_copy(
     base_host: Mapping[str, torch.Tensor],
     base: Mapping[str, torch.Tensor],
     target: Mapping[str, torch.Tensor],
-) -> dict[str, torch.Tensor]:
+    base_checksums: Mapping[str, str] | None = None,
+) -> HostCopy:
     """The host copy of ``target`` from the host copy of ``base`` and the changes ``base →
-    target``, found where the two live (module docstring). A name ``base`` lacks, or whose
+    target``, found where the two live (module docstring), and, given ``base_host``'s
+    ``sum-128`` checksums, the copy's (:class:`HostCopy`). A name ``base`` lacks, or whose
     dtype or shape changed, is copied whole."""
     out: dict[str, torch.Tensor] = {}
-    made: dict[StorageKey, torch.Tensor] = {}
+    made: dict[StorageKey, tuple[str, torch.Tensor]] = {}
+    sums: dict[str, str] = {}
     for name, t in target.items():
         key = storage_key(t)
-        if key in made:  # a tied name: the one host tensor
-            out[name] = made[key]
+        if key in made:  # a tied name: the one host tensor (and its checksum)
+            first, out[name] = made[key]
+            if first in sums:
+                sums[name] = sums[first]
             continue
         b, h = base.get(name), base_host.get(name)
         if b is None or h is None or not _same_layout(b, t) or h.dtype != t.dtype:
-            made[key] = out[name] = to_host(t.detach().contiguous())
+            out[name] = to_host(t.detach().contiguous())
+            made[key] = (name, out[name])
             continue
         copy = h.detach().contiguous().clone()
+        known = base_checksums.get(name) if base_checksums is not None else None
+        held = hex_lanes(known) if known is not None else None
+        if held is not None:
+            sums[name] = known  # type: ignore[assignment]  # held is not None: neither is known
         if t.numel():
             width = t.element_size() if t.element_size() in _SIGNED else 8
             bu, tu = _units(b, width), _units(t, width)
             pos = torch.nonzero(bu != tu).reshape(-1)
             if pos.numel():
                 small = torch.int32 if bu.numel() < 1 << 31 else torch.int64
-                _units(copy, width)[to_host(pos.to(small)).long()] = to_host(tu[pos])
-        made[key] = out[name] = copy
-    return out
+                at, new = to_host(pos.to(small)).long(), to_host(tu[pos])
+                summed = _patched(copy, width, at, new, held)
+                if summed is not None:
+                    sums[name] = summed
+        made[key] = (name, copy)
+        out[name] = copy
+    if base_checksums is None:
+        return HostCopy(out, None)
+    hashed = checksums({k: v for k, v in out.items() if k not in sums})
+    return HostCopy(out, {k: sums.get(k) or hashed[k] for k in out})

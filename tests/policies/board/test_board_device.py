@@ -18,7 +18,10 @@ from policies.board import Board, BoardReader
 from policies.board import publish as board_publish
 from policies.board.sharded import ShardedPublisher
 from policies.board.types import BoardOptions
+from policies.codec import digests
 from policies.codec import scan as device_scan
+from policies.codec.digests import checksums
+from policies.codec.kinds import SUM, Kind
 from policies.codec.scan import host_copy
 from tests.support.boards import adam_like_step
 
@@ -78,8 +81,9 @@ def test_the_host_copy_from_changes_is_the_target_bit_for_bit(moved: list[int]) 
     base_host = {k: v.clone() for k, v in base.items()}
     kept = {k: _bits(v) for k, v in base_host.items()}
 
-    out = host_copy(base_host, base, target)
+    out, sums = host_copy(base_host, base, target)
 
+    assert sums is None  # no base checksums given
     assert _same(out, target)
     assert out["embed.weight"] is out["lm_head.weight"]  # still tied
     assert {k: _bits(v) for k, v in base_host.items()} == kept  # the old host copy is untouched
@@ -91,6 +95,32 @@ def test_the_host_copy_from_changes_is_the_target_bit_for_bit(moved: list[int]) 
     # the changed tensors move whole; of the others only (int32 position, value) per change
     # crossed, and the float32 noise changes every value of norm.weight
     assert sum(moved) == whole + changed_bf16 * (4 + 2) + 96 * (4 + 4)
+
+
+def test_the_host_copy_s_checksums_come_from_the_base_s_and_the_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Given the base's ``sum-128`` checksums, a patched tensor's checksum is summed from them
+    and the words its changes write; only tensors copied whole are hashed."""
+    base = _state()
+    target = adam_like_step(base, 1, density=0.01, float_noise=1e-3)
+    target["layers.1.weight"] = target["layers.1.weight"].reshape(160, 96).clone()  # reshaped
+    target["new.weight"] = torch.randn(8, 8).to(torch.bfloat16)  # not in the base
+    target["same.weight"] = base["same.weight"] = torch.randn(4, 4)  # unchanged
+    base_host = {k: v.clone() for k, v in base.items()}
+    base_host["lm_head.weight"] = base_host["embed.weight"]  # tied on the host too
+    hashed: list[str] = []
+
+    def counting(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+        hashed.extend(tensors)
+        return checksums(tensors)
+
+    monkeypatch.setattr(device_scan, "checksums", counting)
+    out, sums = host_copy(base_host, base, target, checksums(base_host))
+
+    assert _same(out, target)
+    assert sums == checksums(out)
+    assert sorted(hashed) == ["layers.1.weight", "new.weight"]
 
 
 def _publish_chain(board: Board, states: list[State]) -> None:
@@ -124,13 +154,24 @@ def test_a_device_view_publishes_the_same_versions_moving_only_its_changes(
     _publish_chain(Board(str(tmp_path / "host"), "run", options=opts), states)
 
     monkeypatch.setattr(board_publish, "_on_device", lambda view: True)
+    hashed: list[int] = []
+    tensor_checksum = digests.tensor_checksum
+
+    def counting(t: torch.Tensor, kind: Kind = SUM) -> str:
+        hashed.append(t.nbytes)
+        return tensor_checksum(t, kind)
+
+    monkeypatch.setattr(digests, "tensor_checksum", counting)
     device = Board(str(tmp_path / "device"), "run", options=opts)
-    per_version = []
+    per_version, hashed_per_version = [], []
     with capture_logs() as logs:
         for v, s in enumerate(states):
-            before = sum(moved)
+            before, hashed_before = sum(moved), sum(hashed)
             device.publish(v, s, view_name="bfloat16")
             per_version.append(sum(moved) - before)
+            hashed_per_version.append(sum(hashed) - hashed_before)
+    # after the first version, the host copy's checksums are summed from the changes
+    assert hashed_per_version[1:] == [0] * (len(states) - 1), hashed_per_version
 
     _manifests_equal(tmp_path / "host", tmp_path / "device", len(states))
     host_files, device_files = _files(tmp_path / "host"), _files(tmp_path / "device")
