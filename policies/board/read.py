@@ -237,7 +237,10 @@ class BoardReader:
 
     def versions(self) -> list[int]:
         """Every published version (a manifest at or below the pointer), ascending."""
-        latest = self.latest()
+        return self._published(self.latest())
+
+    def _published(self, latest: int | None) -> list[int]:
+        """Every version with a manifest at or below ``latest`` (the pointer's), ascending."""
         if latest is None:
             return []
         try:
@@ -273,7 +276,11 @@ class BoardReader:
         A direct patch route is searched only when ``have`` is at most ``4 · 2**catchup_levels``
         versions behind (else the plan starts at an anchor).
         """
-        latest = self.latest()
+        return self._catch_up(have, want, self.latest())
+
+    def _catch_up(self, have: int | None, want: int | None, latest: int | None) -> CatchUp:
+        """:meth:`catch_up` with the pointer read as ``latest`` (a distant board's round trip
+        is not paid again)."""
         want = latest if want is None else want
         if latest is None or want is None or want > latest:
             raise BoardError(
@@ -285,7 +292,7 @@ class BoardReader:
         horizon = 4 << self.options.catchup_levels
         direct = have is not None and have < want and want - have <= horizon
         manifests: dict[int, Manifest] = {}
-        for v in reversed([v for v in self.versions() if v <= want]):
+        for v in reversed([v for v in self._published(latest) if v <= want]):
             found_anchor = any(m.kind == "anchor" for m in manifests.values())
             if found_anchor and (not direct or (have is not None and v <= have)):
                 break
@@ -355,11 +362,17 @@ class BoardReader:
         (:meth:`stream`): its chunks are applied as they land, and this returns once it is
         published and they match its manifest (:mod:`policies.board.stream`).
         """
-        if have is not None and want is not None:
-            latest, stream = self.latest_and_stream()
-            if want > (latest or -1):
-                return self._advance_streamed(view, have, want, stream, verify_base=verify_base)
-        plan = self.catch_up(have, want)
+        latest = self._seen_latest
+        if want is None or latest is None or want > latest:
+            # else ``want`` is published: the pointer was seen at or past it and never moves
+            # back, so a distant board is not asked again (a caller just read it)
+            if have is not None and want is not None:
+                latest, stream = self.latest_and_stream()
+                if want > (latest or -1):
+                    return self._advance_streamed(view, have, want, stream, verify_base=verify_base)
+            else:
+                latest = self.latest()
+        plan = self._catch_up(have, want, latest)
         self._check_base(self.manifest(plan.want))
         digest: str | None = None
         if plan.anchor is not None:

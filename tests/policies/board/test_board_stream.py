@@ -548,6 +548,36 @@ def test_a_replica_asks_for_the_pointer_and_the_stream_together(tmp_path: Path) 
     assert _same(held, v1)
 
 
+def test_advancing_to_a_published_version_asks_for_the_pointer_once_at_most(
+    tmp_path: Path,
+) -> None:
+    """Each read of the pointer is a round trip to a distant board: advancing to a published
+    version reads it once, and not at all once it was seen at or past that version (it never
+    moves back), as after a sidecar's reconcile."""
+    v0 = _view(0)
+    v1 = _step(v0, 1)
+    v2 = _step(v1, 2)
+    pub = Board(str(tmp_path / "board"), "run")
+    for v, s in enumerate((v0, v1, v2)):
+        pub.publish(v, s, view_name="bfloat16")
+    pointer_reads = [0]
+
+    class Counting(Board):
+        def _read(self, path: str, limit: int) -> bytes:
+            pointer_reads[0] += path.endswith("/POINTER")
+            return super()._read(path, limit)
+
+    reader = Counting(str(tmp_path / "board"), "run")
+    held = {k: t.clone() for k, t in v0.items()}
+    reader.advance(held, 0, 1)
+    assert pointer_reads[0] == 1
+    assert reader.latest() == 2  # as a sidecar's reconcile reads it
+    pointer_reads[0] = 0
+    reader.advance(held, 1, 2)
+    assert pointer_reads[0] == 0
+    assert _same(held, v2)
+
+
 def test_the_commit_is_watched_while_the_last_chunks_are_applied(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
