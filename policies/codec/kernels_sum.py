@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from policies.codec.kernels import (
+    I64,
     SEED_A,
     SEED_B,
     STEP_A,
@@ -100,6 +101,26 @@ def add_word_changes(units: UInt, at: U64, old: U64, new: U64, m: int, acc: U64)
         b += tb1 - tb0
     acc[0] = a
     acc[1] = b
+
+
+@jit
+def scatter_summing(units: UInt, at: I64, new: UInt, acc: U64) -> None:
+    """Write ``new[q]`` into ``units[at[q]]`` (``at`` ascending) and add to the two lanes
+    ``acc`` the change of the ``sum-128`` terms of the words written (:func:`add_word_changes`):
+    a host copy patched with known changes gets its checksum without a pass of its own."""
+    block = 512  # changes at a time: the words summed are still in L1 from the reads
+    pos = np.empty(block, dtype=np.uint64)
+    old = np.empty(block, dtype=np.uint64)
+    z = np.empty(block, dtype=np.uint64)
+    for lo in range(0, at.size, block):
+        m = min(block, at.size - lo)
+        for q in range(m):  # the reads first: their misses overlap
+            pos[q] = np.uint64(at[lo + q])
+            old[q] = units[pos[q]]
+            z[q] = new[lo + q]
+        add_word_changes(units, pos, old, z, m, acc)
+        for q in range(m):
+            units[pos[q]] = z[q]
 
 
 def finish_sum(raw: U8, whole: int, acc: U64) -> U64:

@@ -20,7 +20,7 @@ copy. Guarantee: the result equals ``target`` bit for bit whenever ``base_host``
 (the caller's invariant: ``base_host`` is the host copy of the view published before, which must not
 have been modified since); names that alias one storage in ``target`` alias one host tensor. Given
 the ``sum-128`` checksums of ``base_host``, it also returns the copy's, each patched tensor's from
-its base's and the words its changes write (:func:`policies.codec.kernels_sum.add_word_changes`, as
+its base's and the words its changes write (:func:`policies.codec.kernels_sum.scatter_summing`, as
 a replica checks a patch), with no pass over the copy (only tensors copied whole are hashed). Every
 byte :func:`scan_tensor` and :func:`host_copy` move to the host from another device is counted in
 :data:`host_bytes` (a publish logs them as ``to_host_bytes``).
@@ -41,7 +41,7 @@ import torch
 
 from policies.codec.digests import StorageKey, checksums, hex_lanes, lanes_hex, storage_key
 from policies.codec.kernels import U64
-from policies.codec.kernels_sum import add_word_changes
+from policies.codec.kernels_sum import scatter_summing
 from policies.codec.ops import BITMASK, DENSE, SPARSE, Changes
 from policies.errors import PatchError
 
@@ -148,21 +148,13 @@ def _patched(
     """Write the units ``new`` at positions ``at`` (host tensors) into ``copy``; the copy's
     ``sum-128`` checksum from ``held``, its lanes before the write, when given."""
     units = _units(copy, width)
-    checksum = None
-    if held is not None:
-        acc = np.zeros(2, dtype=np.uint64)
-        unsigned = np.dtype(f"<u{width}")
-        add_word_changes(
-            units.numpy().view(unsigned),
-            at.numpy().astype(np.uint64),
-            units[at].numpy().view(unsigned).astype(np.uint64),
-            new.numpy().view(unsigned).astype(np.uint64),
-            at.numel(),
-            acc,
-        )
-        checksum = lanes_hex(held + acc)
-    units[at] = new
-    return checksum
+    if held is None:
+        units[at] = new
+        return None
+    acc = np.zeros(2, dtype=np.uint64)
+    unsigned = np.dtype(f"<u{width}")
+    scatter_summing(units.numpy().view(unsigned), at.numpy(), new.numpy().view(unsigned), acc)
+    return lanes_hex(held + acc)
 
 
 def host_copy(

@@ -12,6 +12,7 @@ from hypothesis.extra import numpy as hnp
 
 from policies.codec import apply_patch, checksums, encode_patch, read_patch_header
 from policies.codec.digests import SUM, XXH3, hex_lanes, lanes_hex, tensor_checksum
+from policies.codec.kernels_sum import scatter_summing
 from policies.codec.ops import JOB_UNITS
 from policies.errors import PatchChecksumMismatch
 
@@ -157,3 +158,26 @@ def test_a_patch_records_its_checksum_kind() -> None:
     assert header.format == 2
     assert header.checksum_kind == SUM
     assert header.checksums["w"] == tensor_checksum(torch.ones(16))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from([1, 2, 4, 8]), st.integers(0, 2000), st.integers(0, 2**32 - 1))
+def test_changes_scattered_into_units_move_the_checksum_to_the_result_s(
+    width: int, changes: int, seed: int
+) -> None:
+    """``scatter_summing`` (a device publisher's host copy) writes the changes and its lanes
+    are the full checksum's, a word's changes split across its blocks of 512 included."""
+    rng = np.random.default_rng(seed)
+    n = 3000 // width + 1  # a short last word for most widths
+    units = rng.integers(0, 256, n * width, dtype=np.uint8).view(f"<u{width}")
+    at = np.unique(rng.integers(0, n, changes))
+    at = np.unique(np.concatenate([at, np.arange(508, min(n, 516))]))  # across the 512 edge
+    new = rng.integers(0, 256, at.size * width, dtype=np.uint8).view(f"<u{width}")
+    expected = units.copy()
+    expected[at] = new
+    held = hex_lanes(tensor_checksum(torch.from_numpy(units.view(np.uint8).copy())))
+    assert held is not None
+    acc = np.zeros(2, dtype=np.uint64)
+    scatter_summing(units, at.astype(np.int64), new, acc)
+    assert np.array_equal(units, expected)
+    assert lanes_hex(held + acc) == tensor_checksum(torch.from_numpy(expected.view(np.uint8)))
