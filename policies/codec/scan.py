@@ -185,8 +185,8 @@ def host_copy(
         copy = h.detach().contiguous().clone()
         known = base_checksums.get(name) if base_checksums is not None else None
         held = hex_lanes(known) if known is not None else None
-        if held is not None:
-            sums[name] = known  # type: ignore[assignment]  # held is not None: neither is known
+        if known is not None and held is not None:  # unchanged, it keeps its base's
+            sums[name] = known
         if t.numel():
             width = t.element_size() if t.element_size() in _SIGNED else 8
             bu, tu = _units(b, width), _units(t, width)
