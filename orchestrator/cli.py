@@ -81,7 +81,9 @@ def _init_model(argv: list[str]) -> int:
         prog="orchestrate init-model", description="Build sprawl's own tiny model and tokenizer."
     )
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--size", choices=["tiny", "small", "medium", "tiny-moe"], default="tiny")
+    parser.add_argument(
+        "--size", choices=["tiny", "small", "medium", "large", "tiny-moe"], default="tiny"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--sft-steps", type=int, default=0, help="SFT warm start on the calculator format (0: none)"

@@ -146,6 +146,10 @@ class VLLMIslandConfig(_IslandConfig):
     """How the sidecar switches versions: drain in-flight requests, or vLLM's ``/pause``."""
     max_model_len: int = Field(default=2048, ge=64)
     """vLLM's ``--max-model-len`` (the context the sidecar advertises)."""
+    update: Literal["inplace", "reload"] = "inplace"
+    """How a version reaches vLLM: ``inplace`` (the engine patch through vLLM's weight-transfer
+    API, sprawl's backend; the CPU build then serves unpacked linear weights) or ``reload`` (the
+    whole view written as a file and reloaded: the fallback and benchmark baseline)."""
     python: Path | None = None
     """Python of the vLLM environment; None: ``scripts/build-vllm-env.sh``'s cached build
     (built on first use, about 3 minutes)."""

@@ -40,6 +40,7 @@ from policies.board import Board, Manifest
 from policies.board.read import WEIGHTS
 from policies.serve.backends.base import HttpBackend
 from policies.serve.backends.reference import ReferenceBackend
+from policies.serve.backends.vllm_launch import VLLMUpdate
 from policies.serve.decode import QuiesceMode
 from policies.serve.engine import Engine
 from policies.serve.sidecar import Backend, Sidecar
@@ -47,6 +48,7 @@ from policies.wire.lane import GenerateRequest
 from policies.wire.logs import configure
 
 ENGINES = ("reference", "vllm", "llamacpp")
+SIZES = ("small", "medium", "large")
 PROMPTS = [[1, 17, 300, 42, 99, 7], [1, 5, 6, 7, 8, 9, 10, 11, 12], [1, 400, 401, 2, 1, 33]]
 
 
@@ -86,8 +88,11 @@ async def _answers(backend: Backend) -> list[Any]:
 
 
 @contextlib.asynccontextmanager
-async def _engine(kind: str, model: Path, work: Path, name: str) -> AsyncIterator[Backend]:
-    """An engine serving ``model`` (a materialized version), as a sidecar backend."""
+async def _engine(
+    kind: str, model: Path, work: Path, name: str, update: VLLMUpdate = "inplace"
+) -> AsyncIterator[Backend]:
+    """An engine serving ``model`` (a materialized version), as a sidecar backend (vLLM: taking
+    versions by ``update``)."""
     if kind == "reference":
         engine = Engine(model, dtype=torch.bfloat16)  # weights arrive by activation only
         engine.activate(load_file(model / WEIGHTS), version=0)
@@ -101,11 +106,14 @@ async def _engine(kind: str, model: Path, work: Path, name: str) -> AsyncIterato
         http: HttpBackend
         if kind == "vllm":
             from policies.serve.backends.vllm import VLLMBackend
+            from policies.serve.backends.vllm_inplace import VLLMInplaceBackend
             from policies.serve.backends.vllm_launch import engine_python, vllm_server
 
             python = await anyio.to_thread.run_sync(engine_python)
-            url = stack.enter_context(vllm_server(python, model, work / f"{name}.log"))
-            http = VLLMBackend(url, work_dir=work / name, model="m", max_context=2048)
+            log = work / f"{name}-{update}.log"
+            url = stack.enter_context(vllm_server(python, model, log, update=update))
+            cls = VLLMInplaceBackend if update == "inplace" else VLLMBackend
+            http = cls(url, work_dir=work / f"{name}-{update}", model="m", max_context=2048)
         else:
             http = _llamacpp(model, work / name)
         try:
@@ -142,6 +150,37 @@ def _publish(board: Board, version: int, view: dict[str, torch.Tensor]) -> Manif
     return board.publish(version, view, view_name="bfloat16")
 
 
+async def _decode_tps(backend: Backend, concurrent: int = 8, tokens: int = 64) -> float:
+    """Tokens per second decoded by ``concurrent`` sampled requests at once."""
+    got: list[int] = []
+
+    async def one(i: int) -> None:
+        req = GenerateRequest(
+            prompt_token_ids=PROMPTS[i % len(PROMPTS)], max_tokens=tokens, temperature=1.0, seed=i
+        )
+        out = await backend.generate(req)
+        got.append(len(out.choices[0].token_ids))
+
+    t0 = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for i in range(concurrent):
+            tg.start_soon(one, i)
+    return round(sum(got) / (time.perf_counter() - t0), 1)
+
+
+async def _weight_version(backend: Backend) -> str | None:
+    if not isinstance(backend, HttpBackend):
+        return None
+    out = await backend.call("/weight_info") if backend.kind == "vllm" else None
+    return str(out.get("weight_version")) if isinstance(out, dict) else None
+
+
+def _p50_p99(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return {"p50": round(statistics.median(ordered), 2), "p99": round(p99, 2)}
+
+
 async def run(
     kind: str,
     root: Path,
@@ -151,7 +190,10 @@ async def run(
     mbit: float,
     poll_s: float,
     rtt_ms: float = 0.0,
+    update: VLLMUpdate = "inplace",
 ) -> dict[str, Any]:
+    """One engine following ``versions`` versions (vLLM: taking them by ``update``)."""
+    await anyio.Path(root).mkdir(parents=True, exist_ok=True)
     pub = Board(str(root / "board"), "bench")
     pub.create(model)
     view = bf16_view(model)
@@ -161,7 +203,7 @@ async def run(
     link = Link(mbit, rtt_ms)
     gen = torch.Generator().manual_seed(1)
     rows: list[dict[str, Any]] = []
-    async with _engine(kind, start_dir, root, "live") as inner:
+    async with _engine(kind, start_dir, root, "live", update) as inner:
         backend = _Timed(inner)
         car = Sidecar(
             backend,
@@ -183,26 +225,36 @@ async def run(
                         if car.applied_version == v:
                             break
                         await anyio.sleep(poll_s / 4)
+                sync_s = time.perf_counter() - t0
+                island = getattr(inner, "island_bytes", {})
                 rows.append(
                     {
                         "version": v,
-                        "sync_s": round(time.perf_counter() - t0, 4),
+                        "sync_s": round(sync_s, 4),
                         "board_bytes_read": link.bytes - before,
                         "patch_bytes": manifest.patches[0].bytes,
+                        "pause_ms": round(backend.pauses[-1] * 1e3, 2),
+                        "island_bytes": island.get(v),
+                        "engine_weight_version": await _weight_version(inner),
                     }
                 )
             live = await _answers(car.backend)
+            decode_tps = await _decode_tps(car.backend)
             tg.cancel_scope.cancel()
     fresh_dir = pub.materialize(versions, root / "fresh-model")
-    async with _engine(kind, fresh_dir, root, "fresh") as fresh:
+    async with _engine(kind, fresh_dir, root, "fresh", update) as fresh:
         if kind == "llamacpp":  # a new llama-server on the version's GGUF, built from the board
             await fresh.stage(pub, versions)
             await fresh.activate(versions, "wait")
         exact = live == await _answers(fresh)
-    pauses = sorted(p * 1e3 for p in backend.pauses[1:])  # version 0's is the cold start
     ratio = max(r["board_bytes_read"] / r["patch_bytes"] for r in rows)
+    sync_p50 = statistics.median(r["sync_s"] for r in rows)
+    patch_p50 = statistics.median(r["patch_bytes"] for r in rows)
+    speedup = full_bytes * 8 / (mbit * 1e6) / sync_p50
+    island = [r["island_bytes"] for r in rows if r["island_bytes"] is not None]
     return {
         "engine": kind,
+        "update": update if kind == "vllm" else None,
         "model": str(model),
         "link_mbit_s": mbit,
         "link_rtt_ms": rtt_ms,
@@ -210,49 +262,80 @@ async def run(
         "full_checkpoint_bytes": full_bytes,
         "full_checkpoint_link_s": round(full_bytes * 8 / (mbit * 1e6), 3),
         "versions": rows,
-        "sync_s_p50": statistics.median(r["sync_s"] for r in rows),
+        "sync_s_p50": sync_p50,
+        "patch_bytes_p50": patch_p50,
+        "limit_ratio": round(speedup / (full_bytes / patch_p50), 3),
         "board_bytes_per_patch_byte_max": round(ratio, 3),
-        "pause_ms": {
-            "p50": round(statistics.median(pauses), 2),
-            "p99": round(pauses[min(len(pauses) - 1, int(0.99 * len(pauses)))], 2),
-        },
+        "island_bytes_per_patch_byte_max": (
+            round(max(r["island_bytes"] / r["patch_bytes"] for r in rows), 3) if island else None
+        ),
+        "pause_ms": _p50_p99([r["pause_ms"] for r in rows]),
+        "decode_tokens_per_s": decode_tps,
         "exact": exact,
     }
+
+
+async def run_vllm(root: Path, model: Path, versions: int, **link: Any) -> dict[str, Any]:
+    """Both ways a version reaches vLLM, in one run: ``inplace`` then ``reload`` (the baseline),
+    and how they compare (issue #46's targets)."""
+    out: dict[str, Any] = {"engine": "vllm", "model": str(model)}
+    for update in ("inplace", "reload"):
+        out[update] = await run("vllm", root / update, model, versions, update=update, **link)
+    inplace, reload = out["inplace"], out["reload"]
+    out["pause_p50_inplace_over_reload"] = round(
+        inplace["pause_ms"]["p50"] / reload["pause_ms"]["p50"], 3
+    )
+    out["decode_tps_inplace_over_reload"] = round(
+        inplace["decode_tokens_per_s"] / reload["decode_tokens_per_s"], 3
+    )
+    return out
+
+
+def _summary(r: dict[str, Any]) -> str:
+    island = r["island_bytes_per_patch_byte_max"]
+    return (
+        f"{r['engine']}{' ' + r['update'] if r['update'] else ''}: publish→serving p50 "
+        f"{r['sync_s_p50']} s (limit_ratio {r['limit_ratio']}), board bytes ≤ "
+        f"{r['board_bytes_per_patch_byte_max']}× the patch"
+        f"{f', island bytes ≤ {island}× the patch' if island is not None else ''}, pause p50 "
+        f"{r['pause_ms']['p50']} ms p99 {r['pause_ms']['p99']} ms, decode "
+        f"{r['decode_tokens_per_s']} tok/s, exact={r['exact']} (full checkpoint: "
+        f"{r['full_checkpoint_bytes']} B, {r['full_checkpoint_link_s']} s on the link)\n"
+    )
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="orchestrate bench sync --engine", description=__doc__)
     parser.add_argument("--engine", choices=ENGINES, required=True)
-    parser.add_argument("--model", type=Path, default=Path("runs/models/small"))
+    parser.add_argument("--model-size", choices=SIZES, default="small")
+    parser.add_argument(
+        "--model", type=Path, help="model directory (default: runs/models/<size>, built if missing)"
+    )
     parser.add_argument("--versions", type=int, default=10)
     add_link_flags(parser, poll_ms=20.0)
     parser.add_argument("--json", action="store_true")
     args = parse_flags(parser, argv, ("versions",))
     configure(level="warning")
-    if not (args.model / "config.json").exists():
+    model = args.model or Path("runs/models") / args.model_size
+    if not (model / "config.json").exists():
         from policies.model.build import init_model
 
-        init_model(args.model, "small", seed=0)
+        init_model(model, args.model_size, seed=0)
+    link = {
+        "density": args.density,
+        "mbit": args.link_mbit,
+        "poll_s": args.poll_ms / 1e3,
+        "rtt_ms": args.link_rtt_ms,
+    }
     with tempfile.TemporaryDirectory(prefix="sprawl-bench-engine-") as tmp:
-        result = anyio.run(
-            run,
-            args.engine,
-            Path(tmp),
-            args.model,
-            args.versions,
-            args.density,
-            args.link_mbit,
-            args.poll_ms / 1e3,
-            args.link_rtt_ms,
-        )
+        if args.engine == "vllm":
+            result = anyio.run(lambda: run_vllm(Path(tmp), model, args.versions, **link))
+            rows = [result["inplace"], result["reload"]]
+        else:
+            result = anyio.run(lambda: run(args.engine, Path(tmp), model, args.versions, **link))
+            rows = [result]
     if args.json:
         sys.stdout.write(json.dumps(result) + "\n")
     else:
-        sys.stdout.write(
-            f"{result['engine']}: publish→serving p50 {result['sync_s_p50']} s, "
-            f"board bytes ≤ {result['board_bytes_per_patch_byte_max']}× the patch, "
-            f"pause p50 {result['pause_ms']['p50']} ms p99 {result['pause_ms']['p99']} ms, "
-            f"exact={result['exact']} (full checkpoint: {result['full_checkpoint_bytes']} B, "
-            f"{result['full_checkpoint_link_s']} s on the link)\n"
-        )
+        sys.stdout.write("".join(_summary(r) for r in rows))
     return 0

@@ -169,7 +169,7 @@ async def _vllm_engine(
     port = free_port()
     argv = vllm_command(
         python, model_dir, name=run, port=port, max_model_len=spec.max_model_len, lora=adapters,
-        routed_experts=spec.routed_experts,
+        routed_experts=spec.routed_experts, update="reload" if lora is not None else spec.update,
     )  # fmt: skip
     engine = await children.spawn(
         f"{island_id}-engine",
@@ -187,7 +187,7 @@ async def _vllm_engine(
     )  # fmt: skip
     args = [
         "--engine-url", url, "--model", run, "--activation", spec.activation,
-        "--materialize-dir", str(island_dir / "versions"),
+        "--materialize-dir", str(island_dir / "versions"), "--vllm-update", spec.update,
     ]  # fmt: skip
     return args + (["--max-adapters", str(lora.max_adapters)] if lora is not None else [])
 

@@ -18,6 +18,7 @@ import shutil
 import uuid
 from collections.abc import Callable, Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 
 import structlog
@@ -59,6 +60,8 @@ from policies.board.types import (
 from policies.codec import apply_patch, read_patch_header
 from policies.codec.digests import checksums, storage_key, tensor_checksum
 from policies.codec.kinds import SUM
+from policies.codec.written import current as current_written
+from policies.codec.written import recording
 from policies.errors import (
     BoardError,
     PatchBaseMismatch,
@@ -379,6 +382,8 @@ class BoardReader:
             fresh = self._read_anchor(self.manifest(plan.anchor))
             view.clear()
             view.update(fresh)
+            if (written := current_written()) is not None:
+                written.whole(fresh)
             digest = self.manifest(plan.anchor).digest
         elif have is not None and not verify_base:
             try:
@@ -555,13 +560,20 @@ class BoardReader:
                 )
             if {r.name for r in hdr.tensors} != set(shard.pieces):
                 raise VersionCorrupt(f"{where}: its tensors are not rank {shard.rank}'s pieces")
-            out = apply_patch(
-                pieces,
-                data,
-                base_digest=ref.base_digest if vouched else None,
-                base_checksums=base_checksums,
-                verify=True,
-            )
+            outer = current_written()
+            with recording() if outer is not None else nullcontext() as inner:
+                out = apply_patch(
+                    pieces,
+                    data,
+                    base_digest=ref.base_digest if vouched else None,
+                    base_checksums=base_checksums,
+                    verify=True,
+                )
+            if outer is not None and inner is not None:
+                boxes = {
+                    n: (p.shape, p.offset, m.tensors[n].shape) for n, p in shard.pieces.items()
+                }
+                outer.add_boxes(inner, boxes)
         except PatchBaseMismatch as exc:
             raise PatchBaseMismatch(str(exc) if where in str(exc) else f"{where}: {exc}") from None
         except PatchError as exc:

@@ -7,7 +7,8 @@ written when the caller passes the base's checksums: the base tensor's, plus eac
 word's new term less its old one (:mod:`policies.codec.kernels_sum`), so verifying costs the
 words written instead of a pass over the tensor. What that leaves out: a word of the base that
 was already wrong in memory and that the patch does not write (the caller vouched for the base,
-as with ``base_digest``). Tensors are decompressed, patched (compiled,
+as with ``base_digest``). Inside :func:`policies.codec.written.recording`, each written tensor's
+positions and old values are noted too. Tensors are decompressed, patched (compiled,
 :func:`policies.codec.ops.apply_section`) and verified on the process's codec threads
 (:mod:`policies.codec.workers`), one tensor per task.
 """
@@ -36,6 +37,7 @@ from policies.codec.format import TensorRecord, parse_patch
 from policies.codec.kinds import SUM, Kind
 from policies.codec.ops import apply_section, unit_view
 from policies.codec.workers import workers
+from policies.codec.written import current, section_positions
 from policies.errors import PatchBaseMismatch, PatchChecksumMismatch, PatchCorrupt, PatchError
 
 log = structlog.get_logger("policies.codec")
@@ -80,6 +82,10 @@ def _target_tensor(rec: TensorRecord, data: bytes) -> torch.Tensor:
     return flat.view(dtype).reshape(rec.shape)
 
 
+Noted = tuple[npt.NDArray[np.int64], torch.Tensor] | None
+"""Where a patch record wrote and the values held there before (when recording)."""
+
+
 def _build(
     rec: TensorRecord,
     section: memoryview,
@@ -87,16 +93,26 @@ def _build(
     chunk: int,
     verify: Kind | None,
     held: npt.NDArray[np.uint64] | None,
-) -> torch.Tensor:
+    note: bool,
+) -> tuple[torch.Tensor, Noted]:
     """One target tensor: decompressed (``full``) or ``dst`` patched in place, then verified
     against its ``verify`` checksum (None: not), updated from ``held`` (the base tensor's
-    ``sum-128`` lanes) when given."""
+    ``sum-128`` lanes) when given; with ``note``, also where it wrote and the old values
+    (:mod:`policies.codec.written`)."""
     acc = np.zeros(2, dtype=np.uint64) if held is not None and verify == SUM else None
+    noted: Noted = None
     if dst is None:
         out = _target_tensor(rec, _decompress(section, rec.name))
     else:
         if rec.length:
-            _apply_section(dst, rec, _decompress(section, rec.name), chunk, acc)
+            data = _decompress(section, rec.name)
+            if note:
+                try:
+                    pos = section_positions(data, rec.units, chunk)
+                except ValueError as exc:
+                    raise PatchCorrupt(f"{rec.name}: {exc}") from exc
+                noted = pos, dst.reshape(-1)[torch.from_numpy(pos)].clone()
+            _apply_section(dst, rec, data, chunk, acc)
         out = dst
     if verify is not None and (dst is None or rec.length):
         if acc is not None and held is not None:
@@ -107,7 +123,7 @@ def _build(
             raise PatchChecksumMismatch(
                 f"{rec.name}: patched tensor checksum {got} != target {rec.checksum}"
             )
-    return out
+    return out, noted
 
 
 def _destination(
@@ -168,7 +184,8 @@ def apply_patch(
     target_group = {r.name: r.alias_of or r.name for r in header.tensors}
     out: dict[str, torch.Tensor] = {}
     pool = workers("apply")
-    jobs: dict[str, Future[torch.Tensor]] = {}
+    jobs: dict[str, Future[tuple[torch.Tensor, Noted]]] = {}
+    written = current()
     try:
         for rec in header.tensors:
             if rec.op not in ("patch", "full", "alias"):
@@ -187,10 +204,15 @@ def apply_patch(
                     held = hex_lanes(base_checksums[rec.name])
             section = body[rec.offset : rec.offset + rec.length]
             check = kind if verify else None
-            jobs[rec.name] = pool.submit(_build, rec, section, dst, header.chunk, check, held)
+            note = written is not None
+            jobs[rec.name] = pool.submit(_build, rec, section, dst, header.chunk, check, held, note)
         for rec in header.tensors:
             if rec.op != "alias":
-                out[rec.name] = jobs[rec.name].result()
+                out[rec.name], noted = jobs[rec.name].result()
+                if written is not None and rec.op == "full":
+                    written.whole([rec.name])
+                elif written is not None and noted is not None:
+                    written.add(rec.name, *noted)
             elif rec.alias_of in out:
                 out[rec.name] = out[rec.alias_of]
             else:

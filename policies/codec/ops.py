@@ -397,23 +397,30 @@ def encode_section(b: UInt | None, t: UInt | None, ch: Changes, floating: bool, 
     return out
 
 
+def section_head(data: bytes) -> tuple[int, int, int, npt.NDArray[np.int64], int]:
+    """A section's ``(coding, values, bitmask chunks, gap plane lengths, where MODES start)``;
+    raises ``ValueError`` when it cannot be a section."""
+    buf_size = len(data)
+    if buf_size < SECTION.size:
+        raise ValueError("section too short")
+    code, n_planes, n_vals, n_bm = SECTION.unpack_from(data, 0)
+    start = SECTION.size + 8 * n_planes
+    if code >= len(CODINGS) or n_planes > MAX_PLANES or buf_size < start:
+        raise ValueError("bad section head")
+    lens = np.frombuffer(data, dtype="<u8", count=n_planes, offset=SECTION.size)
+    if np.any(lens > buf_size) or max(n_vals, n_bm) > buf_size:
+        raise ValueError("section sizes do not add up")
+    return code, n_vals, n_bm, lens.astype(np.int64), start
+
+
 def apply_section(units: UInt, data: bytes, chunk: int, acc: U64 | None = None) -> None:
     """Write the changes of an uncompressed section into ``units`` (in place); a two-lane
     ``acc`` takes the change of their ``sum-128`` checksum (:mod:`policies.codec.digests`).
 
     Raises ``ValueError`` if the section does not fit ``units`` (nothing is written then).
     """
+    code, n_vals, n_bm, lens64, start = section_head(data)
     buf = np.frombuffer(data, dtype=np.uint8)
-    if buf.size < SECTION.size:
-        raise ValueError("section too short")
-    code, n_planes, n_vals, n_bm = SECTION.unpack_from(data, 0)
-    start = SECTION.size + 8 * n_planes
-    if code >= len(CODINGS) or n_planes > MAX_PLANES or buf.size < start:
-        raise ValueError("bad section head")
-    lens = np.frombuffer(data, dtype="<u8", count=n_planes, offset=SECTION.size)
-    if np.any(lens > buf.size) or max(n_vals, n_bm) > buf.size:
-        raise ValueError("section sizes do not add up")
-    lens64 = lens.astype(np.int64)
     track = np.empty(0, dtype=np.uint64) if acc is None else acc
     err = apply_changes(units, buf, start, lens64, n_vals, n_bm, chunk, code, track)
     if err:

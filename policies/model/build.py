@@ -111,7 +111,7 @@ from policies.wire.toolcalls import (
 
 log = structlog.get_logger(__name__)
 
-ModelSize = Literal["tiny", "small", "medium", "tiny-moe"]
+ModelSize = Literal["tiny", "small", "medium", "large", "tiny-moe"]
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -158,6 +158,8 @@ SPECS: dict[ModelSize, ModelSpec] = {
     # ~100 M parameters (0.2 GB served in bf16): what grows with the model, such as an engine's
     # reload of a version (``bench sync --engine``), measured at a size where it shows.
     "medium": ModelSpec(4096, 1024, 8, 16, 8, 2816, 2048, corpus_docs=40_000),
+    # ~0.5 B parameters (1 GB in bf16): whether a version's cost grows with the patch or the model.
+    "large": ModelSpec(4096, 1536, 20, 12, 4, 4096, 2048, corpus_docs=40_000),
     # The tiny model's tokenizer and attention, with a mixture of experts for its MLPs.
     "tiny-moe": ModelSpec(
         2048,

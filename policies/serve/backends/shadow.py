@@ -105,6 +105,19 @@ class Shadow:
             raise EngineError(f"version {version} was not staged")
         return staged, view
 
+    def live_view(self, board: Board) -> dict[str, torch.Tensor]:
+        """The copy at the live version, rebuilt from the board (an anchor, then patches) if it
+        holds another one or none (blocking: run it in a worker thread); a staged version is
+        dropped."""
+        live = self.live
+        if live is None:
+            raise EngineError("no version is live")
+        if self.view is None or self.version != live.version or self.staged is not None:
+            self.view, self.version, self.staged = None, None, None
+            self.activated(self.stage(board, live.version))
+        assert self.view is not None  # stage() set it
+        return self.view
+
     def changed(self, staged: Staged) -> set[str] | None:
         """Tensors whose checksum differs from the live version's (None: nothing is live, all)."""
         live = self.live

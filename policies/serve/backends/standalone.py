@@ -2,7 +2,8 @@
 
     orchestrate sidecar --engine-url URL --engine-kind vllm|sglang|openai --board URL
         [--run NAME] [--port P] [--host H] [--token T] [--engine-api-key K]
-        [--activation wait|pause] [--materialize-dir DIR] [--version N] [--model NAME]
+        [--activation wait|pause] [--vllm-update inplace|reload] [--materialize-dir DIR]
+        [--version N] [--model NAME]
         [--tls-cert PEM --tls-key PEM] [--parent-stdin]
         [--header-timeout S] [--idle-timeout S] [--body-timeout S] [--max-connections N]
     orchestrate sidecar --engine-kind llamacpp --board URL [--llama-server PATH]
@@ -34,6 +35,7 @@ import ssl
 import sys
 import tempfile
 from pathlib import Path
+from typing import get_args
 
 import anyio
 import structlog
@@ -52,6 +54,8 @@ from policies.serve.backends.openai import OpenAIBackend
 from policies.serve.backends.sglang import SGLangBackend
 from policies.serve.backends.shadow import check_view
 from policies.serve.backends.vllm import VLLMBackend
+from policies.serve.backends.vllm_inplace import VLLMInplaceBackend
+from policies.serve.backends.vllm_launch import VLLMUpdate
 from policies.serve.backends.vllm_lora import VLLMLoraBackend
 from policies.serve.connections import LaneLimits, add_limit_flags, limits_from
 from policies.serve.decode import QuiesceMode
@@ -98,6 +102,7 @@ def make_backend(
     llama: LlamaOptions | None = None,
     base_dir: Path | None = None,
     max_adapters: int | None = None,
+    vllm_update: VLLMUpdate = "inplace",
 ) -> HttpBackend:
     """The backend of ``kind``; ``max_adapters`` set: the board holds LoRA versions (vLLM only),
     that many resident."""
@@ -125,6 +130,8 @@ def make_backend(
         return VLLMLoraBackend(
             engine_url, work_dir=materialize_dir, max_adapters=max_adapters, **common
         )
+    if kind == "vllm" and vllm_update == "inplace":
+        return VLLMInplaceBackend(engine_url, work_dir=materialize_dir, **common)
     if kind == "vllm":
         return VLLMBackend(engine_url, work_dir=materialize_dir, **common)
     if kind == "openai":
@@ -153,6 +160,7 @@ async def serve_sidecar(
     llama: LlamaOptions | None = None,
     limits: LaneLimits | None = None,
     max_adapters: int = 4,
+    vllm_update: VLLMUpdate = "inplace",
     task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the sidecar until cancelled; ``started`` with the bound port. A board of LoRA
@@ -178,6 +186,7 @@ async def serve_sidecar(
             llama=llama,
             base_dir=Path(tmp),
             max_adapters=max_adapters if lora else None,
+            vllm_update=vllm_update,
         )
         try:
             await backend.connect()
@@ -219,6 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token", default=os.environ.get("SPRAWL_TOKEN"))
     p.add_argument("--engine-api-key", default=os.environ.get("SPRAWL_ENGINE_API_KEY"))
     p.add_argument("--activation", choices=["wait", "pause"], default="wait")
+    p.add_argument(
+        "--vllm-update",
+        choices=get_args(VLLMUpdate),
+        default="inplace",
+        help="vllm: the engine patch through vLLM's weight-transfer API (the engine started with "
+        '--weight-transfer-config \'{"backend": "sprawl"}\'), or the whole view reloaded',
+    )
     p.add_argument("--poll-interval", type=float, default=1.0)
     p.add_argument(
         "--materialize-dir",
@@ -310,6 +326,7 @@ def main(argv: list[str]) -> int:
                     llama=llama,
                     limits=limits,
                     max_adapters=args.max_adapters,
+                    vllm_update=args.vllm_update,
                     task_status=task_status,
                 )
             )

@@ -111,6 +111,10 @@ class VLLMBackend(HttpBackend):
         self.lost = False  # the engine went away: it may come back on its startup weights
         self._digests: dict[int, str] = {}  # per staged or live version: its file's digest
         self._asked = -STATUS_EVERY_S
+        self.workers = 1
+        self.island_bytes: dict[int, int] = {}
+        """Per version activated: bytes written plus read on the island's disk for it (the
+        staged file, written once and read by every worker)."""
 
     async def connect(self) -> None:
         """Read the served model's context length from the engine (``max_model_len``)."""
@@ -265,6 +269,7 @@ class VLLMBackend(HttpBackend):
                 "/collective_rpc", {"method": RPC_METHOD, "args": [str(path), digest]}
             )
             self._check(version, digest, out)
+            await self.call("/update_weight_version", {"new_version": str(version)})
             reset = "?reset_running_requests=true" if mode == "pause" else ""
             await self.call(f"/reset_prefix_cache{reset}", {})
         except EngineError:
@@ -273,6 +278,7 @@ class VLLMBackend(HttpBackend):
         finally:
             if mode == "pause":
                 await self.call("/resume", {})
+        self.island_bytes[version] = path.stat().st_size * (1 + self.workers)
         self.shadow.activated(staged)
         self._digests = {v: d for v, d in self._digests.items() if v >= version}
         for old in self.work_dir.glob("v*.safetensors"):

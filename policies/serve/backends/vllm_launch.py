@@ -22,12 +22,20 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 from policies.errors import EngineError
 from policies.serve.backends.base import free_port
 
 BUILD_SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "build-vllm-env.sh"
 WORKER_EXTENSION = "policies.serve.backends.vllm_worker.SprawlWorkerExtension"
+VLLMUpdate = Literal["inplace", "reload"]
+"""How versions reach vLLM: the engine patch through its weight-transfer API
+(:mod:`~policies.serve.backends.vllm_inplace`), or the whole view reloaded
+(:mod:`~policies.serve.backends.vllm`)."""
+TRANSFER_CONFIG = '{"backend": "sprawl"}'
+"""vLLM's ``--weight-transfer-config`` for sprawl's backend
+(:mod:`~policies.serve.backends.vllm_transfer`)."""
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM 0.32 takes for ``--max-lora-rank``."""
 
@@ -86,13 +94,15 @@ def vllm_command(
     max_model_len: int,
     lora: tuple[int, int] | None = None,
     routed_experts: bool = False,
+    update: VLLMUpdate = "inplace",
 ) -> list[str]:
     """The API server's command line, serving ``model`` as ``name`` on ``127.0.0.1:port``;
     ``lora`` = (adapters resident, their largest rank): with run-time LoRA adapters
     (:mod:`policies.serve.backends.vllm_lora`; the environment needs
     ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``: :func:`vllm_env` with ``lora``; the rank one of
     :data:`LORA_RANKS`, :func:`vllm_lora_rank`); ``routed_experts``: each choice returns its
-    MoE routing (a GPU build; the environment: :func:`vllm_env` with ``routed_experts``)."""
+    MoE routing (a GPU build; the environment: :func:`vllm_env` with ``routed_experts``);
+    ``update``: ``inplace`` adds sprawl's weight-transfer backend."""
     argv = [
         str(python), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--served-model-name", name,
@@ -105,6 +115,8 @@ def vllm_command(
         argv += ["--enable-lora", "--max-loras", str(lora[0]), "--max-lora-rank", str(lora[1])]
     if routed_experts:
         argv.append("--enable-return-routed-experts")
+    if update == "inplace":
+        argv += ["--weight-transfer-config", TRANSFER_CONFIG]
     return argv
 
 
@@ -119,16 +131,19 @@ def vllm_server(
     max_model_len: int = 2048,
     startup_timeout_s: float = 300.0,
     lora: tuple[int, int] | None = None,
+    update: VLLMUpdate = "inplace",
 ) -> Iterator[str]:
-    """vLLM serving ``model`` as ``name`` on loopback; its URL once healthy (``lora``: as for
-    :func:`vllm_command`)."""
+    """vLLM serving ``model`` as ``name`` on loopback; its URL once healthy (``lora``,
+    ``update``: as for :func:`vllm_command`)."""
     port = port or free_port()
     env = vllm_env(lora=lora is not None)
-    argv = vllm_command(python, model, name=name, port=port, max_model_len=max_model_len, lora=lora)
+    argv = vllm_command(
+        python, model, name=name, port=port, max_model_len=max_model_len, lora=lora, update=update
+    )
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
-        proc = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        proc = subprocess.Popen(  # cwd: not a checkout whose stale metadata hides the plugin
+            argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd="/"
         )
     url = f"http://127.0.0.1:{port}"
     try:

@@ -159,6 +159,7 @@ def vllm_fake(
             "/v1/completions": completions,
             "/collective_rpc": rpc,
             "/reset_prefix_cache": ok,
+            "/update_weight_version": ok,
             "/pause": ok,
             "/resume": ok,
         }
@@ -182,7 +183,13 @@ async def _at_version_1(
     async with (
         fake.serve() as engine,
         standalone(
-            board, "vllm", engine, model="m", activation="pause", materialize_dir=work
+            board,
+            "vllm",
+            engine,
+            model="m",
+            activation="pause",
+            materialize_dir=work,
+            vllm_update="reload",
         ) as url,
     ):
         await wait_version(url, 0)
@@ -206,11 +213,12 @@ async def test_vllm_activates_staged_files_by_rpc_and_sends_every_sampling_field
         if path not in ("/v1/completions", "/v1/models")
         and (body or {}).get("method") != "sprawl_status"  # asked at every reconcile
     ]
-    assert activation[-6:] == [
+    assert activation[-7:] == [
         "/collective_rpc",  # sprawl_prepare: the workers read the staged file while serving
         "/collective_rpc",  # asked again: done, so the pause holds only the reload
         "/pause",
         "/collective_rpc",  # sprawl_activate
+        "/update_weight_version",  # /weight_info then names the sprawl version
         "/reset_prefix_cache",
         "/resume",
     ]
@@ -255,7 +263,9 @@ async def test_vllm_routing_of_an_moe_model_is_passed_on_when_it_covers_every_po
     req = {"prompt_token_ids": [3, 4, 5, 6], "max_tokens": 2, "routed_experts_prompt_start": 1}
     async with (
         fake.serve() as engine,
-        standalone(board, "vllm", engine, model="m", materialize_dir=tmp_path) as url,
+        standalone(
+            board, "vllm", engine, model="m", materialize_dir=tmp_path, vllm_update="reload"
+        ) as url,
     ):
         await wait_version(url, 0)
         status, body = await generate(url, req)
@@ -282,7 +292,9 @@ async def test_vllm_workers_that_fail_or_disagree_keep_the_old_version(
     fake = vllm_fake(lambda digest: next(answers)(digest))
     async with (
         fake.serve() as engine,
-        standalone(board, "vllm", engine, model="m", materialize_dir=tmp_path) as url,
+        standalone(
+            board, "vllm", engine, model="m", materialize_dir=tmp_path, vllm_update="reload"
+        ) as url,
     ):
         await wait_version(url, 0)
         publish_scaled(board, 1, tiny_model_dir, scale=0.5)

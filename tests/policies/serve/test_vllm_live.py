@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import anyio
 import pytest
 from structlog.testing import capture_logs
@@ -22,7 +23,8 @@ from structlog.testing import capture_logs
 from policies.board import Board, failpoints
 from policies.serve.backends.base import free_port
 from policies.serve.backends.vllm import VLLMBackend
-from policies.serve.backends.vllm_launch import engine_python, vllm_server
+from policies.serve.backends.vllm_inplace import VLLMInplaceBackend
+from policies.serve.backends.vllm_launch import VLLMUpdate, engine_python, vllm_server
 from policies.train.config import TrainerConfig
 from policies.train.trainer import Trainer, TrainSample
 from policies.wire.lane import GenerateRequest
@@ -70,11 +72,19 @@ async def _damaged_version_is_never_activated(
     assert [r["choices"][0] for r in again] == [r["choices"][0] for r in before]
 
 
+async def _weight_version(url: str) -> Any:
+    async with aiohttp.ClientSession() as s, s.get(f"{url}/weight_info") as r:
+        return (await r.json())["weight_version"]
+
+
 class _Restartable:
     """The live engine, which the test kills and starts again on the same port."""
 
-    def __init__(self, python: Path, model: Path, logs: Path, port: int) -> None:
+    def __init__(
+        self, python: Path, model: Path, logs: Path, port: int, update: VLLMUpdate
+    ) -> None:
         self.python, self.model, self.logs, self.port = python, model, logs, port
+        self.update = update
         self.stack = contextlib.ExitStack()
         self.starts = 0
 
@@ -88,7 +98,9 @@ class _Restartable:
         self.starts += 1
         log = self.logs / f"live-{self.starts}.log"
         return self.stack.enter_context(
-            vllm_server(self.python, self.model, log, port=self.port, max_model_len=512)
+            vllm_server(
+                self.python, self.model, log, port=self.port, max_model_len=512, update=self.update
+            )
         )
 
 
@@ -125,9 +137,13 @@ async def _restart_engine(
     assert [r["choices"][0] for r in again] == [r["choices"][0] for r in before]
 
 
+@pytest.mark.parametrize("update", ["inplace", "reload"])
 async def test_trainer_versions_through_the_sidecar_serve_like_a_fresh_engine(
-    tmp_path: Path, tiny_model_dir: Path
+    tmp_path: Path, tiny_model_dir: Path, update: VLLMUpdate
 ) -> None:
+    """``inplace``: each version reaches vLLM as an engine patch through its weight-transfer
+    API (the island writes and reads about the patch, vLLM's ``/weight_info`` names the
+    version); ``reload``: the whole view, reloaded (the fallback)."""
     python = await anyio.to_thread.run_sync(engine_python)
     model = head_dim_32(tiny_model_dir, tmp_path / "model")
     board = Board(str(tmp_path / "board"), "run")
@@ -147,7 +163,7 @@ async def test_trainer_versions_through_the_sidecar_serve_like_a_fresh_engine(
     sampled = {"prompt_token_ids": PROMPTS[0], "max_tokens": 12, "temperature": 1.0, "seed": 7}
 
     port = free_port()
-    engine_cm = _Restartable(python, v0, tmp_path, port)
+    engine_cm = _Restartable(python, v0, tmp_path, port, update)
     with engine_cm.start() as engine:
         async with standalone(
             board,
@@ -157,6 +173,7 @@ async def test_trainer_versions_through_the_sidecar_serve_like_a_fresh_engine(
             activation="pause",
             materialize_dir=tmp_path / "island",
             model="m",
+            vllm_update=update,
         ) as url:
             await wait_version(url, 0, timeout_s=120)
             greedy_v0 = [(await generate(url, b))[1] for b in bodies]
@@ -168,9 +185,17 @@ async def test_trainer_versions_through_the_sidecar_serve_like_a_fresh_engine(
                     read = await metric(url, "sprawl_board_bytes_read_total") - before
                     patch = board.manifest(step + 1).patches[0].bytes
                     assert 0 < read <= 2 * patch + 4096, (read, patch)  # the patch, not the ckpt
-            reloads = [e for e in logs if e["event"] == "vllm.reloaded"]
-            assert [e["version"] for e in reloads] == [1, 2, 3]
-            assert all(e["prepared"] for e in reloads), reloads  # read while serving, not paused
+            if update == "reload":
+                reloads = [e for e in logs if e["event"] == "vllm.reloaded"]
+                assert [e["version"] for e in reloads] == [1, 2, 3]
+                assert all(e["prepared"] for e in reloads), reloads  # read while serving
+            else:
+                patched = [e for e in logs if e["event"] == "vllm.patched"]
+                assert [e["version"] for e in patched] == [1, 2, 3]
+                for e in patched:  # the island wrote and read about the patch, no more
+                    board_patch = board.manifest(e["version"]).patches[0].bytes
+                    assert e["island_bytes"] <= 3 * board_patch, (e, board_patch)
+                assert await _weight_version(engine) == "3"
             live = [(await generate(url, b))[1] for b in [*bodies, sampled]]
             assert all(r["policy_version"] == {"start": 3, "end": 3} for r in live)
             assert [r["choices"][0]["token_ids"] for r in live[:3]] != [
@@ -191,9 +216,11 @@ async def test_trainer_versions_through_the_sidecar_serve_like_a_fresh_engine(
             await _restart_engine(url, engine_cm, live, [*bodies, sampled])
 
     v3 = board.materialize(3, tmp_path / "v3")
-    with vllm_server(python, v3, tmp_path / "fresh.log", max_model_len=512) as fresh:
-        backend = VLLMBackend(fresh, work_dir=tmp_path / "unused", model="m", max_context=512)
+    with vllm_server(python, v3, tmp_path / "fresh.log", max_model_len=512, update=update) as fresh:
+        backend_cls = VLLMInplaceBackend if update == "inplace" else VLLMBackend
+        backend = backend_cls(fresh, work_dir=tmp_path / "unused", model="m", max_context=512)
         try:
+            await backend.connect()  # in place: serves unpacked weights, as the live engine
             for body, got in zip([*bodies, sampled], live, strict=True):
                 req = GenerateRequest.model_validate(body)
                 fresh_sample = await backend.generate_one(req, req.seed)

@@ -1,0 +1,221 @@
+"""vLLM behind the sidecar, versions applied in place through vLLM's own weight-transfer API.
+
+The default way a vLLM island takes versions (``orchestrate sidecar --engine-kind vllm
+--vllm-update inplace``; the engine started with ``--weight-transfer-config '{"backend":
+"sprawl"}'``, :mod:`policies.serve.backends.vllm_transfer`). Generation is
+:class:`~policies.serve.backends.vllm.VLLMBackend`'s.
+
+**stage** advances the island's shadow with the board's patches while the engine serves,
+recording where they wrote (:func:`policies.codec.written.recording`: positions and old values,
+no pass over the model), and writes the **engine patch** of everything written since the version
+the engine serves (:mod:`policies.serve.backends.engine_patch`: flat positions and new values per
+tensor, about the patch's size; a tensor an anchor replaced travels whole) as one island-local
+file under ``work_dir``. **apply** then drives vLLM's routes: ``/pause?mode=keep`` (mode
+``"pause"``; mode ``"wait"`` drained first) → ``/start_weight_update`` → ``/update_weights`` →
+``/finish_weight_update`` with ``weight_version`` = the sprawl version → prefix cache reset →
+``/resume``, and checks ``/weight_info`` says that version. No full-view file is written or read
+per version.
+
+All-or-nothing: a worker checks the file (digest, names, dtypes, positions) before writing; a
+write that fails midway is undone by the inverse patch (the positions' old values, which the
+shadow recorded), applied the same way with the old ``weight_version``, before generation
+resumes. If that fails too, or the version came whole (no old values to put back), the engine is
+marked broken: every request is a 503 until it restarts. An engine that restarted (``/weight_info``
+no longer names the live version) gets the live view back whole (a dense engine patch) before it
+serves again (the shadow's copy rebuilt from the board first if it holds another version, a staged
+one then staged again). ``island_bytes`` counts what each version wrote and the workers read on the
+island (the engine patch, once written and once read per worker).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import structlog
+import torch
+
+from policies.board import Board
+from policies.codec.written import TensorChanges, Written, recording
+from policies.errors import EngineError
+from policies.serve.backends.base import EngineUnavailable
+from policies.serve.backends.engine_patch import EngineTensor, encode, file_digest, write
+from policies.serve.backends.shadow import Staged
+from policies.serve.backends.vllm import STATUS_EVERY_S, VLLMBackend
+from policies.serve.decode import QuiesceMode
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A staged version's engine patch, on the island, and what undoes it."""
+
+    version: int
+    path: Path
+    digest: str
+    size: int
+    inverse: list[EngineTensor] | None
+    """The old values at the patch's positions; None: a tensor came whole (no undo)."""
+
+
+def engine_tensors(
+    written: Written | None, view: dict[str, torch.Tensor]
+) -> tuple[list[EngineTensor], list[EngineTensor] | None]:
+    """The engine patch (and its inverse) for ``view`` given what was ``written`` since the
+    engine's version; ``written`` None: the engine's version is unknown, ship ``view`` whole."""
+    if written is None:
+        dense = [EngineTensor(n, tuple(t.shape), t.reshape(-1)) for n, t in view.items()]
+        return dense, None
+    patch: list[EngineTensor] = []
+    inverse: list[EngineTensor] | None = []
+    for name in sorted(written.replaced):
+        t = view[name]
+        patch.append(EngineTensor(name, tuple(t.shape), t.reshape(-1)))
+        inverse = None
+    for name in sorted(written.parts):
+        ch: TensorChanges = written.take(name, view[name])
+        shape = tuple(view[name].shape)
+        patch.append(EngineTensor(name, shape, ch.new, ch.positions))
+        if inverse is not None:
+            inverse.append(EngineTensor(name, shape, ch.old, ch.positions))
+    return patch, inverse
+
+
+class VLLMInplaceBackend(VLLMBackend):
+    """See the module docstring."""
+
+    def __init__(self, url: str, *, work_dir: Path, **kw: Any) -> None:
+        super().__init__(url, work_dir=work_dir, **kw)
+        self.pending: Written | None = Written()  # since the live version; None: unknown
+        self.prepared: _Prepared | None = None
+        self.board: Board | None = None
+
+    async def connect(self) -> None:
+        """As :class:`VLLMBackend`, then make the engine's weights writable in place and learn
+        how many workers read each engine patch (``/get_world_size``)."""
+        await super().connect()
+        await self.call("/init_weight_transfer_engine", {"init_info": {}})
+        out = await self.call("/get_world_size?include_dp=false")
+        self.workers = int(out["world_size"]) if isinstance(out, dict) else 1
+
+    async def _engine_version(self) -> str | None:
+        out = await self.call("/weight_info")
+        version = out.get("weight_version") if isinstance(out, dict) else None
+        return None if version is None else str(version)
+
+    async def stage(self, board: Board, version: int) -> None:
+        self.board = board  # the live view is rebuilt from it for an engine that restarted
+        written = await anyio.to_thread.run_sync(self._advance, board, version)
+        if self.pending is not None:
+            self.pending.merge(written)
+        _, view = self.shadow.take(version)
+        patch, inverse = engine_tensors(self.pending, view)
+        data = await anyio.to_thread.run_sync(encode, patch, version)
+        path = self.work_dir / f"v{version:08d}.enginepatch"
+        await anyio.to_thread.run_sync(write, path, data)
+        self.prepared = _Prepared(version, path, file_digest(data), len(data), inverse)
+
+    def _advance(self, board: Board, version: int) -> Written:
+        with recording() as written:
+            try:
+                self.shadow.stage(board, version)
+            except BaseException:
+                self.pending = Written()  # the copy is rebuilt from an anchor: marked whole then
+                raise
+        return written
+
+    async def _send(self, path: Path, digest: str, weight_version: str) -> None:
+        await self.call("/start_weight_update", {})
+        await self.call("/update_weights", {"update_info": {"path": str(path), "digest": digest}})
+        await self.call("/finish_weight_update", {"weight_version": weight_version})
+
+    async def apply(self, version: int, mode: QuiesceMode) -> None:
+        staged, _ = self.shadow.take(version)
+        prepared = self.prepared
+        if prepared is None or prepared.version != version:
+            raise EngineError(f"version {version} has no engine patch staged")
+        if mode == "pause":
+            await self.call("/pause?mode=keep", {})
+        try:
+            try:
+                await self._send(prepared.path, prepared.digest, str(version))
+            except EngineError as exc:
+                await self._undo(prepared, exc)
+                raise
+            reset = "?reset_running_requests=true" if mode == "pause" else ""
+            await self.call(f"/reset_prefix_cache{reset}", {})
+        finally:
+            if mode == "pause":
+                await self.call("/resume", {})
+        got = await self._engine_version()
+        if got != str(version):
+            raise EngineError(f"vllm /weight_info says {got!r} after version {version}")
+        self._activated(staged, prepared)
+
+    def _activated(self, staged: Staged, prepared: _Prepared) -> None:
+        self.island_bytes[prepared.version] = prepared.size * (1 + self.workers)
+        self.shadow.activated(staged)
+        self.pending, self.prepared, self.lost = Written(), None, False
+        for old in self.work_dir.glob("v*.enginepatch"):
+            old.unlink(missing_ok=True)
+        log.info(
+            "vllm.patched",
+            engine=self.url,
+            version=prepared.version,
+            engine_patch_bytes=prepared.size,
+            island_bytes=self.island_bytes[prepared.version],
+        )
+
+    async def _undo(self, prepared: _Prepared, exc: EngineError) -> None:
+        """Put back the version served before ``prepared`` failed midway (module docstring)."""
+        live = self.shadow.live
+        if prepared.inverse is None or live is None:
+            self.broken = f"vllm failed a whole-tensor update and cannot be put back: {exc}"[:500]
+            raise EngineUnavailable(self.broken) from exc
+        data = await anyio.to_thread.run_sync(encode, prepared.inverse, live.version)
+        path = prepared.path.with_suffix(".inverse")
+        await anyio.to_thread.run_sync(write, path, data)
+        try:
+            await self._send(path, file_digest(data), str(live.version))
+        except EngineError as again:
+            self.broken = f"vllm could not be put back after a failed update: {again}"[:500]
+            raise EngineUnavailable(self.broken) from exc
+        finally:
+            path.unlink(missing_ok=True)
+        log.warning("vllm.update_undone", engine=self.url, version=prepared.version, error=str(exc))
+
+    async def recover(self) -> None:
+        """An engine that restarted (on its startup checkpoint) gets the live view back whole
+        before it serves again (asked at most once a second while nothing failed)."""
+        now = anyio.current_time()
+        if not self.lost and now - self._asked < STATUS_EVERY_S:
+            return
+        self._asked = now
+        try:
+            got = await self._engine_version()
+        except EngineUnavailable:
+            self.lost = True
+            raise
+        live = self.shadow.live
+        if live is None or got == str(live.version):
+            self.lost = False
+            return
+        log.warning("engine_restarted", engine=self.url, putting_back=live.version, engine_says=got)
+        self.lost = True
+        assert self.board is not None  # a version is live: it was staged from the board
+        await self.call("/init_weight_transfer_engine", {"init_info": {}})
+        view = await anyio.to_thread.run_sync(self.shadow.live_view, self.board)
+        self.pending, self.prepared = Written(), None  # a staged version is staged again
+        patch, _ = engine_tensors(None, view)
+        data = await anyio.to_thread.run_sync(encode, patch, live.version)
+        path = self.work_dir / "restore.enginepatch"
+        await anyio.to_thread.run_sync(write, path, data)
+        try:
+            await self._send(path, file_digest(data), str(live.version))
+            await self.call("/reset_prefix_cache", {})
+        finally:
+            path.unlink(missing_ok=True)
+        self.lost = False

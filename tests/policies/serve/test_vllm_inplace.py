@@ -1,0 +1,117 @@
+"""vLLM through its weight-transfer API (``--vllm-update inplace``), against a scripted engine that
+really applies the engine patches it is sent: the sidecar's calls, the bytes on the island, and
+all-or-nothing when the engine fails midway or restarts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+from policies.board import Board
+from tests.support.boards import adam_like_step, tiny_board
+from tests.support.lane import generate, policy, standalone, wait_metric, wait_version
+from tests.support.vllm_transfer import FakeTransferVLLM, transfer_vllm
+
+pytestmark = pytest.mark.anyio
+ROUTES = ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update"]
+
+
+@pytest.fixture
+def board(tmp_path: Path, tiny_model_dir: Path) -> Board:
+    return tiny_board(tmp_path, tiny_model_dir)
+
+
+def _same(weights: dict[str, torch.Tensor], view: dict[str, torch.Tensor]) -> bool:
+    return set(weights) == set(view) and all(
+        torch.equal(weights[k].view(torch.int16), view[k].view(torch.int16)) for k in view
+    )
+
+
+def _publish_step(board: Board, version: int, density: float = 0.02) -> None:
+    _, view = board.load(version - 1)
+    board.publish(version, adam_like_step(view, version, density), view_name="bfloat16")
+
+
+async def test_versions_are_patched_in_place_through_the_weight_transfer_routes(
+    board: Board, tmp_path: Path
+) -> None:
+    fake = FakeTransferVLLM(board.load(0)[1])
+    async with (
+        transfer_vllm(fake) as engine,
+        standalone(
+            board, "vllm", engine, model="m", activation="pause", materialize_dir=tmp_path / "i"
+        ) as url,
+    ):
+        await wait_version(url, 0)
+        assert fake.paths()[:3] == ["/v1/models", "/init_weight_transfer_engine", "/get_world_size"]
+        for v in (1, 2, 3):
+            _publish_step(board, v)
+            await wait_version(url, v)
+            assert _same(fake.weights, board.load(v)[1])  # bit for bit
+            assert fake.weight_version == str(v)
+            sent = [c for c in fake.calls if c[0] == "/update_weights"][-1][1]["update_info"]
+            assert not await anyio.Path(
+                sent["path"]
+            ).exists()  # the island keeps no engine patch once it is live
+        status, body = await generate(url, {"prompt_token_ids": [3, 4], "max_tokens": 2})
+        assert status == 200
+        assert body["policy_version"] == {"start": 3, "end": 3}
+    order = [p for p in fake.paths() if p in (*ROUTES, "/resume", "/reset_prefix_cache")]
+    assert order[-6:] == [*ROUTES, "/reset_prefix_cache", "/resume"]
+    assert fake.calls[-1][0] != "/collective_rpc"
+    assert "/collective_rpc" not in fake.paths()  # no private hook: vLLM's own routes
+
+
+async def test_an_update_that_fails_midway_is_undone_before_generation_resumes(
+    board: Board, tmp_path: Path
+) -> None:
+    fake = FakeTransferVLLM(board.load(0)[1])
+    async with (
+        transfer_vllm(fake) as engine,
+        standalone(
+            board, "vllm", engine, model="m", activation="pause", materialize_dir=tmp_path / "i"
+        ) as url,
+    ):
+        await wait_version(url, 0)
+        _publish_step(board, 1)
+        await wait_version(url, 1)
+        fake.fail_midway = 1
+        _publish_step(board, 2)
+        await wait_metric(url, "sprawl_version_failures_total", 1)
+        # the inverse patch put version 1 back, under its own weight_version, before /resume
+        assert _same(fake.weights, board.load(1)[1])
+        assert fake.weight_version == "1"
+        finished = [b["weight_version"] for p, b, _ in fake.calls if p == "/finish_weight_update"]
+        assert finished == ["0", "1", "1"]  # 0 came whole; the inverse went in as 1 again
+        last = fake.paths()[fake.paths().index("/pause", len(fake.paths()) - 9) :]
+        assert last[:8] == [*ROUTES[:3], *ROUTES[1:], "/resume"]  # undone inside the pause
+        await wait_version(url, 2, timeout_s=30)  # retried, and then it holds
+        assert _same(fake.weights, board.load(2)[1])
+
+
+async def test_an_engine_that_restarted_gets_the_live_version_back_whole(
+    board: Board, tmp_path: Path
+) -> None:
+    fake = FakeTransferVLLM(board.load(0)[1])
+    async with (
+        transfer_vllm(fake) as engine,
+        standalone(
+            board, "vllm", engine, model="m", activation="pause", materialize_dir=tmp_path / "i"
+        ) as url,
+    ):
+        await wait_version(url, 0)
+        _publish_step(board, 1)
+        await wait_version(url, 1)
+        fake.restart()  # its startup weights, weight_version "default"
+        with anyio.fail_after(10):  # the sidecar asks /weight_info at least once a second
+            while fake.weight_version != "1":
+                await fake.finished.wait()
+        status, _ = await generate(url, {"prompt_token_ids": [3, 4], "max_tokens": 2})
+        assert status == 200
+        assert fake.paths().count("/init_weight_transfer_engine") == 2
+        assert fake.weight_version == "1"
+        assert _same(fake.weights, board.load(1)[1])
+        assert (await policy(url))["applied_version"] == 1
