@@ -146,6 +146,11 @@ class VLLMIslandConfig(_IslandConfig):
     """How the sidecar switches versions: drain in-flight requests, or vLLM's ``/pause``."""
     max_model_len: int = Field(default=2048, ge=64)
     """vLLM's ``--max-model-len`` (the context the sidecar advertises)."""
+    kv_on_update: Literal["recompute", "keep"] = "recompute"
+    """In ``pause`` activation, the running requests' KV cache when a version lands:
+    ``recompute`` it under the new weights (exact), or ``keep`` it (PipelineRL's way: faster, but
+    their later tokens are sampled by the new version from KV the old one computed; logged as
+    ``vllm.kv_kept``)."""
     update: Literal["inplace", "reload"] = "inplace"
     """How a version reaches vLLM: ``inplace`` (the engine patch through vLLM's weight-transfer
     API, sprawl's backend; the CPU build then serves unpacked linear weights) or ``reload`` (the

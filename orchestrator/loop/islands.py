@@ -188,6 +188,7 @@ async def _vllm_engine(
     args = [
         "--engine-url", url, "--model", run, "--activation", spec.activation,
         "--materialize-dir", str(island_dir / "versions"), "--vllm-update", spec.update,
+        "--kv-on-update", spec.kv_on_update,
     ]  # fmt: skip
     return args + (["--max-adapters", str(lora.max_adapters)] if lora is not None else [])
 

@@ -108,6 +108,9 @@ class Generation:
     choices: list[GenerateChoice]
     start: int | None
     end: int | None
+    stamp_mismatches: int = 0
+    """Choices whose engine-reported version spans (vLLM's ``weight_versions``) disagree with
+    ``start`` / ``end`` (the sidecar counts them: ``sprawl_version_stamp_mismatch_total``)."""
 
 
 @dataclass(eq=False)

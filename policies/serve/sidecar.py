@@ -151,6 +151,11 @@ class SidecarMetrics:
             "sprawl_version_conflicts", "Requests answered 409", registry=registry
         )
         self.tokens = Counter("sprawl_generated_tokens", "Tokens sampled", registry=registry)
+        self.stamp_mismatches = Counter(
+            "sprawl_version_stamp_mismatch",
+            "Choices whose engine-reported versions disagree with the sidecar's stamps",
+            registry=registry,
+        )
         self.board_bytes = Counter(
             "sprawl_board_bytes_read",
             "Bytes read from the board to stage versions (patches; anchors when needed)",
@@ -378,6 +383,7 @@ class Sidecar:
         except OutOfBounds as exc:  # an activation landed while the request queued
             raise self._conflict(req, exc.version) from None
         self.metrics.tokens.inc(sum(len(c.token_ids) for c in gen.choices))
+        self.metrics.stamp_mismatches.inc(gen.stamp_mismatches)
         return gen
 
     async def generate(self, req: GenerateRequest, request_id: str) -> GenerateResponse:

@@ -1,6 +1,7 @@
 """A scripted vLLM 0.32 with sprawl's weight-transfer backend: the RL routes in vLLM's JSON
-shapes, engine patches really applied to an in-memory copy of its weights (so a test compares
-them bit for bit with the board), failures on cue."""
+shapes, engine patches really applied to an in-memory copy of its weights by the worker's own
+code (:class:`~policies.serve.backends.engine_apply.EngineWeights`, each checkpoint tensor one
+parameter), so a test compares them bit for bit with the board; failures on cue."""
 
 from __future__ import annotations
 
@@ -14,22 +15,29 @@ import anyio
 import torch
 from aiohttp import web
 
+from policies.serve.backends.engine_apply import EngineWeights
 from policies.serve.backends.engine_patch import read
+from policies.serve.backends.param_map import Box, ParamMap
 from tests.support.lane import loopback
 
 
 @dataclass
 class FakeTransferVLLM:
-    """``weights``: what it serves (checkpoint names, flat); ``fail_midway``: that many updates
-    write half their tensors and then answer 500, as a worker whose loader raised."""
+    """``weights``: what it serves; ``fail_after``: that many updates are applied and then answer
+    500, as an engine one of whose other workers failed."""
 
     startup: dict[str, torch.Tensor]
-    fail_midway: int = 0
-    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    fail_after: int = 0
+    tito: bool = True
+    """Serve ``/inference/v1/generate`` (as with ``--enable-scale-out``)."""
+    label: str | None = None
+    """What ``weight_versions`` says sampled the tokens (None: ``weight_version``)."""
     weight_version: str = "default"
     initialised: bool = False
     updating: bool = False
     calls: list[tuple[str, Any, float]] = field(default_factory=list)
+    urls: list[str] = field(default_factory=list)
+    """Every request's path with its query string."""
     finished: anyio.Event = field(default_factory=anyio.Event)
     """Set (and replaced) whenever an update finishes."""
 
@@ -38,31 +46,40 @@ class FakeTransferVLLM:
 
     def restart(self) -> None:
         """As a restarted engine: its startup weights, no version, nothing initialised."""
-        self.weights = {k: v.clone() for k, v in self.startup.items()}
+        params = {k: v.clone().reshape(-1) for k, v in self.startup.items()}
+        boxes = {
+            k: [Box(k, (0,) * v.dim(), tuple(v.shape), 0, tuple(v.stride()))]
+            for k, v in self.startup.items()
+        }
+        shapes = {k: tuple(v.shape) for k, v in self.startup.items()}
+        self.engine = EngineWeights(ParamMap(params, boxes, shapes), {}, _no_loader)
         self.weight_version, self.initialised, self.updating = "default", False, False
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {k: self.engine.map.params[k].view(v.shape) for k, v in self.startup.items()}
 
     def paths(self) -> list[str]:
         return [c[0] for c in self.calls]
 
     def _update(self, info: dict[str, Any]) -> None:
+        if info.get("undo") is not None:
+            self.engine.undo(int(info["undo"]))
+            return
         expected = {
             k: (str(v.dtype).removeprefix("torch."), list(v.shape)) for k, v in self.startup.items()
         }
-        _, tensors = read(info["path"], info["digest"], expected)
-        for i, t in enumerate(tensors):
-            if self.fail_midway and i == len(tensors) // 2:
-                self.fail_midway -= 1
-                raise RuntimeError("the loader raised midway")
-            flat = self.weights[t.name].reshape(-1)
-            if t.positions is None:
-                flat.copy_(t.values)
-            else:
-                flat[t.positions] = t.values
+        version, tensors = read(info["path"], info["digest"], expected)
+        self.engine.apply(version, tensors)
+        if self.fail_after:
+            self.fail_after -= 1
+            raise RuntimeError("another worker's loader raised")
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json() if request.can_read_body else {}
         path = request.path
         self.calls.append((path, body, time.monotonic()))
+        self.urls.append(str(request.rel_url))
         ok: dict[str, Any] = {"message": "ok"}
         if path == "/v1/models":
             return web.json_response({"data": [{"id": "m", "max_model_len": 64}]})
@@ -90,9 +107,17 @@ class FakeTransferVLLM:
             self.finished = anyio.Event()
         elif path == "/v1/completions":
             return web.json_response(_completion())
+        elif path == "/inference/v1/generate" and self.tito:
+            if "token_ids" not in body:
+                return web.json_response({"error": "token_ids: field required"}, status=422)
+            return web.json_response(_tito(self.label or self.weight_version))
         elif path not in ("/pause", "/resume", "/reset_prefix_cache"):
             return web.Response(status=404)
         return web.json_response(ok)
+
+
+def _no_loader(tensors: list[Any]) -> None:
+    raise AssertionError("every tensor is mapped")
 
 
 def _error(message: str) -> web.Response:
@@ -111,6 +136,14 @@ def _completion() -> dict[str, Any]:
             }
         ]
     }
+
+
+def _tito(label: str) -> dict[str, Any]:
+    ids = [11, 12]
+    content = [{"token_id": i, "logprob": lp} for i, lp in zip(ids, [-0.1, -0.2], strict=True)]
+    span = {"version": label, "start": 0, "end": len(ids)}
+    choice = {"index": 0, "finish_reason": "stop", "token_ids": ids, "weight_versions": [span]}
+    return {"choices": [{**choice, "logprobs": {"content": content}}]}
 
 
 @asynccontextmanager

@@ -19,6 +19,9 @@ Guarantees (the sidecar proxies every request, so it knows what is in flight):
 - a ``routed_experts_prompt_start`` past the prompt is a 400 naming it (as the reference
   engine answers); an engine that reports MoE routing returns it per choice in the lane's form
   (:mod:`policies.wire.routing`), one that does not returns None;
+- an engine that stamps versions itself (vLLM's ``weight_versions``) is cross-checked: a choice
+  whose spans disagree with the sidecar's stamps is served all the same (the sidecar's stamps
+  stand), logged as ``version_stamp_mismatch`` and counted;
 - engine errors become :class:`EngineUnavailable` (HTTP 503 on the lane), never a crash; the
   sidecar's bearer token and the board's credentials are never sent in logs.
 """
@@ -49,6 +52,29 @@ class Sample(NamedTuple):
     finish_reason: FinishReason
     routed_experts: str | None = None
     """The lane's form (:mod:`policies.wire.routing`); None when the engine reports none."""
+    engine_versions: list[tuple[str, int, int]] | None = None
+    """The engine's own stamps, ``(version, first token, end token)`` spans over the output
+    (vLLM's ``weight_versions``); None when the engine reports none."""
+
+
+def stamps_agree(sample: Sample, start: int | None, end: int | None) -> bool:
+    """Whether the engine's own version spans, if any, cover the output with versions from
+    ``start`` to ``end`` (the first span ``start``, the last ``end``), in order."""
+    spans = sample.engine_versions
+    if spans is None or not sample.token_ids:
+        return True
+    if start is None or end is None:
+        return False
+    covered = 0
+    allowed = [str(v) for v in range(start, end + 1)]
+    for version, first, stop in spans:
+        if first != covered or stop <= first or version not in allowed:
+            return False
+        covered = stop
+    return covered == len(sample.token_ids) and (spans[0][0], spans[-1][0]) == (
+        str(start),
+        str(end),
+    )
 
 
 def free_port() -> int:
@@ -151,17 +177,30 @@ class HttpBackend:
             raise OutOfBounds(start)
         self._inflight += 1
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
+        samples: list[Sample] = []
         try:
-            choices: list[GenerateChoice] = []
             for i in range(req.n):
                 seed = None if req.seed is None else req.seed + i
-                sample = await self.generate_one(req, seed)
-                choices.append(GenerateChoice(index=i, **sample._asdict()))
+                samples.append(await self.generate_one(req, seed))
         finally:
             self._inflight -= 1
             if self._inflight == 0:
                 self._idle.set()
-        return Generation(choices, start, self.version)
+        end = self.version
+        choices = [
+            GenerateChoice(
+                index=i,
+                token_ids=s.token_ids,
+                logprobs=s.logprobs,
+                finish_reason=s.finish_reason,
+                routed_experts=s.routed_experts,
+            )
+            for i, s in enumerate(samples)
+        ]
+        wrong = [s.engine_versions for s in samples if not stamps_agree(s, start, end)]
+        if wrong:
+            log.warning("version_stamp_mismatch", engine=self.url, start=start, end=end, got=wrong)
+        return Generation(choices, start, end, stamp_mismatches=len(wrong))
 
     async def activate(self, version: int, mode: QuiesceMode) -> float:
         gate = anyio.Event()

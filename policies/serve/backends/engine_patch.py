@@ -2,24 +2,31 @@
 next, in checkpoint coordinates, as one island-local file of about the patch's size.
 
 The sidecar's shadow knows, per tensor, the flat positions the board's patches wrote since the
-version the engine serves and their new values (:mod:`policies.codec.written`); :func:`write`
-stores them, and :func:`read` gives them back to the engine's side
-(:mod:`policies.serve.backends.vllm_transfer`), which writes them in place through the engine's
-own loader. A tensor the shadow replaced whole (an anchor) travels whole (*dense*).
+version the engine serves, their old and their new values (:mod:`policies.codec.written`).
+:func:`encode` stores, per tensor:
 
-Layout: a safetensors file. A sparse tensor ``NAME`` is two uint8 entries, ``NAME@gaps`` (the
-zstd-compressed little-endian uint32 gaps between its sorted positions, the first from −1) and
-``NAME@values`` (its new values split into byte planes, low byte first, then zstd-compressed: a
-weight's sign-and-exponent byte repeats, which is most of what the board's patch saves too); a
-dense one is ``NAME`` with the tensor's shape and dtype. Metadata: ``format`` (:data:`FORMAT`),
-``version``, and ``sparse``: a JSON object of each sparse tensor's dtype. The file's xxh3-128 digest
-(:func:`file_digest`) travels beside its path, and the reader refuses any other bytes.
+- ``delta`` (the usual case): the positions and each value's change, the new value's bits less
+  the old one's as an integer of the value's width, zigzagged (an Adam step moves a bf16 value by
+  one or two units in the last place, so these are tiny numbers that compress to almost nothing,
+  as in the board's patch), plus ``old_sum``, the sum of the old values' bits: the engine reads the
+  old values from its own weights, checks that sum (it is not serving the version the patch starts
+  from otherwise) and adds the changes;
+- ``raw``: the positions and the new values (a tensor whose old values the sidecar does not have);
+- ``dense``: the whole tensor (an anchor replaced it, or the engine restarted).
+
+Layout: a safetensors file. ``NAME@gaps`` (uint8: the zstd-compressed little-endian uint32 gaps
+between sorted positions, the first from −1) and ``NAME@values`` (uint8: the values or changes as
+byte planes, low byte first, zstd-compressed) for ``delta`` and ``raw``; ``NAME`` itself (its
+shape and dtype) for ``dense``. Metadata: ``format`` (:data:`FORMAT`), ``version``, and
+``tensors``: a JSON object of each sparse tensor's ``coding``, ``dtype`` and ``old_sum``. The
+file's xxh3-128 digest (:func:`file_digest`) travels beside its path; the reader refuses any other
+bytes.
 
 Guarantees of :func:`read`: the digest is checked first; every name is one of the checkpoint's
-(``expected``: name → dtype string and shape), in its dtype; a sparse tensor's positions are
-strictly increasing and inside the tensor, one value each; a dense one has the checkpoint's shape.
-Anything else raises ``ValueError`` naming the tensor. This module imports no engine, so both
-sides share it.
+(``expected``: name → dtype and shape), in its dtype; positions are strictly increasing and inside
+the tensor, one value each; a dense tensor has the checkpoint's shape. Anything else raises
+``ValueError`` naming the tensor. :func:`apply_deltas` is the only way changes become values.
+This module imports no engine, so both sides share it.
 """
 
 from __future__ import annotations
@@ -27,8 +34,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
+import numpy.typing as npt
 import torch
 import xxhash
 import zstandard
@@ -38,16 +47,49 @@ from safetensors.torch import save as st_save
 FORMAT = "sprawl-engine-patch/1"
 GAPS = "@gaps"
 VALUES = "@values"
+Coding = Literal["delta", "raw", "dense"]
 
 
 @dataclass(frozen=True)
 class EngineTensor:
-    """One tensor of an engine patch: ``positions`` None means ``values`` is the whole tensor."""
+    """One tensor of an engine patch. ``values``: the new values (``raw``, ``dense``: then
+    ``positions`` is None), or the zigzagged changes, their bits held in the tensor's dtype
+    (``delta``: :func:`delta`, :func:`apply_deltas`)."""
 
     name: str
     shape: tuple[int, ...]
+    coding: Coding
     values: torch.Tensor
     positions: torch.Tensor | None = None
+    old_sum: int | None = None
+
+
+def units(t: torch.Tensor) -> npt.NDArray[Any]:
+    """``t``'s values as unsigned integers of their width (a copy-free view when contiguous)."""
+    w = t.element_size()
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().view(np.dtype(f"<u{w}"))
+
+
+def unit_sum(t: torch.Tensor) -> int:
+    """The sum of ``t``'s bits as unsigned integers, modulo 2**64 (what ``old_sum`` checks)."""
+    return int(units(t).astype(np.uint64).sum(dtype=np.uint64))
+
+
+def delta(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``new``'s bits less ``old``'s as integers of the width, zigzagged; held in the dtype."""
+    w = old.element_size()
+    diff = (units(new) - units(old)).view(np.dtype(f"<i{w}"))
+    zz = (diff << 1) ^ (diff >> (8 * w - 1))
+    return torch.from_numpy(zz.view(np.uint8).copy()).view(old.dtype)
+
+
+def apply_deltas(old: torch.Tensor, changes: torch.Tensor) -> torch.Tensor:
+    """The values ``old`` becomes with ``changes`` (:func:`delta`'s output)."""
+    w = old.element_size()
+    zz = units(changes)
+    signed = (zz >> 1).view(np.dtype(f"<i{w}")) ^ -(zz & 1).view(np.dtype(f"<i{w}"))
+    new = units(old) + signed.view(np.dtype(f"<u{w}"))
+    return torch.from_numpy(new.view(np.uint8).copy()).view(old.dtype)
 
 
 def _zstd(raw: bytes) -> torch.Tensor:
@@ -77,35 +119,35 @@ def _positions(blob: torch.Tensor, name: str) -> torch.Tensor:
     return torch.from_numpy(np.cumsum(g) - 1)
 
 
-def _planes(values: torch.Tensor) -> torch.Tensor:
-    width = values.element_size()
-    units = values.contiguous().reshape(-1).view(torch.uint8).reshape(-1, width)
-    return _zstd(units.t().contiguous().numpy().tobytes()) if units.numel() else _zstd(b"")
+def _planes(raw: torch.Tensor, width: int) -> torch.Tensor:
+    rows = raw.contiguous().reshape(-1).view(torch.uint8).reshape(-1, width)
+    return _zstd(rows.t().contiguous().numpy().tobytes() if rows.numel() else b"")
 
 
-def _values(blob: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+def _unplane(blob: torch.Tensor, width: int, name: str) -> torch.Tensor:
+    """Byte planes back to values' bytes (uint8, ``width`` per value)."""
     raw = _unzstd(blob, name + VALUES)
-    width = torch.empty((), dtype=dtype).element_size()
     if len(raw) % width:
-        raise ValueError(f"{name}: {len(raw)} bytes of values is not whole {dtype} values")
+        raise ValueError(f"{name}: {len(raw)} bytes of values is not whole {width}-byte values")
     if not raw:
-        return torch.empty(0, dtype=dtype)
+        return torch.empty(0, dtype=torch.uint8)
     planes = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(width, -1)
-    return planes.t().reshape(-1).view(dtype)  # 1-D first: a (1, width) view may keep stride 1
+    return planes.t().reshape(-1)  # 1-D first: a (1, width) view may keep stride 1
 
 
 def encode(tensors: list[EngineTensor], version: int) -> bytes:
     """The engine patch of ``tensors`` (for ``version``) as bytes."""
     out: dict[str, torch.Tensor] = {}
-    sparse: dict[str, str] = {}
+    sparse: dict[str, dict[str, Any]] = {}
     for t in tensors:
-        if t.positions is None:
+        if t.coding == "dense" or t.positions is None:
             out[t.name] = t.values.contiguous().reshape(t.shape)
-        else:
-            out[t.name + GAPS] = _gaps(t.positions)
-            out[t.name + VALUES] = _planes(t.values)
-            sparse[t.name] = _dtype_name(t.values)
-    meta = {"format": FORMAT, "version": str(version), "sparse": json.dumps(sparse)}
+            continue
+        width = torch.empty((), dtype=t.values.dtype).element_size()
+        out[t.name + GAPS] = _gaps(t.positions)
+        out[t.name + VALUES] = _planes(t.values, width)
+        sparse[t.name] = {"coding": t.coding, "dtype": _dtype_name(t.values), "old_sum": t.old_sum}
+    meta = {"format": FORMAT, "version": str(version), "tensors": json.dumps(sparse)}
     return bytes(st_save(out, metadata=meta))
 
 
@@ -137,16 +179,13 @@ def read(
         raise ValueError(f"{path}: digest {got} is not the sidecar's {digest}")
     try:
         tensors = st_load(data)
-        header_len = int.from_bytes(data[:8], "little")
-        meta = json.loads(data[8 : 8 + header_len]).get("__metadata__") or {}
+        meta = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"]
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"format {meta.get('format')!r} is not {FORMAT}")
+        sparse: dict[str, dict[str, Any]] = json.loads(meta["tensors"])
+        version = int(meta["version"])
     except Exception as exc:  # safetensors raises its own untyped errors on torn files
         raise ValueError(f"{path}: not an engine patch: {exc}") from None
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: format {meta.get('format')!r} is not {FORMAT}")
-    try:
-        sparse: dict[str, str] = json.loads(meta.get("sparse", "{}"))
-    except ValueError:
-        raise ValueError(f"{path}: unreadable metadata") from None
     names = {n for n in tensors if not n.endswith((GAPS, VALUES))} | set(sparse)
     extra = set(tensors) - names - {n + s for n in sparse for s in (GAPS, VALUES)}
     if extra:
@@ -156,27 +195,36 @@ def read(
         if name not in expected:
             raise ValueError(f"{name}: not a tensor of the engine's checkpoint")
         dtype, shape = expected[name]
-        if name not in sparse:
-            out.append(_dense(name, tensors[name], dtype, shape))
+        if name in sparse:
+            out.append(_sparse(name, sparse[name], tensors, dtype, shape))
             continue
-        if sparse[name] != dtype or name in tensors:
-            raise ValueError(f"{name}: sparse {sparse[name]}, the checkpoint's is {dtype}")
-        if name + GAPS not in tensors or name + VALUES not in tensors:
-            raise ValueError(f"{name}: positions or values missing")
-        positions = _positions(tensors[name + GAPS], name)
-        values = _values(tensors[name + VALUES], getattr(torch, dtype), name)
-        numel = int(np.prod(shape))
-        if positions.numel() != values.numel():
-            raise ValueError(f"{name}: {positions.numel()} positions for {values.numel()} values")
-        if positions.numel() and int(positions[-1]) >= numel:
-            raise ValueError(f"{name}: a position past the tensor's {numel} elements")
-        out.append(EngineTensor(name, tuple(shape), values, positions))
-    return int(meta.get("version", -1)), out
+        values = tensors[name]
+        if _dtype_name(values) != dtype or list(values.shape) != shape:
+            got = f"{_dtype_name(values)}{list(values.shape)}"
+            raise ValueError(f"{name}: {got}, the checkpoint's {dtype}{shape}")
+        out.append(EngineTensor(name, tuple(shape), "dense", values.reshape(-1)))
+    return version, out
 
 
-def _dense(name: str, values: torch.Tensor, dtype: str, shape: list[int]) -> EngineTensor:
-    if _dtype_name(values) != dtype or list(values.shape) != shape:
-        raise ValueError(
-            f"{name}: {_dtype_name(values)}{list(values.shape)}, the checkpoint's {dtype}{shape}"
-        )
-    return EngineTensor(name, tuple(shape), values.reshape(-1))
+def _sparse(
+    name: str, info: dict[str, Any], tensors: dict[str, torch.Tensor], dtype: str, shape: list[int]
+) -> EngineTensor:
+    coding = info.get("coding")
+    if coding not in ("delta", "raw") or info.get("dtype") != dtype or name in tensors:
+        raise ValueError(f"{name}: {info}, the checkpoint's dtype is {dtype}")
+    if name + GAPS not in tensors or name + VALUES not in tensors:
+        raise ValueError(f"{name}: positions or values missing")
+    torch_dtype = getattr(torch, dtype)
+    width = torch.empty((), dtype=torch_dtype).element_size()
+    positions = _positions(tensors[name + GAPS], name)
+    raw = _unplane(tensors[name + VALUES], width, name)
+    values = raw.view(torch_dtype)
+    numel = int(np.prod(shape))
+    if positions.numel() * width != raw.numel():
+        raise ValueError(f"{name}: {positions.numel()} positions for {raw.numel()} value bytes")
+    if positions.numel() and int(positions[-1]) >= numel:
+        raise ValueError(f"{name}: a position past the tensor's {numel} elements")
+    old_sum = info.get("old_sum")
+    if coding == "delta" and not isinstance(old_sum, int):
+        raise ValueError(f"{name}: a delta without old_sum")
+    return EngineTensor(name, tuple(shape), coding, values, positions, old_sum)

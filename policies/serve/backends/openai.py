@@ -23,7 +23,7 @@ from __future__ import annotations
 from transformers import PreTrainedTokenizerBase
 
 from policies.serve.backends.base import EngineUnavailable, HttpBackend, Sample
-from policies.serve.backends.vllm import token_ids_of
+from policies.serve.backends.vllm_wire import token_ids_of
 from policies.wire.lane import FinishReason, GenerateRequest
 
 

@@ -2,7 +2,8 @@
 
     orchestrate sidecar --engine-url URL --engine-kind vllm|sglang|openai --board URL
         [--run NAME] [--port P] [--host H] [--token T] [--engine-api-key K]
-        [--activation wait|pause] [--vllm-update inplace|reload] [--materialize-dir DIR]
+        [--activation wait|pause] [--vllm-update inplace|reload] [--kv-on-update recompute|keep]
+        [--materialize-dir DIR]
         [--version N] [--model NAME]
         [--tls-cert PEM --tls-key PEM] [--parent-stdin]
         [--header-timeout S] [--idle-timeout S] [--body-timeout S] [--max-connections N]
@@ -53,7 +54,7 @@ from policies.serve.backends.llamacpp_wire import LlamaOptions
 from policies.serve.backends.openai import OpenAIBackend
 from policies.serve.backends.sglang import SGLangBackend
 from policies.serve.backends.shadow import check_view
-from policies.serve.backends.vllm import VLLMBackend
+from policies.serve.backends.vllm import KVOnUpdate, VLLMBackend
 from policies.serve.backends.vllm_inplace import VLLMInplaceBackend
 from policies.serve.backends.vllm_launch import VLLMUpdate
 from policies.serve.backends.vllm_lora import VLLMLoraBackend
@@ -103,6 +104,7 @@ def make_backend(
     base_dir: Path | None = None,
     max_adapters: int | None = None,
     vllm_update: VLLMUpdate = "inplace",
+    kv_on_update: KVOnUpdate = "recompute",
 ) -> HttpBackend:
     """The backend of ``kind``; ``max_adapters`` set: the board holds LoRA versions (vLLM only),
     that many resident."""
@@ -130,10 +132,9 @@ def make_backend(
         return VLLMLoraBackend(
             engine_url, work_dir=materialize_dir, max_adapters=max_adapters, **common
         )
-    if kind == "vllm" and vllm_update == "inplace":
-        return VLLMInplaceBackend(engine_url, work_dir=materialize_dir, **common)
     if kind == "vllm":
-        return VLLMBackend(engine_url, work_dir=materialize_dir, **common)
+        cls = VLLMInplaceBackend if vllm_update == "inplace" else VLLMBackend
+        return cls(engine_url, work_dir=materialize_dir, kv_on_update=kv_on_update, **common)
     if kind == "openai":
         if version is None:
             raise BoardError("--engine-kind openai needs --version (the version it serves)")
@@ -161,6 +162,7 @@ async def serve_sidecar(
     limits: LaneLimits | None = None,
     max_adapters: int = 4,
     vllm_update: VLLMUpdate = "inplace",
+    kv_on_update: KVOnUpdate = "recompute",
     task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the sidecar until cancelled; ``started`` with the bound port. A board of LoRA
@@ -187,6 +189,7 @@ async def serve_sidecar(
             base_dir=Path(tmp),
             max_adapters=max_adapters if lora else None,
             vllm_update=vllm_update,
+            kv_on_update=kv_on_update,
         )
         try:
             await backend.connect()
@@ -234,6 +237,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="inplace",
         help="vllm: the engine patch through vLLM's weight-transfer API (the engine started with "
         '--weight-transfer-config \'{"backend": "sprawl"}\'), or the whole view reloaded',
+    )
+    p.add_argument(
+        "--kv-on-update",
+        choices=get_args(KVOnUpdate),
+        default="recompute",
+        help="vllm, --activation pause: the running requests' KV recomputed under the new "
+        "version (exact), or kept (faster; their later tokens come from stale KV)",
     )
     p.add_argument("--poll-interval", type=float, default=1.0)
     p.add_argument(
@@ -327,6 +337,7 @@ def main(argv: list[str]) -> int:
                     limits=limits,
                     max_adapters=args.max_adapters,
                     vllm_update=args.vllm_update,
+                    kv_on_update=args.kv_on_update,
                     task_status=task_status,
                 )
             )

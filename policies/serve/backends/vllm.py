@@ -1,30 +1,27 @@
 """vLLM behind the sidecar: token ids in and out, versions staged from the shadow, exact reloads.
 
-Generation: ``POST /v1/completions`` with ``prompt`` = token ids and **every sampling field sent
-explicitly** (vLLM fills omitted ones from the model's ``generation_config.json``, and a ``top_k``
-there would change what is sampled): ``temperature``, ``top_p``, ``top_k`` (−1 = off),
-``min_p`` 0, ``repetition_penalty`` 1, ``presence_penalty`` 0, ``frequency_penalty`` 0,
-``min_tokens`` 0, ``ignore_eos`` false, ``stop_token_ids``, ``seed``, ``n`` 1, ``logprobs`` 0,
-``return_tokens_as_token_ids``, ``return_token_ids`` and ``routed_experts_prompt_start``. Token
-ids come from the choice's ``token_ids`` (else the ``"token_id:N"`` strings of
-``logprobs.tokens``), log probs from ``logprobs.token_logprobs`` — of the distribution sampled
-when vLLM runs with ``--logprobs-mode processed_logprobs``. An MoE model's routing comes from the
-choice's ``routed_experts`` when vLLM runs with ``--enable-return-routed-experts`` (which needs
-its V2 model runner: ``VLLM_USE_V2_MODEL_RUNNER=1``, a GPU build); it is the lane's form already
-and is checked to hold one row per forwarded position
-(:func:`~policies.wire.routing.routing_rows`). The context length is the engine's (``GET
-/v1/models`` → ``max_model_len``), read by :meth:`VLLMBackend.connect`.
+Generation (:mod:`policies.serve.backends.vllm_wire`): ``POST /inference/v1/generate`` when the
+engine runs with ``--enable-scale-out`` (its ``weight_versions`` spans are cross-checked against
+the sidecar's stamps), else ``POST /v1/completions``; token ids in and out, every sampling field
+explicit, log probs of the distribution sampled (``--logprobs-mode processed_logprobs``), an MoE
+model's routing when vLLM returns it (``--enable-return-routed-experts``: a GPU build). The
+context length is the engine's (``GET /v1/models`` → ``max_model_len``), read by
+:meth:`VLLMBackend.connect`, which also learns whether the token route is there.
 
+This class takes versions by **reloading the whole view** (``--vllm-update reload``: the fallback
+and the benchmark's baseline); :mod:`policies.serve.backends.vllm_inplace` applies them in place.
 Versions: **stage** advances the island's :class:`~policies.serve.backends.shadow.Shadow` with
 patches from the board, writes the staged view as an island-local safetensors file (the engine
 must be able to read ``work_dir``) and waits until every worker has checked and read it while
 serving (``sprawl_prepare``: the pause then holds only the reload); **apply** asks every worker
 to load it through vLLM's own ``reload_weights`` (:mod:`policies.serve.backends.vllm_worker`, ``POST
 /collective_rpc``), checks that every worker loaded the manifest's digest, and resets the prefix
-cache so no KV block of the old weights is reused. Mode ``"pause"`` wraps it in ``POST
-/pause?mode=keep`` … ``POST /resume`` and resets the running requests' KV too
-(``reset_running_requests``), so in-flight requests continue on the new weights; mode ``"wait"``
-drains first (the base class), so no request spans versions.
+cache so no KV block of the old weights is reused, and labels the weights with the sprawl version
+(``/update_weight_version``: ``/weight_info`` and the token route's spans name it). Mode
+``"pause"`` wraps it in ``POST /pause?mode=keep`` … ``POST /resume`` and resets the running
+requests' KV too (``reset_running_requests``; ``kv_on_update = "keep"`` leaves it), so in-flight
+requests continue on the new weights; mode ``"wait"`` drains first (the base class), so no
+request spans versions.
 
 All-or-nothing: a worker that refuses the file changed nothing; one that failed midway put the
 previous version back before answering; both raise :class:`~policies.errors.EngineError`, so the
@@ -37,7 +34,7 @@ from __future__ import annotations
 
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import structlog
@@ -49,10 +46,16 @@ from policies.codec.kinds import SUM
 from policies.errors import EngineError
 from policies.serve.backends.base import EngineUnavailable, HttpBackend, Sample
 from policies.serve.backends.shadow import Shadow
+from policies.serve.backends.vllm_wire import (
+    COMPLETIONS,
+    TITO,
+    completions_body,
+    read_sample,
+    tito_body,
+)
 from policies.serve.backends.vllm_worker import PREPARE_METHOD, RPC_METHOD
 from policies.serve.decode import QuiesceMode
-from policies.wire.lane import FinishReason, GenerateRequest
-from policies.wire.routing import checked_routing, routing_rows
+from policies.wire.lane import GenerateRequest
 
 log = structlog.get_logger(__name__)
 STATUS_EVERY_S = 1.0
@@ -61,25 +64,12 @@ PREPARE_POLL_S = 0.005
 0.1 s)."""
 PREPARE_WAIT_S = 120.0
 """How long staging waits, serving, for the workers to read the staged file."""
+KVOnUpdate = Literal["recompute", "keep"]
+"""What a pause-mode activation does to the running requests' KV cache: ``recompute`` it under
+the new weights (exact), or ``keep`` it (PipelineRL's way: faster, but the tokens after the update
+are sampled by the new version from KV the previous one computed)."""
 ADAPTER: ContextVar[str | None] = ContextVar("sprawl_vllm_adapter", default=None)
 """The LoRA adapter the current request runs through (set by ``vllm_lora.VLLMLoraBackend``)."""
-
-
-def token_ids_of(choice: dict[str, Any]) -> list[int]:
-    """Token ids of a completions choice: ``token_ids``, else ``"token_id:N"`` strings."""
-    ids = choice.get("token_ids")
-    if isinstance(ids, list):
-        return [int(i) for i in ids]
-    logprobs = choice.get("logprobs")
-    tokens = logprobs.get("tokens") if isinstance(logprobs, dict) else None
-    if not isinstance(tokens, list):
-        raise EngineUnavailable("completion choice has neither token_ids nor logprobs.tokens")
-    out = []
-    for t in tokens:
-        if not (isinstance(t, str) and t.startswith("token_id:")):
-            raise EngineUnavailable(f"token {t!r} is not a token id (return_tokens_as_token_ids)")
-        out.append(int(t.removeprefix("token_id:")))
-    return out
 
 
 def write_view(view: dict[str, torch.Tensor], path: Path) -> None:
@@ -103,9 +93,14 @@ def file_digest(manifest: Manifest, view: dict[str, torch.Tensor]) -> str:
 class VLLMBackend(HttpBackend):
     kind = "vllm"
 
-    def __init__(self, url: str, *, work_dir: Path, **kw: Any) -> None:
+    def __init__(
+        self, url: str, *, work_dir: Path, kv_on_update: KVOnUpdate = "recompute", **kw: Any
+    ) -> None:
         super().__init__(url, **kw)
         self.work_dir = work_dir
+        self.kv_on_update = kv_on_update
+        self.tito = False
+        """Generation through ``/inference/v1/generate`` (learnt by :meth:`connect`)."""
         self.shadow = Shadow("vllm")
         self.broken: str | None = None
         self.lost = False  # the engine went away: it may come back on its startup weights
@@ -130,59 +125,30 @@ class VLLMBackend(HttpBackend):
                 f"--served-model-name {self.name}"
             )
         self.max_context = int(named[0]["max_model_len"])
+        self.tito = await self._has_tito()
+        log.info("vllm.connected", engine=self.url, generate=TITO if self.tito else COMPLETIONS)
 
     async def generate_one(self, req: GenerateRequest, seed: int | None) -> Sample:
         if self.broken is not None:
             raise EngineUnavailable(self.broken)
         if self.lost:
             raise EngineUnavailable("vllm went away; the live version is put back when it returns")
-        body: dict[str, object] = {
-            "model": ADAPTER.get() or self.name,
-            "prompt": req.prompt_token_ids,
-            "max_tokens": req.max_tokens,
-            "n": 1,
-            "temperature": req.temperature,
-            "top_p": req.top_p,
-            "top_k": req.top_k if req.top_k > 0 else -1,
-            "min_p": 0.0,
-            "repetition_penalty": 1.0,
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
-            "min_tokens": 0,
-            "ignore_eos": False,
-            "stop_token_ids": req.stop_token_ids,
-            "seed": seed,
-            "logprobs": 0,
-            "return_tokens_as_token_ids": True,
-            "return_token_ids": True,
-            "skip_special_tokens": False,
-            "routed_experts_prompt_start": req.routed_experts_prompt_start,
-        }
+        model = ADAPTER.get() or self.name
+        tito = self.tito and ADAPTER.get() is None  # adapters' versions are not vLLM's labels
+        route = TITO if tito else COMPLETIONS
+        body = tito_body(model, req, seed) if tito else completions_body(model, req, seed)
         try:
-            out = await self.call("/v1/completions", body)
+            out = await self.call(route, body)
         except EngineUnavailable:
             self.lost = True  # checked (and the version put back) at the next reconcile
             raise
-        try:
-            choice = out["choices"][0]
-            tokens = token_ids_of(choice)
-            logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
-            reason = choice.get("finish_reason")
-            routed = choice.get("routed_experts")
-        except (KeyError, TypeError, IndexError, ValueError) as exc:
-            raise EngineUnavailable(f"vllm /v1/completions answer lacks {exc}") from None
-        if len(tokens) != len(logprobs):
-            raise EngineUnavailable("vllm returned a log prob count that differs from the tokens")
-        if routed is not None:
-            rows = routing_rows(
-                len(req.prompt_token_ids), len(tokens), req.routed_experts_prompt_start
-            )
-            try:
-                routed = checked_routing(str(routed), rows, "vllm routed_experts")
-            except ValueError as exc:
-                raise EngineUnavailable(str(exc)) from None
-        finish: FinishReason = reason if reason in ("stop", "length") else "abort"
-        return Sample(tokens, logprobs, finish, routed)
+        return read_sample(route, out, req)
+
+    async def _has_tito(self) -> bool:
+        """Whether the engine answers ``/inference/v1/generate`` (``--enable-scale-out``): an
+        empty request is refused as invalid there, as not found or forbidden elsewhere."""
+        async with self.session.post(f"{self.url}{TITO}", json={}) as r:
+            return r.status in (400, 422)
 
     async def recover(self) -> None:
         """Ask the workers what they serve; an engine that restarted (on its startup checkpoint)
@@ -214,6 +180,17 @@ class VLLMBackend(HttpBackend):
         self._check(live.version, digest, out)
         await self.call("/reset_prefix_cache", {})
         self.lost = False
+
+    async def reset_cache(self, version: int, mode: QuiesceMode) -> None:
+        """No KV block of the old weights is reused: the prefix cache is reset, and in pause mode
+        the running requests' KV too, unless ``kv_on_update`` is ``keep`` (logged, since their
+        later tokens then come from stale KV)."""
+        if mode == "pause" and self.kv_on_update == "recompute":
+            await self.call("/reset_prefix_cache?reset_running_requests=true", {})
+            return
+        if mode == "pause":
+            log.info("vllm.kv_kept", engine=self.url, version=version)
+        await self.call("/reset_prefix_cache", {})
 
     def _file(self, version: int) -> Path:
         return self.work_dir / f"v{version:08d}.safetensors"
@@ -270,8 +247,7 @@ class VLLMBackend(HttpBackend):
             )
             self._check(version, digest, out)
             await self.call("/update_weight_version", {"new_version": str(version)})
-            reset = "?reset_running_requests=true" if mode == "pause" else ""
-            await self.call(f"/reset_prefix_cache{reset}", {})
+            await self.reset_cache(version, mode)
         except EngineError:
             path.unlink(missing_ok=True)
             raise

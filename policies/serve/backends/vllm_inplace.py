@@ -16,11 +16,16 @@ file under ``work_dir``. **apply** then drives vLLM's routes: ``/pause?mode=keep
 ``/resume``, and checks ``/weight_info`` says that version. No full-view file is written or read
 per version.
 
-All-or-nothing: a worker checks the file (digest, names, dtypes, positions) before writing; a
-write that fails midway is undone by the inverse patch (the positions' old values, which the
-shadow recorded), applied the same way with the old ``weight_version``, before generation
-resumes. If that fails too, or the version came whole (no old values to put back), the engine is
-marked broken: every request is a 503 until it restarts. An engine that restarted (``/weight_info``
+The engine patch carries each tensor's changes against the values the engine serves (an Adam
+step's ±1 unit in the last place: about as small as the board's patch) and the sum of those old
+values, which each worker checks against its own weights before it writes anything
+(:mod:`policies.serve.backends.engine_apply`).
+
+All-or-nothing: a worker checks the file (digest, names, dtypes, positions, old values) before
+writing and undoes its own writes if one fails midway; the sidecar then asks every worker to take
+that update back (``{"undo": version}``: a worker that failed has nothing to take back) with the
+old ``weight_version``, before generation resumes. If that fails too, the engine is marked
+broken: every request is a 503 until it restarts. An engine that restarted (``/weight_info``
 no longer names the live version) gets the live view back whole (a dense engine patch) before it
 serves again (the shadow's copy rebuilt from the board first if it holds another version, a staged
 one then staged again). ``island_bytes`` counts what each version wrote and the workers read on the
@@ -41,7 +46,14 @@ from policies.board import Board
 from policies.codec.written import TensorChanges, Written, recording
 from policies.errors import EngineError
 from policies.serve.backends.base import EngineUnavailable
-from policies.serve.backends.engine_patch import EngineTensor, encode, file_digest, write
+from policies.serve.backends.engine_patch import (
+    EngineTensor,
+    delta,
+    encode,
+    file_digest,
+    unit_sum,
+    write,
+)
 from policies.serve.backends.shadow import Staged
 from policies.serve.backends.vllm import STATUS_EVERY_S, VLLMBackend
 from policies.serve.decode import QuiesceMode
@@ -51,37 +63,30 @@ log = structlog.get_logger(__name__)
 
 @dataclass(frozen=True)
 class _Prepared:
-    """A staged version's engine patch, on the island, and what undoes it."""
+    """A staged version's engine patch, on the island."""
 
     version: int
     path: Path
     digest: str
     size: int
-    inverse: list[EngineTensor] | None
-    """The old values at the patch's positions; None: a tensor came whole (no undo)."""
 
 
-def engine_tensors(
-    written: Written | None, view: dict[str, torch.Tensor]
-) -> tuple[list[EngineTensor], list[EngineTensor] | None]:
-    """The engine patch (and its inverse) for ``view`` given what was ``written`` since the
-    engine's version; ``written`` None: the engine's version is unknown, ship ``view`` whole."""
+def engine_tensors(written: Written | None, view: dict[str, torch.Tensor]) -> list[EngineTensor]:
+    """The engine patch for ``view`` given what was ``written`` since the engine's version:
+    each written tensor's changes (``delta``), a tensor replaced whole as it is (``dense``);
+    ``written`` None: the engine's version is unknown, everything ``dense``."""
     if written is None:
-        dense = [EngineTensor(n, tuple(t.shape), t.reshape(-1)) for n, t in view.items()]
-        return dense, None
-    patch: list[EngineTensor] = []
-    inverse: list[EngineTensor] | None = []
-    for name in sorted(written.replaced):
-        t = view[name]
-        patch.append(EngineTensor(name, tuple(t.shape), t.reshape(-1)))
-        inverse = None
+        return [EngineTensor(n, tuple(t.shape), "dense", t.reshape(-1)) for n, t in view.items()]
+    patch = [
+        EngineTensor(n, tuple(view[n].shape), "dense", view[n].reshape(-1))
+        for n in sorted(written.replaced)
+    ]
     for name in sorted(written.parts):
         ch: TensorChanges = written.take(name, view[name])
         shape = tuple(view[name].shape)
-        patch.append(EngineTensor(name, shape, ch.new, ch.positions))
-        if inverse is not None:
-            inverse.append(EngineTensor(name, shape, ch.old, ch.positions))
-    return patch, inverse
+        changes = delta(ch.old, ch.new)
+        patch.append(EngineTensor(name, shape, "delta", changes, ch.positions, unit_sum(ch.old)))
+    return patch
 
 
 class VLLMInplaceBackend(VLLMBackend):
@@ -112,11 +117,11 @@ class VLLMInplaceBackend(VLLMBackend):
         if self.pending is not None:
             self.pending.merge(written)
         _, view = self.shadow.take(version)
-        patch, inverse = engine_tensors(self.pending, view)
+        patch = engine_tensors(self.pending, view)
         data = await anyio.to_thread.run_sync(encode, patch, version)
         path = self.work_dir / f"v{version:08d}.enginepatch"
         await anyio.to_thread.run_sync(write, path, data)
-        self.prepared = _Prepared(version, path, file_digest(data), len(data), inverse)
+        self.prepared = _Prepared(version, path, file_digest(data), len(data))
 
     def _advance(self, board: Board, version: int) -> Written:
         with recording() as written:
@@ -127,9 +132,9 @@ class VLLMInplaceBackend(VLLMBackend):
                 raise
         return written
 
-    async def _send(self, path: Path, digest: str, weight_version: str) -> None:
+    async def _send(self, update_info: dict[str, Any], weight_version: str) -> None:
         await self.call("/start_weight_update", {})
-        await self.call("/update_weights", {"update_info": {"path": str(path), "digest": digest}})
+        await self.call("/update_weights", {"update_info": update_info})
         await self.call("/finish_weight_update", {"weight_version": weight_version})
 
     async def apply(self, version: int, mode: QuiesceMode) -> None:
@@ -141,12 +146,12 @@ class VLLMInplaceBackend(VLLMBackend):
             await self.call("/pause?mode=keep", {})
         try:
             try:
-                await self._send(prepared.path, prepared.digest, str(version))
+                info = {"path": str(prepared.path), "digest": prepared.digest}
+                await self._send(info, str(version))
             except EngineError as exc:
                 await self._undo(prepared, exc)
                 raise
-            reset = "?reset_running_requests=true" if mode == "pause" else ""
-            await self.call(f"/reset_prefix_cache{reset}", {})
+            await self.reset_cache(version, mode)
         finally:
             if mode == "pause":
                 await self.call("/resume", {})
@@ -170,21 +175,17 @@ class VLLMInplaceBackend(VLLMBackend):
         )
 
     async def _undo(self, prepared: _Prepared, exc: EngineError) -> None:
-        """Put back the version served before ``prepared`` failed midway (module docstring)."""
+        """Put back the version served before ``prepared`` failed (module docstring): a worker
+        that failed undid its own writes; one that succeeded takes its update back."""
         live = self.shadow.live
-        if prepared.inverse is None or live is None:
-            self.broken = f"vllm failed a whole-tensor update and cannot be put back: {exc}"[:500]
+        if live is None:
+            self.broken = f"vllm failed its first update and serves no version: {exc}"[:500]
             raise EngineUnavailable(self.broken) from exc
-        data = await anyio.to_thread.run_sync(encode, prepared.inverse, live.version)
-        path = prepared.path.with_suffix(".inverse")
-        await anyio.to_thread.run_sync(write, path, data)
         try:
-            await self._send(path, file_digest(data), str(live.version))
+            await self._send({"undo": prepared.version}, str(live.version))
         except EngineError as again:
             self.broken = f"vllm could not be put back after a failed update: {again}"[:500]
             raise EngineUnavailable(self.broken) from exc
-        finally:
-            path.unlink(missing_ok=True)
         log.warning("vllm.update_undone", engine=self.url, version=prepared.version, error=str(exc))
 
     async def recover(self) -> None:
@@ -209,12 +210,11 @@ class VLLMInplaceBackend(VLLMBackend):
         await self.call("/init_weight_transfer_engine", {"init_info": {}})
         view = await anyio.to_thread.run_sync(self.shadow.live_view, self.board)
         self.pending, self.prepared = Written(), None  # a staged version is staged again
-        patch, _ = engine_tensors(None, view)
-        data = await anyio.to_thread.run_sync(encode, patch, live.version)
+        data = await anyio.to_thread.run_sync(encode, engine_tensors(None, view), live.version)
         path = self.work_dir / "restore.enginepatch"
         await anyio.to_thread.run_sync(write, path, data)
         try:
-            await self._send(path, file_digest(data), str(live.version))
+            await self._send({"path": str(path), "digest": file_digest(data)}, str(live.version))
             await self.call("/reset_prefix_cache", {})
         finally:
             path.unlink(missing_ok=True)

@@ -57,7 +57,9 @@ from vllm.model_executor.model_loader.checkpoint_weight_patch import (
     load_checkpoint_weight_patches,
 )
 
-from policies.serve.backends.engine_patch import EngineTensor, read
+from policies.serve.backends.engine_apply import EngineWeights
+from policies.serve.backends.engine_patch import read
+from policies.serve.backends.param_map import learn
 
 log = structlog.get_logger(__name__)
 BACKEND = "sprawl"
@@ -80,10 +82,12 @@ class SprawlInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
 
 @dataclass
 class SprawlUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
-    """One version's engine patch: its island-local path and the file's digest."""
+    """One version's engine patch (its island-local path and the file's digest), or ``undo``: the
+    version whose update this worker is to take back (a no-op unless it was its last)."""
 
-    path: str
-    digest: str
+    path: str | None = None
+    digest: str | None = None
+    undo: int | None = None
 
 
 def _checkpoint(model_dir: str, dtype: torch.dtype) -> dict[str, tuple[str, list[int]]]:
@@ -113,11 +117,12 @@ class SprawlWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.expected = _checkpoint(self.model_config.model, self.model_config.dtype)
-        self.unpacked = False
+        self.weights: EngineWeights | None = None
 
     def init_transfer_engine(self, init_info: SprawlInitInfo) -> None:
-        """Make every weight writable in place (on the CPU build: unpack; idempotent)."""
-        if self.unpacked:
+        """Make every weight writable in place (on the CPU build: unpack) and learn where each
+        checkpoint element lives; once per worker (the engine still on its startup weights)."""
+        if self.weights is not None:
             return
         packed = [
             m
@@ -129,10 +134,35 @@ class SprawlWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
             _recreate_weight(module)
         for module in packed:
             module.cpu_linear = _linear
-        if emptied:
-            self.model.load_weights(_startup_weights(self.model_config.model))
-        self.unpacked = True
-        log.info("vllm.unpacked", layers=len(packed), refilled=len(emptied))
+        # the startup values through the model's own loader: refills what was emptied, and
+        # shows where each checkpoint element lives
+        pmap = learn(
+            self.model.load_weights,
+            self.model.named_parameters(),
+            _startup_weights(self.model_config.model, self.model_config.dtype),
+        )
+        copies = {
+            name: t.reshape(-1).clone()
+            for name, t in _startup_weights(self.model_config.model, self.model_config.dtype)
+            if name in pmap.unmapped
+        }
+        self.weights = EngineWeights(pmap, copies, self._load_sparse)
+        log.info(
+            "vllm.weights_mapped",
+            unpacked=len(emptied),
+            mapped=len(pmap.boxes),
+            unmapped=sorted(pmap.unmapped),
+        )
+
+    def _load_sparse(
+        self, tensors: list[tuple[str, tuple[int, ...], torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """vLLM's own sparse loader, for tensors the map could not place."""
+        patches = [
+            CheckpointWeightPatch(name, shape, values.dtype, values, positions)
+            for name, shape, positions, values in tensors
+        ]
+        load_checkpoint_weight_patches(self.model, patches, validate_unique_indices=False)
 
     def start_weight_update(self) -> None:
         """In place: nothing to prepare."""
@@ -147,24 +177,21 @@ class SprawlWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: SprawlUpdateInfo) -> None:
-        """Check the engine patch, then write it through vLLM's checkpoint-patch loader."""
-        if not self.unpacked:
-            raise RuntimeError("init_weight_transfer_engine first: the weights are packed")
-        _, tensors = read(update_info.path, update_info.digest, self.expected)
-        dense = [_patch(t, self.expected) for t in tensors if t.positions is None]
-        sparse = [_patch(t, self.expected) for t in tensors if t.positions is not None]
-        if dense:
-            load_checkpoint_weight_patches(self.model, dense)
-        if sparse:  # positions are unique by construction (strictly increasing)
-            load_checkpoint_weight_patches(self.model, sparse, validate_unique_indices=False)
+        """Apply the engine patch at ``path`` in place, all or nothing; or, with ``undo``, put
+        back what the update to that version overwrote here (if it was the last one)."""
+        weights = self.weights
+        if weights is None:
+            raise RuntimeError("init_weight_transfer_engine first: the weights are not mapped")
+        if update_info.undo is not None:
+            weights.undo(update_info.undo)
+            return
+        if update_info.path is None or update_info.digest is None:
+            raise ValueError("update_info needs path and digest (or undo)")
+        version, tensors = read(update_info.path, update_info.digest, self.expected)
+        weights.apply(version, tensors)
 
     def shutdown(self) -> None:
         """Nothing held."""
-
-
-def _patch(t: EngineTensor, expected: dict[str, tuple[str, list[int]]]) -> CheckpointWeightPatch:
-    dtype = getattr(torch, expected[t.name][0])
-    return CheckpointWeightPatch(t.name, t.shape, dtype, t.values, t.positions)
 
 
 def _recreate_weight(module: torch.nn.Module) -> None:
@@ -189,9 +216,10 @@ def _recreate_weight(module: torch.nn.Module) -> None:
         bias.data = bias.data.to(m.params_dtype)
 
 
-def _startup_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the model directory's safetensors files, one at a time."""
+def _startup_weights(model_dir: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the model directory's safetensors files, one at a time, in the dtype the
+    engine serves."""
     for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is no dict)
-                yield name, f.get_tensor(name)
+                yield name, f.get_tensor(name).to(dtype)

@@ -9,10 +9,18 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from policies.board import Board
 from tests.support.boards import adam_like_step, tiny_board
-from tests.support.lane import generate, policy, standalone, wait_metric, wait_version
+from tests.support.lane import (
+    generate,
+    metric,
+    policy,
+    standalone,
+    wait_metric,
+    wait_version,
+)
 from tests.support.vllm_transfer import FakeTransferVLLM, transfer_vllm
 
 pytestmark = pytest.mark.anyio
@@ -46,7 +54,12 @@ async def test_versions_are_patched_in_place_through_the_weight_transfer_routes(
         ) as url,
     ):
         await wait_version(url, 0)
-        assert fake.paths()[:3] == ["/v1/models", "/init_weight_transfer_engine", "/get_world_size"]
+        assert fake.paths()[:4] == [
+            "/v1/models",
+            "/inference/v1/generate",  # is the token route there?
+            "/init_weight_transfer_engine",
+            "/get_world_size",
+        ]
         for v in (1, 2, 3):
             _publish_step(board, v)
             await wait_version(url, v)
@@ -78,14 +91,16 @@ async def test_an_update_that_fails_midway_is_undone_before_generation_resumes(
         await wait_version(url, 0)
         _publish_step(board, 1)
         await wait_version(url, 1)
-        fake.fail_midway = 1
+        fake.fail_after = 1
         _publish_step(board, 2)
         await wait_metric(url, "sprawl_version_failures_total", 1)
-        # the inverse patch put version 1 back, under its own weight_version, before /resume
+        # every worker took the update back, under version 1's weight_version, before /resume
         assert _same(fake.weights, board.load(1)[1])
         assert fake.weight_version == "1"
         finished = [b["weight_version"] for p, b, _ in fake.calls if p == "/finish_weight_update"]
-        assert finished == ["0", "1", "1"]  # 0 came whole; the inverse went in as 1 again
+        assert finished == ["0", "1", "1"]  # 0 came whole; the undo went in as 1 again
+        undo = [b["update_info"] for p, b, _ in fake.calls if p == "/update_weights"][-1]
+        assert undo == {"undo": 2}
         last = fake.paths()[fake.paths().index("/pause", len(fake.paths()) - 9) :]
         assert last[:8] == [*ROUTES[:3], *ROUTES[1:], "/resume"]  # undone inside the pause
         await wait_version(url, 2, timeout_s=30)  # retried, and then it holds
@@ -115,3 +130,63 @@ async def test_an_engine_that_restarted_gets_the_live_version_back_whole(
         assert fake.weight_version == "1"
         assert _same(fake.weights, board.load(1)[1])
         assert (await policy(url))["applied_version"] == 1
+
+
+@pytest.mark.parametrize("kv", ["recompute", "keep"])
+async def test_the_running_requests_kv_is_recomputed_unless_kept(
+    board: Board, tmp_path: Path, kv: str
+) -> None:
+    fake = FakeTransferVLLM(board.load(0)[1])
+    with capture_logs() as logs:
+        async with (
+            transfer_vllm(fake) as engine,
+            standalone(
+                board,
+                "vllm",
+                engine,
+                model="m",
+                activation="pause",
+                materialize_dir=tmp_path / "i",
+                kv_on_update=kv,
+            ) as url,
+        ):
+            await wait_version(url, 0)
+            _publish_step(board, 1)
+            await wait_version(url, 1)
+    resets = [u for u in fake.urls if u.startswith("/reset_prefix_cache")]
+    want = "/reset_prefix_cache" + ("?reset_running_requests=true" if kv == "recompute" else "")
+    assert resets == [want, want]
+    kept = [e["version"] for e in logs if e["event"] == "vllm.kv_kept"]
+    assert kept == ([] if kv == "recompute" else [0, 1])
+
+
+async def test_generation_goes_through_the_token_route_and_its_stamps_are_cross_checked(
+    board: Board, tmp_path: Path
+) -> None:
+    fake = FakeTransferVLLM(board.load(0)[1])
+    async with (
+        transfer_vllm(fake) as engine,
+        standalone(board, "vllm", engine, model="m", materialize_dir=tmp_path / "i") as url,
+    ):
+        await wait_version(url, 0)
+        body = {"prompt_token_ids": [3, 4], "max_tokens": 2, "temperature": 0.7, "seed": 5}
+        status, answer = await generate(url, body)
+        assert status == 200
+        assert answer["choices"][0]["token_ids"] == [11, 12]
+        assert await metric(url, "sprawl_version_stamp_mismatch_total") == 0
+        fake.label = "7"  # the engine says another version sampled it
+        status, answer = await generate(url, body)
+        assert status == 200
+        assert answer["policy_version"] == {"start": 0, "end": 0}  # the sidecar's stamps stand
+        assert await metric(url, "sprawl_version_stamp_mismatch_total") == 1
+    sent = [b for p, b, _ in fake.calls if p == "/inference/v1/generate" and b][-1]
+    assert sent["token_ids"] == [3, 4]
+    assert sent["output_mode"] == "tokens"
+    params = sent["sampling_params"]
+    assert (params["temperature"], params["seed"], params["top_k"], params["min_p"]) == (
+        0.7,
+        5,
+        -1,
+        0.0,
+    )
+    assert "/v1/completions" not in fake.paths()

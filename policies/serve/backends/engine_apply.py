@@ -1,0 +1,108 @@
+"""An engine's weights seen in checkpoint coordinates: engine patches applied in place, all or
+nothing, in work proportional to the patch.
+
+:class:`EngineWeights` holds what the engine side of an island needs
+(:mod:`policies.serve.backends.vllm_transfer` builds it in each vLLM worker): the
+:class:`~policies.serve.backends.param_map.ParamMap` of where checkpoint elements live in the
+engine's parameters, and, for the few tensors the map could not place, a copy of each in
+checkpoint form that the engine's own loader (``load_sparse``) is fed from.
+
+:meth:`EngineWeights.apply` first works out every write without changing anything: each tensor's
+positions located in the parameters, the old values read there, a ``delta`` tensor's changes
+added to them once the old values' sum matched the sidecar's ``old_sum`` (where this engine holds
+every position of the tensor: a tensor-parallel rank holding a slice cannot check the whole
+sum), and only then writes them. A write that fails midway is undone from the old values before
+it raises; the last update's old values are kept, so :meth:`EngineWeights.undo` can put the
+version before it back when another worker of the same engine failed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from policies.serve.backends.engine_patch import EngineTensor, apply_deltas, unit_sum
+from policies.serve.backends.param_map import ParamMap
+
+SparseLoad = Callable[[list[tuple[str, tuple[int, ...], torch.Tensor, torch.Tensor]]], None]
+"""The engine's own loader for ``(name, shape, positions, values)`` in checkpoint coordinates."""
+
+
+@dataclass(frozen=True)
+class _Write:
+    """Values for flat ``where`` of a parameter (``param``) or of an unmapped tensor's copy."""
+
+    param: str | None
+    name: str
+    where: torch.Tensor
+    old: torch.Tensor
+    new: torch.Tensor
+
+
+@dataclass
+class EngineWeights:
+    """See the module docstring."""
+
+    map: ParamMap
+    copies: dict[str, torch.Tensor]
+    """Unmapped tensors in checkpoint form (flat), as the engine holds them."""
+    load_sparse: SparseLoad
+    last: tuple[int, list[_Write]] | None = field(default=None)
+
+    def _plan(self, t: EngineTensor) -> list[_Write]:
+        positions = t.positions if t.positions is not None else torch.arange(t.values.numel())
+        places: list[tuple[str | None, torch.Tensor, torch.Tensor]]
+        if t.name in self.copies:
+            places = [(None, torch.ones_like(positions, dtype=torch.bool), positions)]
+        else:
+            places = list(self.map.locate(t.name, positions))
+        olds = [
+            (self.copies[t.name] if p is None else self.map.params[p])[where]
+            for p, _, where in places
+        ]
+        if t.coding == "delta":
+            held = sum(int(inside.sum()) for _, inside, _ in places)
+            if held == positions.numel() and t.old_sum is not None:
+                got = sum(unit_sum(o) for o in olds) % (1 << 64)
+                if got != t.old_sum:
+                    raise ValueError(
+                        f"{t.name}: the engine's values are not the ones the patch starts from "
+                        f"(old values sum {got}, the patch's {t.old_sum})"
+                    )
+        writes = []
+        for (param, inside, where), old in zip(places, olds, strict=True):
+            changes = t.values[inside]
+            new = apply_deltas(old, changes) if t.coding == "delta" else changes.to(old.dtype)
+            writes.append(_Write(param, t.name, where, old, new))
+        return writes
+
+    def _write(self, writes: list[_Write], values: Callable[[_Write], torch.Tensor]) -> None:
+        unmapped = []
+        for w in writes:
+            if w.param is None:
+                self.copies[w.name][w.where] = values(w)
+                unmapped.append((w.name, self.map.shapes[w.name], w.where, values(w)))
+            else:
+                self.map.params[w.param][w.where] = values(w)
+        if unmapped:
+            self.load_sparse(unmapped)
+
+    def apply(self, version: int, tensors: list[EngineTensor]) -> None:
+        """Write ``tensors`` (an engine patch to ``version``) in place, all or nothing."""
+        writes = [w for t in tensors for w in self._plan(t)]
+        try:
+            self._write(writes, lambda w: w.new)
+        except BaseException:
+            self._write(writes[::-1], lambda w: w.old)
+            raise
+        self.last = (version, writes)
+
+    def undo(self, version: int) -> bool:
+        """Put back what the update to ``version`` overwrote, if it was the last one here."""
+        if self.last is None or self.last[0] != version:
+            return False
+        self._write(self.last[1][::-1], lambda w: w.old)
+        self.last = None
+        return True
