@@ -37,6 +37,7 @@ class FakeTransferVLLM:
     updating: bool = False
     calls: list[tuple[str, Any, float]] = field(default_factory=list)
     urls: list[str] = field(default_factory=list)
+    prepared: list[str] = field(default_factory=list)
     """Every request's path with its query string."""
     finished: anyio.Event = field(default_factory=anyio.Event)
     """Set (and replaced) whenever an update finishes."""
@@ -65,6 +66,9 @@ class FakeTransferVLLM:
     def _update(self, info: dict[str, Any]) -> None:
         if info.get("undo") is not None:
             self.engine.undo(int(info["undo"]))
+            return
+        if info.get("prepare"):  # the worker reads ahead on a thread; the update reads again
+            self.prepared.append(info["path"])
             return
         expected = {
             k: (str(v.dtype).removeprefix("torch."), list(v.shape)) for k, v in self.startup.items()
@@ -102,7 +106,9 @@ class FakeTransferVLLM:
         elif path == "/finish_weight_update":
             if not self.updating:
                 return _error("finish_weight_update without start_weight_update")
-            self.updating, self.weight_version = False, str(body["weight_version"])
+            self.updating = False
+            if body.get("weight_version") is not None:  # as vLLM: None keeps the label
+                self.weight_version = str(body["weight_version"])
             self.finished.set()
             self.finished = anyio.Event()
         elif path == "/v1/completions":

@@ -11,9 +11,11 @@ checkpoint form that the engine's own loader (``load_sparse``) is fed from.
 positions located in the parameters, the old values read there, a ``delta`` tensor's changes
 added to them once the old values' sum matched the sidecar's ``old_sum`` (where this engine holds
 every position of the tensor: a tensor-parallel rank holding a slice cannot check the whole
-sum), and only then writes them. A write that fails midway is undone from the old values before
-it raises; the last update's old values are kept, so :meth:`EngineWeights.undo` can put the
-version before it back when another worker of the same engine failed.
+sum), and only then writes them; :meth:`EngineWeights.plan` is that first half alone (it only
+reads the weights, so it can run while the engine serves) and :meth:`EngineWeights.commit` the
+second. A write that fails midway is undone from the old values before it raises; the last
+update's old values are kept, so :meth:`EngineWeights.undo` can put the version before it back
+when another worker of the same engine failed.
 """
 
 from __future__ import annotations
@@ -41,6 +43,16 @@ class _Write:
     new: torch.Tensor
 
 
+@dataclass(frozen=True)
+class Plan:
+    """The writes an engine patch makes, worked out against the weights as they were at
+    ``generation`` (:meth:`EngineWeights.plan`)."""
+
+    version: int
+    generation: int
+    writes: list[_Write]
+
+
 @dataclass
 class EngineWeights:
     """See the module docstring."""
@@ -50,20 +62,22 @@ class EngineWeights:
     """Unmapped tensors in checkpoint form (flat), as the engine holds them."""
     load_sparse: SparseLoad
     last: tuple[int, list[_Write]] | None = field(default=None)
+    generation: int = 0
+    """Counts the writes made: a plan made at another generation is stale."""
 
     def _plan(self, t: EngineTensor) -> list[_Write]:
         positions = t.positions if t.positions is not None else torch.arange(t.values.numel())
-        places: list[tuple[str | None, torch.Tensor, torch.Tensor]]
+        places: list[tuple[str | None, slice | torch.Tensor, torch.Tensor]]
         if t.name in self.copies:
-            places = [(None, torch.ones_like(positions, dtype=torch.bool), positions)]
+            places = [(None, slice(None), positions)]
         else:
             places = list(self.map.locate(t.name, positions))
         olds = [
-            (self.copies[t.name] if p is None else self.map.params[p])[where]
+            (self.copies[t.name] if p is None else self.map.params[p]).index_select(0, where)
             for p, _, where in places
         ]
         if t.coding == "delta":
-            held = sum(int(inside.sum()) for _, inside, _ in places)
+            held = sum(where.numel() for _, _, where in places)
             if held == positions.numel() and t.old_sum is not None:
                 got = sum(unit_sum(o) for o in olds) % (1 << 64)
                 if got != t.old_sum:
@@ -72,8 +86,8 @@ class EngineWeights:
                         f"(old values sum {got}, the patch's {t.old_sum})"
                     )
         writes = []
-        for (param, inside, where), old in zip(places, olds, strict=True):
-            changes = t.values[inside]
+        for (param, held_here, where), old in zip(places, olds, strict=True):
+            changes = t.values[held_here]
             new = apply_deltas(old, changes) if t.coding == "delta" else changes.to(old.dtype)
             writes.append(_Write(param, t.name, where, old, new))
         return writes
@@ -82,27 +96,39 @@ class EngineWeights:
         unmapped = []
         for w in writes:
             if w.param is None:
-                self.copies[w.name][w.where] = values(w)
+                self.copies[w.name].index_copy_(0, w.where, values(w))
                 unmapped.append((w.name, self.map.shapes[w.name], w.where, values(w)))
             else:
-                self.map.params[w.param][w.where] = values(w)
+                self.map.params[w.param].index_copy_(0, w.where, values(w))
         if unmapped:
             self.load_sparse(unmapped)
 
+    def plan(self, version: int, tensors: list[EngineTensor]) -> Plan:
+        """Work out the writes of ``tensors`` (an engine patch to ``version``), changing nothing:
+        this only reads the weights, so it may run while the engine serves."""
+        return Plan(version, self.generation, [w for t in tensors for w in self._plan(t)])
+
+    def commit(self, plan: Plan) -> None:
+        """Make ``plan``'s writes, all or nothing; a plan made before other writes is refused."""
+        if plan.generation != self.generation:
+            raise ValueError(f"the plan for version {plan.version} predates other writes")
+        self.generation += 1
+        try:
+            self._write(plan.writes, lambda w: w.new)
+        except BaseException:
+            self._write(plan.writes[::-1], lambda w: w.old)
+            raise
+        self.last = (plan.version, plan.writes)
+
     def apply(self, version: int, tensors: list[EngineTensor]) -> None:
         """Write ``tensors`` (an engine patch to ``version``) in place, all or nothing."""
-        writes = [w for t in tensors for w in self._plan(t)]
-        try:
-            self._write(writes, lambda w: w.new)
-        except BaseException:
-            self._write(writes[::-1], lambda w: w.old)
-            raise
-        self.last = (version, writes)
+        self.commit(self.plan(version, tensors))
 
     def undo(self, version: int) -> bool:
         """Put back what the update to ``version`` overwrote, if it was the last one here."""
         if self.last is None or self.last[0] != version:
             return False
+        self.generation += 1
         self._write(self.last[1][::-1], lambda w: w.old)
         self.last = None
         return True

@@ -14,13 +14,13 @@ version the engine serves, their old and their new values (:mod:`policies.codec.
 - ``raw``: the positions and the new values (a tensor whose old values the sidecar does not have);
 - ``dense``: the whole tensor (an anchor replaced it, or the engine restarted).
 
-Layout: a safetensors file. ``NAME@gaps`` (uint8: the zstd-compressed little-endian uint32 gaps
-between sorted positions, the first from −1) and ``NAME@values`` (uint8: the values or changes as
-byte planes, low byte first, zstd-compressed) for ``delta`` and ``raw``; ``NAME`` itself (its
-shape and dtype) for ``dense``. Metadata: ``format`` (:data:`FORMAT`), ``version``, and
-``tensors``: a JSON object of each sparse tensor's ``coding``, ``dtype`` and ``old_sum``. The
-file's xxh3-128 digest (:func:`file_digest`) travels beside its path; the reader refuses any other
-bytes.
+Layout: a safetensors file. For ``delta`` and ``raw``, ``NAME@gaps`` (uint8: the gaps between
+sorted positions, the first from −1, as little-endian uint32) and ``NAME@values`` (uint8: the
+values or changes), each split into byte planes, low byte first, and zstd-compressed (the high
+planes are nearly all zero); for ``dense``, ``NAME`` itself (its shape and dtype). Metadata:
+``format`` (:data:`FORMAT`), ``version``, and ``tensors``: a JSON object of each sparse
+tensor's ``coding``, ``dtype`` and ``old_sum``. The file's xxh3-128 digest (:func:`file_digest`)
+travels beside its path; the reader refuses any other bytes.
 
 Guarantees of :func:`read`: the digest is checked first; every name is one of the checkpoint's
 (``expected``: name → dtype and shape), in its dtype; positions are strictly increasing and inside
@@ -108,14 +108,12 @@ def _gaps(positions: torch.Tensor) -> torch.Tensor:
     gaps = np.diff(positions.numpy().astype(np.int64), prepend=-1) - 1
     if gaps.size and int(gaps.max()) >= 1 << 32:
         raise ValueError("a gap between two positions does not fit 32 bits")
-    return _zstd(gaps.astype("<u4").tobytes())
+    return _planes(torch.from_numpy(gaps.astype("<u4").view(np.uint8)), 4)
 
 
 def _positions(blob: torch.Tensor, name: str) -> torch.Tensor:
-    raw = _unzstd(blob, name + GAPS)
-    if len(raw) % 4:
-        raise ValueError(f"{name}: {len(raw)} bytes of positions is not whole uint32 gaps")
-    g = np.frombuffer(raw, dtype="<u4").astype(np.int64) + 1
+    raw = _unplane(blob, 4, name + GAPS)
+    g = raw.numpy().view("<u4").astype(np.int64) + 1
     return torch.from_numpy(np.cumsum(g) - 1)
 
 
@@ -126,7 +124,7 @@ def _planes(raw: torch.Tensor, width: int) -> torch.Tensor:
 
 def _unplane(blob: torch.Tensor, width: int, name: str) -> torch.Tensor:
     """Byte planes back to values' bytes (uint8, ``width`` per value)."""
-    raw = _unzstd(blob, name + VALUES)
+    raw = _unzstd(blob, name)
     if len(raw) % width:
         raise ValueError(f"{name}: {len(raw)} bytes of values is not whole {width}-byte values")
     if not raw:
@@ -217,7 +215,7 @@ def _sparse(
     torch_dtype = getattr(torch, dtype)
     width = torch.empty((), dtype=torch_dtype).element_size()
     positions = _positions(tensors[name + GAPS], name)
-    raw = _unplane(tensors[name + VALUES], width, name)
+    raw = _unplane(tensors[name + VALUES], width, name + VALUES)
     values = raw.view(torch_dtype)
     numel = int(np.prod(shape))
     if positions.numel() * width != raw.numel():

@@ -5,14 +5,15 @@ The default way a vLLM island takes versions (``orchestrate sidecar --engine-kin
 "sprawl"}'``, :mod:`policies.serve.backends.vllm_transfer`). Generation is
 :class:`~policies.serve.backends.vllm.VLLMBackend`'s.
 
-**stage** advances the island's shadow with the board's patches while the engine serves,
-recording where they wrote (:func:`policies.codec.written.recording`: positions and old values,
-no pass over the model), and writes the **engine patch** of everything written since the version
-the engine serves (:mod:`policies.serve.backends.engine_patch`: flat positions and new values per
-tensor, about the patch's size; a tensor an anchor replaced travels whole) as one island-local
-file under ``work_dir``. **apply** then drives vLLM's routes: ``/pause?mode=keep`` (mode
-``"pause"``; mode ``"wait"`` drained first) → ``/start_weight_update`` → ``/update_weights`` →
-``/finish_weight_update`` with ``weight_version`` = the sprawl version → prefix cache reset →
+**stage** advances the island's shadow with the board's patches while the engine serves, recording
+where they wrote (:func:`policies.codec.written.recording`: positions and old values, no pass over
+the model), and writes the **engine patch** of everything written since the version the engine
+serves (:mod:`policies.serve.backends.engine_patch`: flat positions and changes per tensor, about
+the patch's size; a tensor an anchor replaced travels whole) as one island-local file under
+``work_dir``, which every worker reads and plans on a thread of its own while the engine serves (an
+update session with ``"prepare": true``). **apply** then drives vLLM's routes: ``/pause?mode=keep``
+(mode ``"pause"``; mode ``"wait"`` drained first) → ``/start_weight_update`` → ``/update_weights``
+→ ``/finish_weight_update`` with ``weight_version`` = the sprawl version → prefix cache reset →
 ``/resume``, and checks ``/weight_info`` says that version. No full-view file is written or read
 per version.
 
@@ -122,6 +123,9 @@ class VLLMInplaceBackend(VLLMBackend):
         path = self.work_dir / f"v{version:08d}.enginepatch"
         await anyio.to_thread.run_sync(write, path, data)
         self.prepared = _Prepared(version, path, file_digest(data), len(data))
+        # every worker reads and plans it while serving, so the pause holds only the writes
+        info = {"path": str(path), "digest": self.prepared.digest, "prepare": True}
+        await self._send(info, None)
 
     def _advance(self, board: Board, version: int) -> Written:
         with recording() as written:
@@ -132,10 +136,12 @@ class VLLMInplaceBackend(VLLMBackend):
                 raise
         return written
 
-    async def _send(self, update_info: dict[str, Any], weight_version: str) -> None:
+    async def _send(self, update_info: dict[str, Any], weight_version: str | None) -> None:
+        """One weight-update session; ``weight_version`` None leaves vLLM's label as it is."""
         await self.call("/start_weight_update", {})
         await self.call("/update_weights", {"update_info": update_info})
-        await self.call("/finish_weight_update", {"weight_version": weight_version})
+        label = {} if weight_version is None else {"weight_version": weight_version}
+        await self.call("/finish_weight_update", label)
 
     async def apply(self, version: int, mode: QuiesceMode) -> None:
         staged, _ = self.shadow.take(version)

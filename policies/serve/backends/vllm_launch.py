@@ -110,6 +110,7 @@ def vllm_command(
         "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
         "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
         "--enforce-eager", "--worker-extension-cls", WORKER_EXTENSION,
+        "--enable-scale-out",  # /inference/v1/generate: token ids in and out, version spans
     ]  # fmt: skip
     if lora is not None:
         argv += ["--enable-lora", "--max-loras", str(lora[0]), "--max-lora-rank", str(lora[1])]

@@ -9,6 +9,9 @@ sprawl into the engine's environment and starting vLLM with ``--weight-transfer-
 adds. The sidecar (:mod:`policies.serve.backends.vllm_inplace`) then drives vLLM's routes::
 
     POST /init_weight_transfer_engine {"init_info": {}}            (once, on connect)
+    POST /start_weight_update → /update_weights {"update_info": {"path", "digest",
+        "prepare": true}} → /finish_weight_update {}              (staged: read and planned
+                                                                     on a thread, serving)
     POST /pause?mode=keep → /start_weight_update
     POST /update_weights {"update_info": {"path": …, "digest": …}}
     POST /finish_weight_update {"weight_version": "<sprawl version>"} → /resume
@@ -41,6 +44,7 @@ import glob
 import json
 import os
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +61,7 @@ from vllm.model_executor.model_loader.checkpoint_weight_patch import (
     load_checkpoint_weight_patches,
 )
 
-from policies.serve.backends.engine_apply import EngineWeights
+from policies.serve.backends.engine_apply import EngineWeights, Plan
 from policies.serve.backends.engine_patch import read
 from policies.serve.backends.param_map import learn
 
@@ -88,6 +92,9 @@ class SprawlUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
     path: str | None = None
     digest: str | None = None
     undo: int | None = None
+    prepare: bool = False
+    """Read and plan ``path`` on a thread of the worker's own, the engine serving on, and return
+    at once (the update of the same path and digest then only writes)."""
 
 
 def _checkpoint(model_dir: str, dtype: torch.dtype) -> dict[str, tuple[str, list[int]]]:
@@ -118,6 +125,8 @@ class SprawlWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
         super().__init__(*args, **kwargs)
         self.expected = _checkpoint(self.model_config.model, self.model_config.dtype)
         self.weights: EngineWeights | None = None
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="sprawl-prepare")
+        self.prepared: tuple[str, str, Future[Plan]] | None = None
 
     def init_transfer_engine(self, init_info: SprawlInitInfo) -> None:
         """Make every weight writable in place (on the CPU build: unpack) and learn where each
@@ -185,13 +194,27 @@ class SprawlWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
         if update_info.undo is not None:
             weights.undo(update_info.undo)
             return
-        if update_info.path is None or update_info.digest is None:
+        path, digest = update_info.path, update_info.digest
+        if path is None or digest is None:
             raise ValueError("update_info needs path and digest (or undo)")
-        version, tensors = read(update_info.path, update_info.digest, self.expected)
-        weights.apply(version, tensors)
+        if update_info.prepare:
+            self.prepared = (path, digest, self.reader.submit(self._plan, weights, path, digest))
+            return
+        prepared, self.prepared = self.prepared, None
+        plan = None
+        if prepared is not None and prepared[:2] == (path, digest):
+            plan = prepared[2].result()  # read while serving; waits if still reading
+        if plan is None or plan.generation != weights.generation:
+            plan = self._plan(weights, path, digest)
+        weights.commit(plan)
+
+    def _plan(self, weights: EngineWeights, path: str, digest: str) -> Plan:
+        version, tensors = read(path, digest, self.expected)
+        return weights.plan(version, tensors)
 
     def shutdown(self) -> None:
-        """Nothing held."""
+        """Stop the reader thread."""
+        self.reader.shutdown(wait=False, cancel_futures=True)
 
 
 def _recreate_weight(module: torch.nn.Module) -> None:

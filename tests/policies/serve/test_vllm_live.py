@@ -198,6 +198,9 @@ async def test_trainer_versions_through_the_sidecar_serve_like_a_fresh_engine(
                 assert await _weight_version(engine) == "3"
             live = [(await generate(url, b))[1] for b in [*bodies, sampled]]
             assert all(r["policy_version"] == {"start": 3, "end": 3} for r in live)
+            # through the token route, whose weight_versions spans agreed with the stamps
+            assert "POST /inference/v1/generate" in (tmp_path / "live-1.log").read_text()
+            assert await metric(url, "sprawl_version_stamp_mismatch_total") == 0
             assert [r["choices"][0]["token_ids"] for r in live[:3]] != [
                 r["choices"][0]["token_ids"] for r in greedy_v0
             ]  # the versions really changed what is served
