@@ -106,16 +106,25 @@ class Written:
         if not parts:
             empty = torch.empty(0, dtype=torch.int64)
             return TensorChanges(empty, flat[:0].clone(), flat[:0].clone())
+        if len(parts) == 1 and _increasing(parts[0][0]):  # one section: sorted and unique
+            positions = torch.from_numpy(parts[0][0])
+            return TensorChanges(positions, parts[0][1], flat.index_select(0, positions))
         pos = np.concatenate([p for p, _ in parts])
         old = torch.cat([o for _, o in parts])
         uniq, first = np.unique(pos, return_index=True)  # the first write's old value wins
         positions = torch.from_numpy(uniq)
-        return TensorChanges(positions, old[torch.from_numpy(first)], flat[positions])
+        return TensorChanges(
+            positions, old[torch.from_numpy(first)], flat.index_select(0, positions)
+        )
 
     @property
     def changed(self) -> int:
         """Positions noted (before merging repeats)."""
         return sum(p.size for parts in self.parts.values() for p, _ in parts)
+
+
+def _increasing(positions: I64) -> bool:
+    return bool(positions.size < 2 or (positions[1:] > positions[:-1]).all())
 
 
 @contextmanager

@@ -38,7 +38,7 @@ class _Write:
 
     param: str | None
     name: str
-    where: torch.Tensor
+    where: torch.Tensor | slice
     old: torch.Tensor
     new: torch.Tensor
 
@@ -66,6 +66,13 @@ class EngineWeights:
     """Counts the writes made: a plan made at another generation is stale."""
 
     def _plan(self, t: EngineTensor) -> list[_Write]:
+        runs = self.map.runs(t.name) if t.positions is None and t.name in self.map.boxes else None
+        if runs is not None:  # a whole tensor into runs of its parameters: copies, no indices
+            return [
+                _Write(param, t.name, slice(at, at + end - first), old, t.values[first:end])
+                for param, first, end, at in runs
+                for old in [self.map.params[param][at : at + end - first].clone()]
+            ]
         positions = t.positions if t.positions is not None else torch.arange(t.values.numel())
         places: list[tuple[str | None, slice | torch.Tensor, torch.Tensor]]
         if t.name in self.copies:
@@ -96,8 +103,11 @@ class EngineWeights:
         unmapped = []
         for w in writes:
             if w.param is None:
+                assert isinstance(w.where, torch.Tensor)  # unmapped tensors go by positions
                 self.copies[w.name].index_copy_(0, w.where, values(w))
                 unmapped.append((w.name, self.map.shapes[w.name], w.where, values(w)))
+            elif isinstance(w.where, slice):
+                self.map.params[w.param][w.where].copy_(values(w))
             else:
                 self.map.params[w.param].index_copy_(0, w.where, values(w))
         if unmapped:

@@ -26,7 +26,7 @@ Guarantees of :func:`read`: the digest is checked first; every name is one of th
 (``expected``: name → dtype and shape), in its dtype; positions are strictly increasing and inside
 the tensor, one value each; a dense tensor has the checkpoint's shape. Anything else raises
 ``ValueError`` naming the tensor. :func:`apply_deltas` is the only way changes become values.
-This module imports no engine, so both sides share it.
+This module imports no engine (only the codec's worker pool), so both sides share it.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ import xxhash
 import zstandard
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+
+from policies.codec.workers import workers
 
 FORMAT = "sprawl-engine-patch/1"
 GAPS = "@gaps"
@@ -93,7 +95,7 @@ def apply_deltas(old: torch.Tensor, changes: torch.Tensor) -> torch.Tensor:
 
 
 def _zstd(raw: bytes) -> torch.Tensor:
-    packed = zstandard.ZstdCompressor(level=3).compress(raw)
+    packed = zstandard.ZstdCompressor(level=1).compress(raw)
     return torch.frombuffer(bytearray(packed), dtype=torch.uint8)
 
 
@@ -133,18 +135,24 @@ def _unplane(blob: torch.Tensor, width: int, name: str) -> torch.Tensor:
     return planes.t().reshape(-1)  # 1-D first: a (1, width) view may keep stride 1
 
 
+def _sections(t: EngineTensor) -> dict[str, torch.Tensor]:
+    if t.coding == "dense" or t.positions is None:
+        return {t.name: t.values.contiguous().reshape(t.shape)}
+    width = torch.empty((), dtype=t.values.dtype).element_size()
+    return {t.name + GAPS: _gaps(t.positions), t.name + VALUES: _planes(t.values, width)}
+
+
 def encode(tensors: list[EngineTensor], version: int) -> bytes:
-    """The engine patch of ``tensors`` (for ``version``) as bytes."""
+    """The engine patch of ``tensors`` (for ``version``) as bytes; the tensors are compressed on
+    the codec's threads (:mod:`policies.codec.workers`)."""
     out: dict[str, torch.Tensor] = {}
-    sparse: dict[str, dict[str, Any]] = {}
-    for t in tensors:
-        if t.coding == "dense" or t.positions is None:
-            out[t.name] = t.values.contiguous().reshape(t.shape)
-            continue
-        width = torch.empty((), dtype=t.values.dtype).element_size()
-        out[t.name + GAPS] = _gaps(t.positions)
-        out[t.name + VALUES] = _planes(t.values, width)
-        sparse[t.name] = {"coding": t.coding, "dtype": _dtype_name(t.values), "old_sum": t.old_sum}
+    for sections in workers("apply").map(_sections, tensors):
+        out.update(sections)
+    sparse = {
+        t.name: {"coding": t.coding, "dtype": _dtype_name(t.values), "old_sum": t.old_sum}
+        for t in tensors
+        if t.coding != "dense" and t.positions is not None
+    }
     meta = {"format": FORMAT, "version": str(version), "tensors": json.dumps(sparse)}
     return bytes(st_save(out, metadata=meta))
 

@@ -47,6 +47,20 @@ class ParamMap:
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     unmapped: set[str] = field(default_factory=set)
 
+    def runs(self, name: str) -> list[tuple[str, int, int, int]] | None:
+        """``(parameter, first, end, offset)`` per box when every box of ``name`` is a run of whole
+        rows held contiguously: checkpoint elements ``first … end-1`` are the parameter's
+        ``offset …``; else None."""
+        shape = self.shapes[name]
+        strides = _contiguous(shape)
+        out = []
+        for box in self.boxes[name]:
+            if box.shape[1:] != shape[1:] or box.strides != _contiguous(box.shape):
+                return None
+            first = sum(s * st for s, st in zip(box.start, strides, strict=True))
+            out.append((box.param, first, first + _numel(box.shape), box.offset))
+        return out
+
     def locate(
         self, name: str, positions: torch.Tensor
     ) -> list[tuple[str, slice | torch.Tensor, torch.Tensor]]:

@@ -114,18 +114,31 @@ class VLLMInplaceBackend(VLLMBackend):
 
     async def stage(self, board: Board, version: int) -> None:
         self.board = board  # the live view is rebuilt from it for an engine that restarted
+        t0 = anyio.current_time()
         written = await anyio.to_thread.run_sync(self._advance, board, version)
         if self.pending is not None:
             self.pending.merge(written)
         _, view = self.shadow.take(version)
-        patch = engine_tensors(self.pending, view)
-        data = await anyio.to_thread.run_sync(encode, patch, version)
+        t1 = anyio.current_time()
         path = self.work_dir / f"v{version:08d}.enginepatch"
-        await anyio.to_thread.run_sync(write, path, data)
+        data = await anyio.to_thread.run_sync(self._write_patch, view, version, path)
         self.prepared = _Prepared(version, path, file_digest(data), len(data))
+        t2 = anyio.current_time()
         # every worker reads and plans it while serving, so the pause holds only the writes
         info = {"path": str(path), "digest": self.prepared.digest, "prepare": True}
         await self._send(info, None)
+        log.debug(
+            "vllm.staged",
+            version=version,
+            advance_s=round(t1 - t0, 4),
+            engine_patch_s=round(t2 - t1, 4),
+            prepare_s=round(anyio.current_time() - t2, 4),
+        )
+
+    def _write_patch(self, view: dict[str, torch.Tensor], version: int, path: Path) -> bytes:
+        data = encode(engine_tensors(self.pending, view), version)
+        write(path, data)
+        return data
 
     def _advance(self, board: Board, version: int) -> Written:
         with recording() as written:

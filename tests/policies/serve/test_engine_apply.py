@@ -174,3 +174,18 @@ def test_a_damaged_or_foreign_engine_patch_is_refused_naming_what(
         ValueError, match={"digest": "digest", "name": "nope", "position": "past"}[damage]
     ):
         read(str(path), digest, expected)
+
+
+def test_whole_tensors_are_copied_into_their_runs_and_undone(tmp_path: Path) -> None:
+    model, ckpt, loaded = FusedModel(), _checkpoint(0), []
+    engine = _engine(model, ckpt, loaded)
+    target = _checkpoint(1)
+    tensors = [EngineTensor(n, tuple(t.shape), "dense", t.reshape(-1)) for n, t in target.items()]
+    data = encode(tensors, 1)
+    write(tmp_path / "p", data)
+    _, read_back = read(str(tmp_path / "p"), file_digest(data), _expected(ckpt))
+    engine.apply(1, read_back)
+    assert _same(_held(model), _rank1(target))
+    assert loaded == ["norm"]
+    assert engine.undo(1)
+    assert _same(_held(model), _rank1(ckpt))
