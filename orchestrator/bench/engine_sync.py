@@ -1,19 +1,30 @@
 """``orchestrate bench sync --engine reference|vllm|llamacpp``: a real engine behind its sidecar,
 following versions over a slow link.
 
-One run: sprawl's ``small`` model (bf16 view; built if missing), published as version 0 and served
-by the engine (the reference engine in process, a live vLLM CPU server, or the sidecar's own
-llama-server); the engine's sidecar reads the board through a serial link of ``--link-mbit`` Mbit/s,
-each read a round trip of ``--link-rtt-ms`` away (default 0;
-:class:`~orchestrator.bench.sync.ThrottledBoard`). Then ``--versions`` versions are published, each
-moving ``--density`` of the bf16 values by ±1 ulp (an Adam step), and for each: ``sync_s`` (from the
-start of ``Board.publish`` to the sidecar serving it), ``board_bytes_read`` (what crossed the link
-to stage it) and ``patch_bytes``. Also: ``full_checkpoint_bytes`` (the anchor the engine started
-from), ``pause_ms`` p50 / p99 (the time generation was held per activation, pause mode), and
-``exact``: greedy token ids and log probs of the live engine after the last version equal those of a
-fresh engine started on that version.
+One run: sprawl's ``--model-size`` model (``small`` by default, ``medium`` ~100 M and ``large``
+~0.5 B parameters; bf16 view; built under ``runs/models/`` if missing), published as version 0
+and served by the engine (the reference engine in process, a live vLLM CPU server, or the
+sidecar's own llama-server); the engine's sidecar reads the board through a serial link of
+``--link-mbit`` Mbit/s, each read a round trip of ``--link-rtt-ms`` away (default 0;
+:class:`~orchestrator.bench.sync.ThrottledBoard`). Then ``--versions`` versions are published,
+each moving ``--density`` of the bf16 values by ±1 ulp (an Adam step). Per version: ``sync_s``
+(from the start of ``Board.publish`` to the sidecar serving it), ``board_bytes_read`` (what
+crossed the link to stage it), ``patch_bytes``, ``pause_ms`` (how long generation was held),
+``island_bytes`` (vLLM: bytes written plus read on the island's disk to hand the engine that
+version) and ``engine_weight_version`` (vLLM's ``/weight_info``). Per run: their p50s,
+``limit_ratio`` (the full checkpoint's link time ÷ ``sync_s`` p50, over full ÷ patch bytes: the
+share of what the bytes allow), ``decode_tokens_per_s`` (8 sampled requests of 64 tokens at
+once after the last version) and ``exact`` (greedy token ids and log probs of the live engine
+after the last version equal those of a fresh engine started on that version, taking versions
+the same way).
 
-Targets (issue #14): board bytes per version ≤ 2 × the patch; vLLM pause p50 ≤ 100 ms; exact.
+``--engine vllm`` runs both ways a version reaches vLLM in the same invocation, one engine each:
+``inplace`` (the engine patch through vLLM's weight-transfer API) and ``reload`` (the whole view
+as a file, reloaded: the baseline); the JSON holds one object per way and their ratios.
+
+Targets: board bytes per version ≤ 2 × the patch (issue #14); vLLM in place (issue #46):
+``island_bytes`` ≤ 3 × ``patch_bytes``, at ``medium`` the pause p50 ≤ 0.5 × the reload's and
+``limit_ratio`` ≥ 0.3; exact everywhere.
 """
 
 from __future__ import annotations
