@@ -4,7 +4,10 @@ all-or-nothing when the engine fails midway or restarts."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -38,6 +41,24 @@ def _same(weights: dict[str, torch.Tensor], view: dict[str, torch.Tensor]) -> bo
     )
 
 
+@asynccontextmanager
+async def _serving(
+    board: Board, tmp_path: Path, fake: FakeTransferVLLM, at: int = 0, **kw: Any
+) -> AsyncIterator[str]:
+    """A vLLM sidecar (pause mode unless ``kw`` says) over ``fake``, once it serves version
+    ``at`` (versions after 0 published as Adam-like steps)."""
+    kw.setdefault("activation", "pause")
+    async with (
+        transfer_vllm(fake) as engine,
+        standalone(board, "vllm", engine, model="m", materialize_dir=tmp_path / "i", **kw) as url,
+    ):
+        for version in range(at + 1):
+            if version:
+                _publish_step(board, version)
+            await wait_version(url, version)
+        yield url
+
+
 def _publish_step(board: Board, version: int, density: float = 0.02) -> None:
     _, view = board.load(version - 1)
     board.publish(version, adam_like_step(view, version, density), view_name="bfloat16")
@@ -47,13 +68,7 @@ async def test_versions_are_patched_in_place_through_the_weight_transfer_routes(
     board: Board, tmp_path: Path
 ) -> None:
     fake = FakeTransferVLLM(board.load(0)[1])
-    async with (
-        transfer_vllm(fake) as engine,
-        standalone(
-            board, "vllm", engine, model="m", activation="pause", materialize_dir=tmp_path / "i"
-        ) as url,
-    ):
-        await wait_version(url, 0)
+    async with _serving(board, tmp_path, fake) as url:
         assert fake.paths()[:4] == [
             "/v1/models",
             "/inference/v1/generate",  # is the token route there?
@@ -85,15 +100,7 @@ async def test_an_update_that_fails_midway_is_undone_before_generation_resumes(
     board: Board, tmp_path: Path
 ) -> None:
     fake = FakeTransferVLLM(board.load(0)[1])
-    async with (
-        transfer_vllm(fake) as engine,
-        standalone(
-            board, "vllm", engine, model="m", activation="pause", materialize_dir=tmp_path / "i"
-        ) as url,
-    ):
-        await wait_version(url, 0)
-        _publish_step(board, 1)
-        await wait_version(url, 1)
+    async with _serving(board, tmp_path, fake, at=1) as url:
         fake.fail_after = 1
         _publish_step(board, 2)
         await wait_metric(url, "sprawl_version_failures_total", 1)
@@ -118,15 +125,7 @@ async def test_an_engine_that_restarted_gets_the_live_version_back_whole(
     board: Board, tmp_path: Path
 ) -> None:
     fake = FakeTransferVLLM(board.load(0)[1])
-    async with (
-        transfer_vllm(fake) as engine,
-        standalone(
-            board, "vllm", engine, model="m", activation="pause", materialize_dir=tmp_path / "i"
-        ) as url,
-    ):
-        await wait_version(url, 0)
-        _publish_step(board, 1)
-        await wait_version(url, 1)
+    async with _serving(board, tmp_path, fake, at=1) as url:
         fake.restart()  # its startup weights, weight_version "default"
         with anyio.fail_after(10):  # the sidecar asks /weight_info at least once a second
             while fake.weight_version != "1":
@@ -145,19 +144,7 @@ async def test_the_running_requests_kv_is_recomputed_unless_kept(
 ) -> None:
     fake = FakeTransferVLLM(board.load(0)[1])
     with capture_logs() as logs:
-        async with (
-            transfer_vllm(fake) as engine,
-            standalone(
-                board,
-                "vllm",
-                engine,
-                model="m",
-                activation="pause",
-                materialize_dir=tmp_path / "i",
-                kv_on_update=kv,
-            ) as url,
-        ):
-            await wait_version(url, 0)
+        async with _serving(board, tmp_path, fake, kv_on_update=kv) as url:
             _publish_step(board, 1)
             await wait_version(url, 1)
     resets = [u for u in fake.urls if u.startswith("/reset_prefix_cache")]
@@ -171,11 +158,7 @@ async def test_generation_goes_through_the_token_route_and_its_stamps_are_cross_
     board: Board, tmp_path: Path
 ) -> None:
     fake = FakeTransferVLLM(board.load(0)[1])
-    async with (
-        transfer_vllm(fake) as engine,
-        standalone(board, "vllm", engine, model="m", materialize_dir=tmp_path / "i") as url,
-    ):
-        await wait_version(url, 0)
+    async with _serving(board, tmp_path, fake, activation="wait") as url:
         body = {"prompt_token_ids": [3, 4], "max_tokens": 2, "temperature": 0.7, "seed": 5}
         status, answer = await generate(url, body)
         assert status == 200
