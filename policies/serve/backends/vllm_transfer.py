@@ -16,26 +16,33 @@ adds. The sidecar (:mod:`policies.serve.backends.vllm_inplace`) then drives vLLM
     POST /update_weights {"update_info": {"path": …, "digest": …}}
     POST /finish_weight_update {"weight_version": "<sprawl version>"} → /resume
 
-``path`` is an engine patch (:mod:`policies.serve.backends.engine_patch`: flat checkpoint
-positions and new values per tensor, about the patch's size) that the sidecar wrote on the
-island. :meth:`SprawlWeightTransferEngine.receive_weights` checks it against the checkpoint the
-engine started from (names, dtypes, shapes, positions; the file's digest) before any weight
-changes, then writes it through vLLM's sparse checkpoint-coordinate loader
-(``load_checkpoint_weight_patches``: the model's own ``load_weights`` maps names onto fused
-parameters and slices them for tensor parallelism, so each rank takes only its part).
+``path`` is an engine patch (:mod:`policies.serve.backends.engine_patch`: per tensor the
+checkpoint positions written since the version the engine serves and each value's change, about
+the patch's size) that the sidecar wrote on the island.
+
+:meth:`~SprawlWeightTransferEngine.init_transfer_engine` learns, once per worker, where every
+checkpoint element lives in the worker's parameters: it loads the checkpoint the engine started
+from through the model's own ``load_weights`` and watches its final ``Tensor.copy_`` calls
+(:mod:`policies.serve.backends.param_map`), so fused parameters, tensor-parallel slices (each
+rank learns its own part) and tied heads are vLLM's business. An update then checks the file
+(digest, names, dtypes, positions), reads the old values at those positions from the
+parameters, checks their sum, adds the changes and writes them, all or nothing
+(:mod:`policies.serve.backends.engine_apply`); a tensor the map could not place goes through
+vLLM's own ``load_checkpoint_weight_patches`` from a copy the worker keeps.
 
 **vLLM's CPU build prepacks linear weights** at start-up (``dispatch_cpu_unquantized_gemm``
 empties ``layer.weight`` and keeps a packed copy only its GEMM kernels read), so there is nothing
 for a patch to write. :meth:`~SprawlWeightTransferEngine.init_transfer_engine` therefore gives
-each such layer its weight back (the layer's own ``create_weights``, filled from the checkpoint
-the engine started from by the model's own loader) and serves it unpacked
-(``torch.nn.functional.linear``). Decoding is then slower than on the packed kernels (``orchestrate
-bench sync --engine vllm`` reports both), but a version costs only its patch; a GPU build serves
-the parameters patches write as they are, and this step does nothing there.
+each such layer its weight back (the layer's own ``create_weights``, filled by that same load)
+and serves it unpacked (``torch.nn.functional.linear``). Decoding is then slower than on the
+packed kernels (``orchestrate bench sync --engine vllm`` reports both), but a version costs only
+its patch; a GPU build serves the parameters patches write as they are, and this step does
+nothing there.
 
-Not covered: quantized served views; a failed write is not undone here (the sidecar applies the
-inverse patch it holds, which is idempotent); vLLM releases whose linear layers differ from
-0.32's ``LinearBase`` (the CPU unpacking uses its attributes).
+Not covered: quantized served views; the map is learnt while the engine holds its startup
+checkpoint (``/init_weight_transfer_engine`` before any update, as the sidecar does); vLLM
+releases whose linear layers differ from 0.32's ``LinearBase`` (the CPU unpacking uses its
+attributes).
 """
 
 from __future__ import annotations
