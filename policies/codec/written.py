@@ -2,8 +2,9 @@
 
 An island that advances its shadow with patches (:mod:`policies.serve.backends.shadow`) hands its
 engine only what changed since the version the engine serves: an **engine patch** of flat
-positions, new values and old values per tensor (the old ones undo a failed activation). The
-codec knows those positions as it applies a section; :func:`recording` asks it to note them.
+positions and each value's change against the old one, per tensor
+(:mod:`policies.serve.backends.engine_patch`). The codec knows those positions as it applies a
+section; :func:`recording` asks it to note them.
 
 Inside ``with recording() as written:``, every :func:`~policies.codec.apply_patch` called *in this
 thread* (a context variable: the codec's worker threads report to the caller) adds, per patched
@@ -116,11 +117,6 @@ class Written:
         return TensorChanges(
             positions, old[torch.from_numpy(first)], flat.index_select(0, positions)
         )
-
-    @property
-    def changed(self) -> int:
-        """Positions noted (before merging repeats)."""
-        return sum(p.size for parts in self.parts.values() for p, _ in parts)
 
 
 def _increasing(positions: I64) -> bool:

@@ -11,12 +11,11 @@ version the engine serves, their old and their new values (:mod:`policies.codec.
   as in the board's patch), plus ``old_sum``, the sum of the old values' bits: the engine reads the
   old values from its own weights, checks that sum (it is not serving the version the patch starts
   from otherwise) and adds the changes;
-- ``raw``: the positions and the new values (a tensor whose old values the sidecar does not have);
 - ``dense``: the whole tensor (an anchor replaced it, or the engine restarted).
 
-Layout: a safetensors file. For ``delta`` and ``raw``, ``NAME@gaps`` (uint8: the gaps between
-sorted positions, the first from −1, as little-endian uint32) and ``NAME@values`` (uint8: the
-values or changes), each split into byte planes, low byte first, and zstd-compressed (the high
+Layout: a safetensors file. For ``delta``, ``NAME@gaps`` (uint8: the gaps between sorted
+positions, the first from −1, as little-endian uint32) and ``NAME@values`` (uint8: the
+changes), each split into byte planes, low byte first, and zstd-compressed (the high
 planes are nearly all zero); for ``dense``, ``NAME`` itself (its shape and dtype). Metadata:
 ``format`` (:data:`FORMAT`), ``version``, and ``tensors``: a JSON object of each sparse
 tensor's ``coding``, ``dtype`` and ``old_sum``. The file's xxh3-128 digest (:func:`file_digest`)
@@ -49,14 +48,14 @@ from policies.codec.workers import workers
 FORMAT = "sprawl-engine-patch/1"
 GAPS = "@gaps"
 VALUES = "@values"
-Coding = Literal["delta", "raw", "dense"]
+Coding = Literal["delta", "dense"]
 
 
 @dataclass(frozen=True)
 class EngineTensor:
-    """One tensor of an engine patch. ``values``: the new values (``raw``, ``dense``: then
-    ``positions`` is None), or the zigzagged changes, their bits held in the tensor's dtype
-    (``delta``: :func:`delta`, :func:`apply_deltas`)."""
+    """One tensor of an engine patch. ``values``: the whole tensor, flat (``dense``: then
+    ``positions`` is None), or the zigzagged changes at ``positions``, their bits held in the
+    tensor's dtype (``delta``: :func:`delta`, :func:`apply_deltas`)."""
 
     name: str
     shape: tuple[int, ...]
@@ -216,7 +215,7 @@ def _sparse(
     name: str, info: dict[str, Any], tensors: dict[str, torch.Tensor], dtype: str, shape: list[int]
 ) -> EngineTensor:
     coding = info.get("coding")
-    if coding not in ("delta", "raw") or info.get("dtype") != dtype or name in tensors:
+    if coding != "delta" or info.get("dtype") != dtype or name in tensors:
         raise ValueError(f"{name}: {info}, the checkpoint's dtype is {dtype}")
     if name + GAPS not in tensors or name + VALUES not in tensors:
         raise ValueError(f"{name}: positions or values missing")
@@ -231,6 +230,6 @@ def _sparse(
     if positions.numel() and int(positions[-1]) >= numel:
         raise ValueError(f"{name}: a position past the tensor's {numel} elements")
     old_sum = info.get("old_sum")
-    if coding == "delta" and not isinstance(old_sum, int):
+    if not isinstance(old_sum, int):
         raise ValueError(f"{name}: a delta without old_sum")
-    return EngineTensor(name, tuple(shape), coding, values, positions, old_sum)
+    return EngineTensor(name, tuple(shape), "delta", values, positions, old_sum)

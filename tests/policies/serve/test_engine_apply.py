@@ -164,8 +164,9 @@ def test_a_damaged_or_foreign_engine_patch_is_refused_naming_what(
     ckpt = _checkpoint(0)
     name = "embed" if damage != "name" else "nope"
     pos = torch.tensor([3, 59 if damage != "position" else 60])
-    new = ckpt["embed"].reshape(-1)[pos % 60] * 2
-    data = encode([EngineTensor(name, (10, 6), "raw", new, pos, None)], 1)
+    old = ckpt["embed"].reshape(-1)[pos % 60]
+    changes = delta(old, old * 2)
+    data = encode([EngineTensor(name, (10, 6), "delta", changes, pos, unit_sum(old))], 1)
     path = tmp_path / "p"
     write(path, data)
     digest = file_digest(data) if damage != "digest" else "0" * 32
