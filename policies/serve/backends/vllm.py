@@ -6,7 +6,8 @@ the sidecar's stamps), else ``POST /v1/completions``; token ids in and out, ever
 explicit, log probs of the distribution sampled (``--logprobs-mode processed_logprobs``), an MoE
 model's routing when vLLM returns it (``--enable-return-routed-experts``: a GPU build). The
 context length is the engine's (``GET /v1/models`` → ``max_model_len``), read by
-:meth:`VLLMBackend.connect`, which also learns whether the token route is there.
+:meth:`VLLMBackend.connect`, which also learns whether the token route is there and how many
+workers read each version (``/get_world_size``).
 
 This class takes versions by **reloading the whole view** (``--vllm-update reload``: the fallback
 and the benchmark's baseline); :mod:`policies.serve.backends.vllm_inplace` applies them in place.
@@ -36,6 +37,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
+import aiohttp
 import anyio
 import structlog
 import torch
@@ -126,6 +128,8 @@ class VLLMBackend(HttpBackend):
             )
         self.max_context = int(named[0]["max_model_len"])
         self.tito = await self._has_tito()
+        out = await self.call("/get_world_size?include_dp=false")  # workers that read a version
+        self.workers = int(out["world_size"]) if isinstance(out, dict) else 1
         log.info("vllm.connected", engine=self.url, generate=TITO if self.tito else COMPLETIONS)
 
     async def generate_one(self, req: GenerateRequest, seed: int | None) -> Sample:
@@ -147,8 +151,11 @@ class VLLMBackend(HttpBackend):
     async def _has_tito(self) -> bool:
         """Whether the engine answers ``/inference/v1/generate`` (``--enable-scale-out``): an
         empty request is refused as invalid there, as not found or forbidden elsewhere."""
-        async with self.session.post(f"{self.url}{TITO}", json={}) as r:
-            return r.status in (400, 422)
+        try:
+            async with self.session.post(f"{self.url}{TITO}", json={}) as r:
+                return r.status in (400, 422)
+        except aiohttp.ClientError as exc:
+            raise EngineUnavailable(f"vllm {TITO} unreachable: {exc}") from exc
 
     async def recover(self) -> None:
         """Ask the workers what they serve; an engine that restarted (on its startup checkpoint)

@@ -100,12 +100,9 @@ class VLLMInplaceBackend(VLLMBackend):
         self.board: Board | None = None
 
     async def connect(self) -> None:
-        """As :class:`VLLMBackend`, then make the engine's weights writable in place and learn
-        how many workers read each engine patch (``/get_world_size``)."""
+        """As :class:`VLLMBackend`, then make the engine's weights writable in place."""
         await super().connect()
         await self.call("/init_weight_transfer_engine", {"init_info": {}})
-        out = await self.call("/get_world_size?include_dp=false")
-        self.workers = int(out["world_size"]) if isinstance(out, dict) else 1
 
     async def _engine_version(self) -> str | None:
         out = await self.call("/weight_info")
@@ -196,12 +193,11 @@ class VLLMInplaceBackend(VLLMBackend):
     async def _undo(self, prepared: _Prepared, exc: EngineError) -> None:
         """Put back the version served before ``prepared`` failed (module docstring): a worker
         that failed undid its own writes; one that succeeded takes its update back."""
-        live = self.shadow.live
-        if live is None:
-            self.broken = f"vllm failed its first update and serves no version: {exc}"[:500]
-            raise EngineUnavailable(self.broken) from exc
+        live = self.shadow.live  # None: its startup weights, whose label stays as it is
         try:
-            await self._send({"undo": prepared.version}, str(live.version))
+            await self._send(
+                {"undo": prepared.version}, None if live is None else str(live.version)
+            )
         except EngineError as again:
             self.broken = f"vllm could not be put back after a failed update: {again}"[:500]
             raise EngineUnavailable(self.broken) from exc

@@ -153,6 +153,9 @@ def vllm_fake(
     async def ok(_: dict[str, Any]) -> dict[str, Any]:
         return {"status": "ok"}
 
+    async def world(_: dict[str, Any]) -> dict[str, Any]:
+        return {"world_size": 2}  # the two workers answering every RPC
+
     return Fake(
         {
             "/v1/models": models,
@@ -160,6 +163,7 @@ def vllm_fake(
             "/collective_rpc": rpc,
             "/reset_prefix_cache": ok,
             "/update_weight_version": ok,
+            "/get_world_size": world,
             "/pause": ok,
             "/resume": ok,
         }

@@ -72,8 +72,8 @@ async def test_versions_are_patched_in_place_through_the_weight_transfer_routes(
         assert fake.paths()[:4] == [
             "/v1/models",
             "/inference/v1/generate",  # is the token route there?
-            "/init_weight_transfer_engine",
             "/get_world_size",
+            "/init_weight_transfer_engine",
         ]
         for v in (1, 2, 3):
             _publish_step(board, v)
@@ -180,3 +180,16 @@ async def test_generation_goes_through_the_token_route_and_its_stamps_are_cross_
         0.0,
     )
     assert "/v1/completions" not in fake.paths()
+
+
+async def test_a_failed_first_activation_is_taken_back_and_retried(
+    board: Board, tmp_path: Path
+) -> None:
+    fake = FakeTransferVLLM(board.load(0)[1], fail_after=1)  # version 0's update fails once
+    async with _serving(board, tmp_path, fake) as url:  # the engine is not left broken
+        status, _ = await generate(url, {"prompt_token_ids": [3, 4], "max_tokens": 2})
+        assert status == 200
+    undo = [b for p, b, _ in fake.calls if p == "/update_weights" and "undo" in b["update_info"]]
+    assert [u["update_info"] for u in undo] == [{"undo": 0}]
+    assert fake.weight_version == "0"
+    assert _same(fake.weights, board.load(0)[1])
