@@ -258,11 +258,6 @@ async def run(
             await fresh.stage(pub, versions)
             await fresh.activate(versions, "wait")
         exact = live == await _answers(fresh)
-    ratio = max(r["board_bytes_read"] / r["patch_bytes"] for r in rows)
-    sync_p50 = statistics.median(r["sync_s"] for r in rows)
-    patch_p50 = statistics.median(r["patch_bytes"] for r in rows)
-    speedup = full_bytes * 8 / (mbit * 1e6) / sync_p50
-    island = [r["island_bytes"] for r in rows if r["island_bytes"] is not None]
     return {
         "engine": kind,
         "update": update if kind == "vllm" else None,
@@ -270,19 +265,30 @@ async def run(
         "link_mbit_s": mbit,
         "link_rtt_ms": rtt_ms,
         "density": density,
+        **_figures(rows, full_bytes, mbit),
+        "decode_tokens_per_s": decode_tps,
+        "exact": exact,
+    }
+
+
+def _figures(rows: list[dict[str, Any]], full_bytes: int, mbit: float) -> dict[str, Any]:
+    """The run's figures from its per-version rows (module docstring)."""
+    sync_p50 = statistics.median(r["sync_s"] for r in rows)
+    patch_p50 = statistics.median(r["patch_bytes"] for r in rows)
+    full_s = full_bytes * 8 / (mbit * 1e6)
+    island = [r["island_bytes"] / r["patch_bytes"] for r in rows if r["island_bytes"] is not None]
+    return {
         "full_checkpoint_bytes": full_bytes,
-        "full_checkpoint_link_s": round(full_bytes * 8 / (mbit * 1e6), 3),
+        "full_checkpoint_link_s": round(full_s, 3),
         "versions": rows,
         "sync_s_p50": sync_p50,
         "patch_bytes_p50": patch_p50,
-        "limit_ratio": round(speedup / (full_bytes / patch_p50), 3),
-        "board_bytes_per_patch_byte_max": round(ratio, 3),
-        "island_bytes_per_patch_byte_max": (
-            round(max(r["island_bytes"] / r["patch_bytes"] for r in rows), 3) if island else None
+        "limit_ratio": round(full_s / sync_p50 / (full_bytes / patch_p50), 3),
+        "board_bytes_per_patch_byte_max": round(
+            max(r["board_bytes_read"] / r["patch_bytes"] for r in rows), 3
         ),
+        "island_bytes_per_patch_byte_max": round(max(island), 3) if island else None,
         "pause_ms": _p50_p99([r["pause_ms"] for r in rows]),
-        "decode_tokens_per_s": decode_tps,
-        "exact": exact,
     }
 
 
