@@ -37,7 +37,7 @@ from policies.codec.format import TensorRecord, parse_patch
 from policies.codec.kinds import SUM, Kind
 from policies.codec.ops import apply_section, unit_view
 from policies.codec.workers import workers
-from policies.codec.written import current, section_positions
+from policies.codec.written import Written, current, section_positions
 from policies.errors import PatchBaseMismatch, PatchChecksumMismatch, PatchCorrupt, PatchError
 
 log = structlog.get_logger("policies.codec")
@@ -126,6 +126,14 @@ def _build(
     return out, noted
 
 
+def _note(written: Written | None, rec: TensorRecord, noted: Noted) -> None:
+    """Tell a recording (if any) where ``rec`` wrote: whole, or ``noted``'s positions."""
+    if written is not None and rec.op == "full":
+        written.whole([rec.name])
+    elif written is not None and noted is not None:
+        written.add(rec.name, *noted)
+
+
 def _destination(
     rec: TensorRecord,
     base: Mapping[str, torch.Tensor],
@@ -209,10 +217,7 @@ def apply_patch(
         for rec in header.tensors:
             if rec.op != "alias":
                 out[rec.name], noted = jobs[rec.name].result()
-                if written is not None and rec.op == "full":
-                    written.whole([rec.name])
-                elif written is not None and noted is not None:
-                    written.add(rec.name, *noted)
+                _note(written, rec, noted)
             elif rec.alias_of in out:
                 out[rec.name] = out[rec.alias_of]
             else:
