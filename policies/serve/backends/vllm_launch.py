@@ -4,10 +4,10 @@
 outside the clone) and returns the engine environment's python; :func:`vllm_server` starts
 ``python -m vllm.entrypoints.openai.api_server`` on a model directory with the flags
 ``docs/fleet.md`` gives (dev routes on, processed log probs, vLLM's own generation defaults,
-eager, sprawl's worker extension), waits until ``/health`` answers, and on exit stops the whole
-process group (API server, engine core, workers), so nothing is left behind. :func:`vllm_command`
-and :func:`vllm_env` are that command line and environment, for launchers of their own (the
-local fleet's islands).
+eager, sprawl's worker extension; tensor-parallel if asked), waits until ``/health`` answers, and
+on exit stops the whole process group (API server, engine core, workers), so nothing is left
+behind. :func:`vllm_command` and :func:`vllm_env` are that command line and environment, for
+launchers of their own (the local fleet's islands).
 
 Not covered: remote engines (start them as ``docs/fleet.md`` shows, then point a sidecar at them).
 """
@@ -58,10 +58,14 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def vllm_env(*, lora: bool = False, routed_experts: bool = False) -> dict[str, str]:
+def vllm_env(
+    *, lora: bool = False, routed_experts: bool = False, tensor_parallel_size: int = 1
+) -> dict[str, str]:
     """The process environment vLLM is started with: this one plus the dev routes on, a 1 GiB
     KV cache, no usage stats and no model hub; ``lora``: adapters loaded at run time too;
-    ``routed_experts``: the V2 model runner, which returning MoE routing needs."""
+    ``routed_experts``: the V2 model runner, which returning MoE routing needs;
+    ``tensor_parallel_size`` > 1: the CPU build's ranks bound to CPUs of their own
+    (:func:`cpu_binding`) unless ``VLLM_CPU_OMP_THREADS_BIND`` is set already."""
     env = {
         **os.environ,
         "VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /collective_rpc, /reset_prefix_cache
@@ -74,7 +78,25 @@ def vllm_env(*, lora: bool = False, routed_experts: bool = False) -> dict[str, s
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter
     if routed_experts:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # --enable-return-routed-experts needs it
+    if tensor_parallel_size > 1:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(tensor_parallel_size))
     return env
+
+
+def cpu_binding(ranks: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` CPU workers: the CPUs this process may use,
+    split into that many contiguous groups (``"0|1"``). vLLM's own ``auto`` binding gives each
+    rank a NUMA node of its own and refuses to start where there are fewer nodes than ranks."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < ranks:
+        raise EngineError(f"{ranks} tensor-parallel ranks need {ranks} CPUs; {len(cpus)} allowed")
+    per, extra = divmod(len(cpus), ranks)
+    groups, at = [], 0
+    for rank in range(ranks):
+        n = per + (rank < extra)
+        groups.append(",".join(str(c) for c in cpus[at : at + n]))
+        at += n
+    return "|".join(groups)
 
 
 def vllm_lora_rank(rank: int) -> int:
@@ -95,6 +117,7 @@ def vllm_command(
     lora: tuple[int, int] | None = None,
     routed_experts: bool = False,
     update: VLLMUpdate = "inplace",
+    tensor_parallel_size: int = 1,
 ) -> list[str]:
     """The API server's command line, serving ``model`` as ``name`` on ``127.0.0.1:port``;
     ``lora`` = (adapters resident, their largest rank): with run-time LoRA adapters
@@ -102,7 +125,8 @@ def vllm_command(
     ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``: :func:`vllm_env` with ``lora``; the rank one of
     :data:`LORA_RANKS`, :func:`vllm_lora_rank`); ``routed_experts``: each choice returns its
     MoE routing (a GPU build; the environment: :func:`vllm_env` with ``routed_experts``);
-    ``update``: ``inplace`` adds sprawl's weight-transfer backend."""
+    ``update``: ``inplace`` adds sprawl's weight-transfer backend; ``tensor_parallel_size``: the
+    model split over that many workers (the environment: :func:`vllm_env` with the same)."""
     argv = [
         str(python), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--served-model-name", name,
@@ -118,6 +142,8 @@ def vllm_command(
         argv.append("--enable-return-routed-experts")
     if update == "inplace":
         argv += ["--weight-transfer-config", TRANSFER_CONFIG]
+    if tensor_parallel_size > 1:
+        argv += ["--tensor-parallel-size", str(tensor_parallel_size)]
     return argv
 
 
@@ -133,13 +159,21 @@ def vllm_server(
     startup_timeout_s: float = 300.0,
     lora: tuple[int, int] | None = None,
     update: VLLMUpdate = "inplace",
+    tensor_parallel_size: int = 1,
 ) -> Iterator[str]:
     """vLLM serving ``model`` as ``name`` on loopback; its URL once healthy (``lora``,
-    ``update``: as for :func:`vllm_command`)."""
+    ``update``, ``tensor_parallel_size``: as for :func:`vllm_command`)."""
     port = port or free_port()
-    env = vllm_env(lora=lora is not None)
+    env = vllm_env(lora=lora is not None, tensor_parallel_size=tensor_parallel_size)
     argv = vllm_command(
-        python, model, name=name, port=port, max_model_len=max_model_len, lora=lora, update=update
+        python,
+        model,
+        name=name,
+        port=port,
+        max_model_len=max_model_len,
+        lora=lora,
+        update=update,
+        tensor_parallel_size=tensor_parallel_size,
     )
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
