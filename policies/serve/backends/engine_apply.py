@@ -16,6 +16,11 @@ reads the weights, so it can run while the engine serves) and :meth:`EngineWeigh
 second. A write that fails midway is undone from the old values before it raises; the last
 update's old values are kept, so :meth:`EngineWeights.undo` can put the version before it back
 when another worker of the same engine failed.
+
+Under tensor parallelism each worker's map holds only its rank's slice of a sharded tensor (the
+engine's loader narrows the checkpoint tensor; the map records what it copied), so a worker reads
+the whole engine patch but writes only the positions it holds; :meth:`EngineWeights.footprint`
+says, per tensor, how many elements this worker holds and how many of the last update's it wrote.
 """
 
 from __future__ import annotations
@@ -51,6 +56,24 @@ class Plan:
     version: int
     generation: int
     writes: list[_Write]
+    offered: dict[str, int] = field(default_factory=dict)
+    """Positions per tensor in the engine patch (this worker writes those it holds)."""
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What one worker holds of each checkpoint tensor and what the last update wrote here
+    (:meth:`EngineWeights.footprint`)."""
+
+    held: dict[str, int]
+    """Elements of each checkpoint tensor this worker holds (a rank's slice of a sharded one; an
+    unmapped tensor: its whole copy)."""
+    version: int | None
+    """The last update applied here and not undone (None: none)."""
+    offered: dict[str, int]
+    """That update's positions per tensor, as the engine patch holds them."""
+    written: dict[str, int]
+    """Of them, how many this worker wrote."""
 
 
 @dataclass
@@ -61,7 +84,8 @@ class EngineWeights:
     copies: dict[str, torch.Tensor]
     """Unmapped tensors in checkpoint form (flat), as the engine holds them."""
     load_sparse: SparseLoad
-    last: tuple[int, list[_Write]] | None = field(default=None)
+    last: Plan | None = field(default=None)
+    """The last update's writes, with the old values an undo puts back."""
     generation: int = 0
     """Counts the writes made: a plan made at another generation is stale."""
 
@@ -116,7 +140,8 @@ class EngineWeights:
     def plan(self, version: int, tensors: list[EngineTensor]) -> Plan:
         """Work out the writes of ``tensors`` (an engine patch to ``version``), changing nothing:
         this only reads the weights, so it may run while the engine serves."""
-        return Plan(version, self.generation, [w for t in tensors for w in self._plan(t)])
+        writes = [w for t in tensors for w in self._plan(t)]
+        return Plan(version, self.generation, writes, {t.name: t.values.numel() for t in tensors})
 
     def commit(self, plan: Plan) -> None:
         """Make ``plan``'s writes, all or nothing; a plan made before other writes is refused."""
@@ -128,7 +153,7 @@ class EngineWeights:
         except BaseException:
             self._write(plan.writes[::-1], lambda w: w.old)
             raise
-        self.last = (plan.version, plan.writes)
+        self.last = plan
 
     def apply(self, version: int, tensors: list[EngineTensor]) -> None:
         """Write ``tensors`` (an engine patch to ``version``) in place, all or nothing."""
@@ -136,9 +161,20 @@ class EngineWeights:
 
     def undo(self, version: int) -> bool:
         """Put back what the update to ``version`` overwrote, if it was the last one here."""
-        if self.last is None or self.last[0] != version:
+        if self.last is None or self.last.version != version:
             return False
         self.generation += 1
-        self._write(self.last[1][::-1], lambda w: w.old)
+        self._write(self.last.writes[::-1], lambda w: w.old)
         self.last = None
         return True
+
+    def footprint(self) -> Footprint:
+        """What this worker holds of each tensor, and what the last update wrote here."""
+        held = {n: self.map.held(n) for n in self.map.boxes}
+        held.update({n: c.numel() for n, c in self.copies.items()})
+        if self.last is None:
+            return Footprint(held, None, {}, {})
+        written: dict[str, int] = {}
+        for w in self.last.writes:
+            written[w.name] = written.get(w.name, 0) + w.new.numel()
+        return Footprint(held, self.last.version, dict(self.last.offered), written)

@@ -47,6 +47,11 @@ class ParamMap:
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     unmapped: set[str] = field(default_factory=set)
 
+    def held(self, name: str) -> int:
+        """How many elements of checkpoint tensor ``name`` these parameters hold: all of them on
+        one worker, a tensor-parallel rank's slice of a sharded one."""
+        return sum(_numel(box.shape) for box in self.boxes[name])
+
     def runs(self, name: str) -> list[tuple[str, int, int, int]] | None:
         """``(parameter, first, end, offset)`` per box when every box of ``name`` is a run of whole
         rows held contiguously: checkpoint elements ``first … end-1`` are the parameter's

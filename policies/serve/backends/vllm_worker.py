@@ -30,6 +30,10 @@ no ``lm_head.weight`` when the embeddings are tied), written by the sidecar from
 worker never reads the board. This module imports only torch, safetensors and the codec's
 digests.
 
+``POST /collective_rpc {"method": "sprawl_footprint"}`` answers, per worker, what sprawl's
+weight-transfer backend (the in-place way, :mod:`policies.serve.backends.vllm_transfer`) holds
+there and what its last update wrote there: with tensor parallelism, each rank's slice.
+
 Guarantees of :meth:`SprawlWorkerExtension.sprawl_activate` (all-or-nothing):
 
 - the file is checked before any weight changes: the tensor names and shapes of the checkpoint
@@ -58,7 +62,7 @@ import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -235,6 +239,18 @@ class SprawlWorkerExtension:
     def sprawl_status(self) -> dict[str, Any]:
         """The file this worker last activated (None: it serves the startup checkpoint)."""
         return {"current": self._sprawl()["current"], "rank": int(getattr(self, "rank", 0))}
+
+    def sprawl_footprint(self) -> dict[str, Any]:
+        """With sprawl's weight-transfer backend: how many elements of each checkpoint tensor
+        this worker holds (a tensor-parallel rank: its slice of a sharded one) and, of the last
+        in-place update, the positions per tensor offered and written here
+        (:meth:`~policies.serve.backends.engine_apply.EngineWeights.footprint`); ``mapped``
+        false before ``/init_weight_transfer_engine`` or without that backend."""
+        out: dict[str, Any] = {"mapped": False, "rank": int(getattr(self, "rank", 0))}
+        weights = getattr(getattr(self, "weight_transfer_engine", None), "weights", None)
+        if weights is not None:
+            out.update(mapped=True, **asdict(weights.footprint()))
+        return out
 
     def _sprawl_undo(self) -> dict[str, Any]:
         """Put a half-reloaded model back whole, then reload the previous version."""

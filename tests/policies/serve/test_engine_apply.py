@@ -119,7 +119,17 @@ def test_fused_sliced_and_converted_tensors_are_patched_exactly(tmp_path: Path) 
     engine.apply(version, tensors)
     assert _same(_held(model), _rank1(target))  # rank 1's rows only; the rest is rank 0's
     assert loaded == ["norm"]
+    footprint = engine.footprint()
+    assert footprint.held == {"q": 24, "k": 24, "v": 24, "embed": 60, "norm": 6}
+    assert footprint.version == 1
+    assert footprint.offered == {t.name: t.values.numel() for t in tensors}
+    for t in tensors:  # of q, k and v, only the positions in rank 1's rows (24 … 47)
+        assert t.positions is not None
+        rows = (t.positions >= 24) & (t.positions < 48)
+        mine = rows if t.name in ("q", "k", "v") else torch.ones_like(t.positions, dtype=torch.bool)
+        assert footprint.written.get(t.name, 0) == int(mine.sum()), t.name
     assert engine.undo(1)
+    assert engine.footprint().version is None
     assert _same(_held(model), _rank1(ckpt))
     assert not engine.undo(1)  # only the last update, once
 
