@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,23 +25,13 @@ from policies.serve.backends.vllm import VLLMBackend
 from policies.serve.backends.vllm_inplace import VLLMInplaceBackend
 from policies.serve.backends.vllm_launch import VLLMUpdate, engine_python, vllm_server
 from policies.train.config import TrainerConfig
-from policies.train.trainer import Trainer, TrainSample
+from policies.train.trainer import Trainer
 from policies.wire.lane import GenerateRequest
 from staleness.config import StalenessConfig
 from tests.support.lane import generate, metric, policy, standalone, wait_metric, wait_version
-from tests.support.vllm import head_dim_32
+from tests.support.vllm import PROMPTS, head_dim_32, samples
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
-PROMPTS = [[1, 17, 300, 42, 99, 7], [1, 5, 6, 7, 8, 9, 10, 11, 12], [1, 400, 401, 2, 1, 33]]
-
-
-def _samples(seed: int) -> list[TrainSample]:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(4):
-        ids = [rng.randrange(3, 2000) for _ in range(12)]
-        out.append(TrainSample(ids, [False] * 6 + [True] * 6, [0.0] * 6 + [-7.0] * 6, rng.random()))
-    return out
 
 
 async def _damaged_version_is_never_activated(
@@ -62,7 +51,7 @@ async def _damaged_version_is_never_activated(
     os.environ[failpoints.ENV] = json.dumps([{**rule, "times": 9} for rule in rules])
     failpoints.reset()
     try:
-        await anyio.to_thread.run_sync(trainer.step, _samples(3))
+        await anyio.to_thread.run_sync(trainer.step, samples(3))
     finally:
         del os.environ[failpoints.ENV]
         failpoints.reset()
@@ -180,7 +169,7 @@ async def test_trainer_versions_through_the_sidecar_serve_like_a_fresh_engine(
             with capture_logs() as logs:
                 for step in range(3):
                     before = await metric(url, "sprawl_board_bytes_read_total")
-                    await anyio.to_thread.run_sync(trainer.step, _samples(step))
+                    await anyio.to_thread.run_sync(trainer.step, samples(step))
                     await wait_version(url, step + 1, timeout_s=120)
                     read = await metric(url, "sprawl_board_bytes_read_total") - before
                     patch = board.manifest(step + 1).patches[0].bytes
