@@ -571,7 +571,8 @@ class BoardReader:
                 )
             if outer is not None and inner is not None:
                 boxes = {
-                    n: (p.shape, p.offset, m.tensors[n].shape) for n, p in shard.pieces.items()
+                    n: (tuple(p.shape), tuple(p.offset), tuple(m.tensors[n].shape))
+                    for n, p in shard.pieces.items()
                 }
                 outer.add_boxes(inner, boxes)
         except PatchBaseMismatch as exc:

@@ -7,8 +7,8 @@ written when the caller passes the base's checksums: the base tensor's, plus eac
 word's new term less its old one (:mod:`policies.codec.kernels_sum`), so verifying costs the
 words written instead of a pass over the tensor. What that leaves out: a word of the base that
 was already wrong in memory and that the patch does not write (the caller vouched for the base,
-as with ``base_digest``). Inside :func:`policies.codec.written.recording`, each written tensor's
-positions and old values are noted too. Tensors are decompressed, patched (compiled,
+as with ``base_digest``). Inside :func:`policies.codec.written.recording`, the frame is kept once it
+applied. Tensors are decompressed, patched (compiled,
 :func:`policies.codec.ops.apply_section`) and verified on the process's codec threads
 (:mod:`policies.codec.workers`), one tensor per task.
 """
@@ -37,7 +37,7 @@ from policies.codec.format import TensorRecord, parse_patch
 from policies.codec.kinds import SUM, Kind
 from policies.codec.ops import apply_section, unit_view
 from policies.codec.workers import workers
-from policies.codec.written import Written, current, section_positions
+from policies.codec.written import Frame, current
 from policies.errors import PatchBaseMismatch, PatchChecksumMismatch, PatchCorrupt, PatchError
 
 log = structlog.get_logger("policies.codec")
@@ -82,10 +82,6 @@ def _target_tensor(rec: TensorRecord, data: bytes) -> torch.Tensor:
     return flat.view(dtype).reshape(rec.shape)
 
 
-Noted = tuple[npt.NDArray[np.int64], torch.Tensor] | None
-"""Where a patch record wrote and the values held there before (when recording)."""
-
-
 def _build(
     rec: TensorRecord,
     section: memoryview,
@@ -93,26 +89,16 @@ def _build(
     chunk: int,
     verify: Kind | None,
     held: npt.NDArray[np.uint64] | None,
-    note: bool,
-) -> tuple[torch.Tensor, Noted]:
+) -> torch.Tensor:
     """One target tensor: decompressed (``full``) or ``dst`` patched in place, then verified
     against its ``verify`` checksum (None: not), updated from ``held`` (the base tensor's
-    ``sum-128`` lanes) when given; with ``note``, also where it wrote and the old values
-    (:mod:`policies.codec.written`)."""
+    ``sum-128`` lanes) when given."""
     acc = np.zeros(2, dtype=np.uint64) if held is not None and verify == SUM else None
-    noted: Noted = None
     if dst is None:
         out = _target_tensor(rec, _decompress(section, rec.name))
     else:
         if rec.length:
-            data = _decompress(section, rec.name)
-            if note:
-                try:
-                    pos = section_positions(data, rec.units, chunk)
-                except ValueError as exc:
-                    raise PatchCorrupt(f"{rec.name}: {exc}") from exc
-                noted = pos, dst.reshape(-1)[torch.from_numpy(pos)].clone()
-            _apply_section(dst, rec, data, chunk, acc)
+            _apply_section(dst, rec, _decompress(section, rec.name), chunk, acc)
         out = dst
     if verify is not None and (dst is None or rec.length):
         if acc is not None and held is not None:
@@ -123,15 +109,7 @@ def _build(
             raise PatchChecksumMismatch(
                 f"{rec.name}: patched tensor checksum {got} != target {rec.checksum}"
             )
-    return out, noted
-
-
-def _note(written: Written | None, rec: TensorRecord, noted: Noted) -> None:
-    """Tell a recording (if any) where ``rec`` wrote: whole, or ``noted``'s positions."""
-    if written is not None and rec.op == "full":
-        written.whole([rec.name])
-    elif written is not None and noted is not None:
-        written.add(rec.name, *noted)
+    return out
 
 
 def _destination(
@@ -192,8 +170,7 @@ def apply_patch(
     target_group = {r.name: r.alias_of or r.name for r in header.tensors}
     out: dict[str, torch.Tensor] = {}
     pool = workers("apply")
-    jobs: dict[str, Future[tuple[torch.Tensor, Noted]]] = {}
-    written = current()
+    jobs: dict[str, Future[torch.Tensor]] = {}
     try:
         for rec in header.tensors:
             if rec.op not in ("patch", "full", "alias"):
@@ -212,12 +189,10 @@ def apply_patch(
                     held = hex_lanes(base_checksums[rec.name])
             section = body[rec.offset : rec.offset + rec.length]
             check = kind if verify else None
-            note = written is not None
-            jobs[rec.name] = pool.submit(_build, rec, section, dst, header.chunk, check, held, note)
+            jobs[rec.name] = pool.submit(_build, rec, section, dst, header.chunk, check, held)
         for rec in header.tensors:
             if rec.op != "alias":
-                out[rec.name], noted = jobs[rec.name].result()
-                _note(written, rec, noted)
+                out[rec.name] = jobs[rec.name].result()
             elif rec.alias_of in out:
                 out[rec.name] = out[rec.alias_of]
             else:
@@ -232,6 +207,9 @@ def apply_patch(
         bytes=header.patch_bytes,
         verified=verify,
     )
+    if (written := current()) is not None:
+        sums = None if base_checksums is None else dict(base_checksums)
+        written.add(Frame(bytes(patch), sums))
     if in_place:
         for name in header.removed:
             base.pop(name, None)

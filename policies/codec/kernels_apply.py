@@ -329,3 +329,19 @@ def apply_changes(
                 _write_block(units, at, m, buf, vstart, n_vals, j, coding, z, old, acc)
                 j += m
     return 0
+
+
+@jit
+def read_changes(units: UInt, at: U64, z: U64, coding: int, old: U64, new: U64, acc: U64) -> None:
+    """Read units ``at`` (ascending) into ``old`` and the values the stored ``z`` make of them
+    (:func:`~policies.codec.kernels.inverse`) into ``new``, writing nothing; a two-lane ``acc``
+    takes the change of the units' ``sum-128`` checksum were they written (empty: not tracked).
+    How an engine that holds a tensor elsewhere reads a section's changes
+    (:mod:`policies.serve.backends.engine_changes`): each unit is read once."""
+    sign = sign_bit(units)
+    for q in range(at.size):  # the reads alone first: their (mostly DRAM) misses overlap
+        old[q] = units[at[q]]
+    for q in range(at.size):
+        new[q] = inverse(old[q], z[q], coding, sign)
+    if acc.size:
+        add_word_changes(units, at, old, new, at.size, acc)

@@ -1,7 +1,7 @@
 """A scripted vLLM 0.32 with sprawl's weight-transfer backend: the RL routes in vLLM's JSON
-shapes, engine patches really applied to an in-memory copy of its weights by the worker's own
-code (:class:`~policies.serve.backends.engine_apply.EngineWeights`, each checkpoint tensor one
-parameter), so a test compares them bit for bit with the board; failures on cue."""
+shapes, engine patches really read ahead and applied to an in-memory copy of its weights by the
+worker's own code (:class:`~policies.serve.backends.engine_apply.Updates`, each checkpoint tensor
+one parameter), so a test compares them bit for bit with the board; failures on cue."""
 
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ import anyio
 import torch
 from aiohttp import web
 
-from policies.serve.backends.engine_apply import EngineWeights
-from policies.serve.backends.engine_patch import read
+from policies.serve.backends.engine_apply import EngineWeights, Updates
 from policies.serve.backends.param_map import Box, ParamMap
 from tests.support.lane import loopback
 
@@ -54,6 +53,10 @@ class FakeTransferVLLM:
         }
         shapes = {k: tuple(v.shape) for k, v in self.startup.items()}
         self.engine = EngineWeights(ParamMap(params, boxes, shapes), {}, _no_loader)
+        expected = {
+            k: (str(v.dtype).removeprefix("torch."), list(v.shape)) for k, v in self.startup.items()
+        }
+        self.updates = Updates(self.engine, expected)
         self.weight_version, self.initialised, self.updating = "default", False, False
 
     @property
@@ -65,16 +68,13 @@ class FakeTransferVLLM:
 
     def _update(self, info: dict[str, Any]) -> None:
         if info.get("undo") is not None:
-            self.engine.undo(int(info["undo"]))
+            self.updates.undo(int(info["undo"]))
             return
-        if info.get("prepare"):  # the worker reads ahead on a thread; the update reads again
+        if info.get("parts") is None:  # the worker reads it ahead on a thread; returns at once
             self.prepared.append(info["path"])
+            self.updates.prepare(int(info["part"]), info["path"], info["digest"])
             return
-        expected = {
-            k: (str(v.dtype).removeprefix("torch."), list(v.shape)) for k, v in self.startup.items()
-        }
-        version, tensors = read(info["path"], info["digest"], expected)
-        self.engine.apply(version, tensors)
+        self.updates.write([(p, d) for p, d in info["parts"]])
         if self.fail_after:
             self.fail_after -= 1
             raise RuntimeError("another worker's loader raised")

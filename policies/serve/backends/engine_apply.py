@@ -7,15 +7,14 @@ nothing, in work proportional to the patch.
 engine's parameters, and, for the few tensors the map could not place, a copy of each in
 checkpoint form that the engine's own loader (``load_sparse``) is fed from.
 
-:meth:`EngineWeights.apply` first works out every write without changing anything: each tensor's
-positions located in the parameters, the old values read there, a ``delta`` tensor's changes
-added to them once the old values' sum matched the sidecar's ``old_sum`` (where this engine holds
-every position of the tensor: a tensor-parallel rank holding a slice cannot check the whole
-sum), and only then writes them; :meth:`EngineWeights.plan` is that first half alone (it only
-reads the weights, so it can run while the engine serves) and :meth:`EngineWeights.commit` the
-second. A write that fails midway is undone from the old values before it raises; the last
-update's old values are kept, so :meth:`EngineWeights.undo` can put the version before it back
-when another worker of the same engine failed.
+:meth:`EngineWeights.plan` works out every write of an engine patch's frames without changing
+anything (:mod:`policies.serve.backends.engine_changes`: the positions located in the parameters,
+the values read there, the new ones computed and checked against each frame's target checksums);
+it only reads the weights, so it can run while the engine serves (:class:`Updates` reads an engine
+patch's parts ahead that way, as they land). :meth:`EngineWeights.commit` then writes them, all or
+nothing: a write that fails midway is undone from the old values before
+it raises. The last update's old values are kept, so :meth:`EngineWeights.undo` can put the
+version before it back when another worker of the same engine failed.
 
 Under tensor parallelism each worker's map holds only its rank's slice of a sharded tensor (the
 engine's loader narrows the checkpoint tensor; the map records what it copied), so a worker reads
@@ -26,12 +25,21 @@ says, per tensor, how many elements this worker holds and how many of the last u
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from math import prod
 
+import numpy as np
+import structlog
 import torch
 
-from policies.serve.backends.engine_patch import EngineTensor, apply_deltas, unit_sum
+from policies.codec.kernels_apply import read_changes
+from policies.codec.written import Frame
+from policies.serve.backends.engine_changes import I64, Bools, Changes, UInt, changes
+from policies.serve.backends.engine_patch import Expected, read
 from policies.serve.backends.param_map import ParamMap
+
+log = structlog.get_logger(__name__)
 
 SparseLoad = Callable[[list[tuple[str, tuple[int, ...], torch.Tensor, torch.Tensor]]], None]
 """The engine's own loader for ``(name, shape, positions, values)`` in checkpoint coordinates."""
@@ -89,39 +97,60 @@ class EngineWeights:
     generation: int = 0
     """Counts the writes made: a plan made at another generation is stale."""
 
-    def _plan(self, t: EngineTensor) -> list[_Write]:
-        runs = self.map.runs(t.name) if t.positions is None and t.name in self.map.boxes else None
-        if runs is not None:  # a whole tensor into runs of its parameters: copies, no indices
-            return [
-                _Write(param, t.name, slice(at, at + end - first), old, t.values[first:end])
-                for param, first, end, at in runs
-                for old in [self.map.params[param][at : at + end - first].clone()]
-            ]
-        positions = t.positions if t.positions is not None else torch.arange(t.values.numel())
-        places: list[tuple[str | None, slice | torch.Tensor, torch.Tensor]]
-        if t.name in self.copies:
-            places = [(None, slice(None), positions)]
-        else:
-            places = list(self.map.locate(t.name, positions))
-        olds = [
-            (self.copies[t.name] if p is None else self.map.params[p]).index_select(0, where)
-            for p, _, where in places
-        ]
-        if t.coding == "delta":
-            held = sum(where.numel() for _, _, where in places)
-            if held == positions.numel() and t.old_sum is not None:
-                got = sum(unit_sum(o) for o in olds) % (1 << 64)
-                if got != t.old_sum:
-                    raise ValueError(
-                        f"{t.name}: the engine's values are not the ones the patch starts from "
-                        f"(old values sum {got}, the patch's {t.old_sum})"
-                    )
-        writes = []
-        for (param, held_here, where), old in zip(places, olds, strict=True):
-            changes = t.values[held_here]
-            new = apply_deltas(old, changes) if t.coding == "delta" else changes.to(old.dtype)
-            writes.append(_Write(param, t.name, where, old, new))
-        return writes
+    def whole(self, name: str) -> UInt | None:
+        """``name``'s flat values in place, if this engine holds it whole as one run of a
+        parameter or as a copy (:class:`~policies.serve.backends.engine_changes.Held`)."""
+        if name in self.copies:
+            return _units(self.copies[name])
+        runs = self.map.runs(name) if name in self.map.boxes else None
+        numel = prod(self.map.shapes.get(name, ()))
+        if runs is None or len(runs) != 1 or runs[0][1:3] != (0, numel):
+            return None
+        param, _, _, at = runs[0]
+        return _units(self.map.params[param][at : at + numel])
+
+    def gather(self, name: str, positions: I64) -> tuple[Bools, UInt]:
+        """``name``'s values at ``positions`` as this engine holds them, and which it holds."""
+        where = torch.from_numpy(positions)
+        if name in self.copies:
+            return np.ones(positions.size, dtype=bool), _units(self.copies[name][where])
+        if name not in self.map.boxes:
+            raise ValueError(f"{name}: the engine holds no such tensor")
+        held = np.zeros(positions.size, dtype=bool)
+        vals: UInt | None = None
+        for param, sel, flat in self.map.locate(name, where):
+            got = _units(self.map.params[param].index_select(0, flat))
+            if vals is None:
+                vals = np.zeros(positions.size, dtype=got.dtype)
+            mask = sel if isinstance(sel, slice) else sel.numpy()
+            vals[mask], held[mask] = got, True
+        return held, vals if vals is not None else np.zeros(positions.size, dtype=np.uint16)
+
+    def _writes(self, name: str, positions: I64, new: UInt, old: UInt | None) -> list[_Write]:
+        """Writes of ``new`` at ``positions`` of ``name`` (``old``: the values there, if read)."""
+        where = torch.from_numpy(positions)
+        if name in self.copies:
+            copy = self.copies[name]
+            was = copy[where] if old is None else _tensor(old, copy.dtype)
+            return [_Write(None, name, where, was, _tensor(new, copy.dtype))]
+        out = []
+        for param, sel, flat in self.map.locate(name, where):
+            p = self.map.params[param]
+            mask = sel if isinstance(sel, slice) else sel.numpy()
+            was = p[flat] if old is None else _tensor(old[mask], p.dtype)
+            out.append(_Write(param, name, flat, was, _tensor(new[mask], p.dtype)))
+        return out
+
+    def _whole(self, name: str, values: UInt) -> list[_Write]:
+        runs = self.map.runs(name) if name in self.map.boxes else None
+        if runs is None:  # a slice of it, or not held as runs: by positions
+            return self._writes(name, np.arange(values.size, dtype=np.int64), values, None)
+        return [  # runs of its parameters: copies, no indices
+            _Write(param, name, slice(at, at + end - first), p[at : at + end - first].clone(),
+                   _tensor(values[first:end], p.dtype))
+            for param, first, end, at in runs
+            for p in [self.map.params[param]]
+        ]  # fmt: skip
 
     def _write(self, writes: list[_Write], values: Callable[[_Write], torch.Tensor]) -> None:
         unmapped = []
@@ -137,11 +166,29 @@ class EngineWeights:
         if unmapped:
             self.load_sparse(unmapped)
 
-    def plan(self, version: int, tensors: list[EngineTensor]) -> Plan:
-        """Work out the writes of ``tensors`` (an engine patch to ``version``), changing nothing:
-        this only reads the weights, so it may run while the engine serves."""
-        writes = [w for t in tensors for w in self._plan(t)]
-        return Plan(version, self.generation, writes, {t.name: t.values.numel() for t in tensors})
+    def plan(self, version: int, frames: list[Frame], replaced: set[str]) -> Plan:
+        """Work out the writes of ``frames`` (an engine patch to ``version``, the last frame
+        writing ``replaced`` whole), changing nothing: this only reads the weights, so it may run
+        while the engine serves."""
+        return self.plan_changes(version, changes(frames, replaced, self))
+
+    def writes_of(self, found: Changes, name: str) -> list[_Write]:
+        """``name``'s writes in ``found`` (:func:`~policies.serve.backends.engine_changes.changes`,
+        read against these weights as they are now)."""
+        if name in found.whole:
+            return self._whole(name, found.whole[name])
+        return self._writes(name, *found.at[name]) if name in found.at else []
+
+    def plan_changes(
+        self, version: int, found: Changes, known: dict[str, list[_Write]] | None = None
+    ) -> Plan:
+        """The writes of ``found``, those of ``known`` tensors worked out already."""
+        known = known or {}
+        writes = [
+            w for n in [*found.at, *found.whole] for w in known.get(n) or self.writes_of(found, n)
+        ]
+        offered = {**found.offered, **{n: v.size for n, v in found.whole.items()}}
+        return Plan(version, self.generation, writes, offered)
 
     def commit(self, plan: Plan) -> None:
         """Make ``plan``'s writes, all or nothing; a plan made before other writes is refused."""
@@ -155,9 +202,9 @@ class EngineWeights:
             raise
         self.last = plan
 
-    def apply(self, version: int, tensors: list[EngineTensor]) -> None:
-        """Write ``tensors`` (an engine patch to ``version``) in place, all or nothing."""
-        self.commit(self.plan(version, tensors))
+    def apply(self, version: int, frames: list[Frame], replaced: set[str]) -> None:
+        """Write ``frames`` (an engine patch to ``version``) in place, all or nothing."""
+        self.commit(self.plan(version, frames, replaced))
 
     def undo(self, version: int) -> bool:
         """Put back what the update to ``version`` overwrote, if it was the last one here."""
@@ -178,3 +225,96 @@ class EngineWeights:
         for w in self.last.writes:
             written[w.name] = written.get(w.name, 0) + w.new.numel()
         return Footprint(held, self.last.version, dict(self.last.offered), written)
+
+
+def _units(t: torch.Tensor) -> UInt:
+    """``t``'s values as unsigned integers of their width."""
+    return t.contiguous().view(torch.uint8).numpy().view(f"<u{t.element_size()}")
+
+
+def _tensor(units: UInt, dtype: torch.dtype) -> torch.Tensor:
+    """Unsigned integers back to values of ``dtype``."""
+    return torch.from_numpy(np.ascontiguousarray(units).view(np.uint8).copy()).view(dtype)
+
+
+@dataclass
+class _Draft:
+    """The changes of the parts read so far, against the weights at ``generation``."""
+
+    generation: int
+    parts: list[tuple[str, str]] = field(default_factory=list)
+    found: Changes = field(default_factory=Changes)
+    writes: dict[str, list[_Write]] = field(default_factory=dict)
+    version: int = -1
+    failed: bool = False
+
+
+class Updates:
+    """One worker's side of an island's updates: the parts of an engine patch (one per landed
+    chunk or so, since the version the engine serves) read and checked on a thread of its own
+    while the engine serves (:meth:`prepare`), then written all or nothing (:meth:`write`), which
+    reads whatever was not read ahead (or everything, when what was read is not what is
+    written: another list of parts, a part that failed, weights written since)."""
+
+    def __init__(self, weights: EngineWeights, expected: Expected) -> None:
+        self.weights, self.expected = weights, expected
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="sprawl-prepare")
+        self.draft: _Draft | None = None
+
+    def prepare(self, part: int, path: str, digest: str) -> None:
+        """Read part ``part`` (0: the first since the version served) ahead; returns at once."""
+        self.reader.submit(self._extend, part, path, digest)
+
+    def _extend(self, part: int, path: str, digest: str) -> None:
+        draft = self.draft
+        if part == 0 or draft is None or draft.generation != self.weights.generation:
+            draft = self.draft = _Draft(self.weights.generation)
+        if draft.failed or len(draft.parts) != part:
+            draft.failed = True
+            return
+        try:
+            self._read(draft, path, digest)
+        except Exception as exc:  # the write reads it again and raises what is wrong
+            draft.failed = True
+            log.warning("engine.prepare_failed", path=path, error=str(exc)[:300])
+
+    def _read(self, draft: _Draft, path: str, digest: str) -> None:
+        version, frames, replaced = read(path, digest, self.expected)
+        found = changes(frames, replaced, self.weights, draft.found)
+        for name in found.fresh:  # worked out now, so the write holds only the writes
+            draft.writes[name] = self.weights.writes_of(found, name)
+        found.fresh.clear()
+        draft.parts.append((path, digest))
+        draft.version = version
+
+    def write(self, parts: list[tuple[str, str]]) -> None:
+        """Write the engine patch made of ``parts`` (in order), all or nothing."""
+        self.reader.submit(lambda: None).result()  # every part sent before is read
+        draft, self.draft = self.draft, None
+        if (
+            draft is None
+            or draft.failed
+            or draft.parts != parts
+            or draft.generation != self.weights.generation
+        ):
+            draft = _Draft(self.weights.generation)
+            for path, digest in parts:
+                self._read(draft, path, digest)
+        self.weights.commit(self.weights.plan_changes(draft.version, draft.found, draft.writes))
+
+    def undo(self, version: int) -> bool:
+        """:meth:`EngineWeights.undo`; a part read ahead is read again afterwards."""
+        self.reader.submit(lambda: None).result()
+        self.draft = None
+        return self.weights.undo(version)
+
+    def close(self) -> None:
+        self.reader.shutdown(wait=False, cancel_futures=True)
+
+
+def warm_up() -> None:
+    """Compile the codec kernels an update uses (numba compiles at first call), so the first
+    version does not pay for it."""
+    units = np.zeros(8, dtype=np.uint16)
+    two = np.zeros(2, dtype=np.uint64)
+    read_changes(units, two, two, 0, two.copy(), two.copy(), two.copy())

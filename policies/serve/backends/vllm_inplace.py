@@ -5,11 +5,11 @@ The default way a vLLM island takes versions (``orchestrate sidecar --engine-kin
 "sprawl"}'``, :mod:`policies.serve.backends.vllm_transfer`). Generation is
 :class:`~policies.serve.backends.vllm.VLLMBackend`'s.
 
-**stage** advances the island's shadow with the board's patches while the engine serves, recording
-where they wrote (:func:`policies.codec.written.recording`: positions and old values, no pass over
-the model), and writes the **engine patch** of everything written since the version the engine
-serves (:mod:`policies.serve.backends.engine_patch`: flat positions and changes per tensor, about
-the patch's size; a tensor an anchor replaced travels whole) as one island-local file under
+**stage** advances the island's shadow with the board's patches while the engine serves, keeping
+the frames it applied (:func:`policies.codec.written.recording`), and writes the **engine patch**
+of everything applied since the version the engine serves
+(:mod:`policies.serve.backends.engine_patch`: those frames as they crossed the link, nothing
+re-encoded; a tensor an anchor replaced travels whole) as one island-local file under
 ``work_dir``, which every worker reads and plans on a thread of its own while the engine serves (an
 update session with ``"prepare": true``). **apply** then drives vLLM's routes: ``/pause?mode=keep``
 (mode ``"pause"``; mode ``"wait"`` drained first) → ``/start_weight_update`` → ``/update_weights``
@@ -17,9 +17,8 @@ update session with ``"prepare": true``). **apply** then drives vLLM's routes: `
 ``/resume``, and checks ``/weight_info`` says that version. No full-view file is written or read
 per version.
 
-The engine patch carries each tensor's changes against the values the engine serves (an Adam
-step's ±1 unit in the last place: about as small as the board's patch) and the sum of those old
-values, which each worker checks against its own weights before it writes anything
+Each worker reads the values each frame changes from its own weights, computes the new ones and
+checks the tensors they make against the frame's target checksums before it writes anything
 (:mod:`policies.serve.backends.engine_apply`).
 
 All-or-nothing: a worker checks the file (digest, names, dtypes, positions, old values) before
@@ -35,59 +34,38 @@ island (the engine patch, once written and once read per worker).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import structlog
-import torch
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from policies.board import Board
-from policies.codec.written import TensorChanges, Written, recording
+from policies.codec.written import Frame, Written, recording
 from policies.errors import EngineError
 from policies.serve.backends.base import EngineUnavailable
-from policies.serve.backends.engine_patch import (
-    EngineTensor,
-    delta,
-    encode,
-    file_digest,
-    unit_sum,
-    write,
-)
+from policies.serve.backends.engine_patch import Chain, build, encode, file_digest, live_sums, write
 from policies.serve.backends.shadow import Staged
 from policies.serve.backends.vllm import STATUS_EVERY_S, VLLMBackend
 from policies.serve.decode import QuiesceMode
 
 log = structlog.get_logger(__name__)
+PART_BYTES = 256 << 10
+"""Frames handed on together (a worker reads each part ahead in one call; fewer, larger parts
+cost the engine fewer round trips while the rest of the patch crosses the link)."""
 
 
 @dataclass(frozen=True)
-class _Prepared:
-    """A staged version's engine patch, on the island."""
+class _Part:
+    """One part of the engine patch since the live version, on the island."""
 
-    version: int
     path: Path
     digest: str
-    size: int
-
-
-def engine_tensors(written: Written | None, view: dict[str, torch.Tensor]) -> list[EngineTensor]:
-    """The engine patch for ``view`` given what was ``written`` since the engine's version:
-    each written tensor's changes (``delta``), a tensor replaced whole as it is (``dense``);
-    ``written`` None: the engine's version is unknown, everything ``dense``."""
-    if written is None:
-        return [EngineTensor(n, tuple(t.shape), "dense", t.reshape(-1)) for n, t in view.items()]
-    patch = [
-        EngineTensor(n, tuple(view[n].shape), "dense", view[n].reshape(-1))
-        for n in sorted(written.replaced)
-    ]
-    for name in sorted(written.parts):
-        ch: TensorChanges = written.take(name, view[name])
-        shape = tuple(view[name].shape)
-        changes = delta(ch.old, ch.new)
-        patch.append(EngineTensor(name, shape, "delta", changes, ch.positions, unit_sum(ch.old)))
-    return patch
 
 
 class VLLMInplaceBackend(VLLMBackend):
@@ -96,7 +74,10 @@ class VLLMInplaceBackend(VLLMBackend):
     def __init__(self, url: str, *, work_dir: Path, **kw: Any) -> None:
         super().__init__(url, work_dir=work_dir, **kw)
         self.pending: Written | None = Written()  # since the live version; None: unknown
-        self.prepared: _Prepared | None = None
+        self.parts: list[_Part] = []  # the engine patch since the live version, in parts
+        self.chain = Chain({})
+        self.written_bytes = 0  # engine-patch bytes written since the live version
+        self.ready: int | None = None  # the version whose parts are all handed on
         self.board: Board | None = None
 
     async def connect(self) -> None:
@@ -110,35 +91,82 @@ class VLLMInplaceBackend(VLLMBackend):
         return None if version is None else str(version)
 
     async def stage(self, board: Board, version: int) -> None:
+        """Advance the shadow, handing each frame on as it is applied (module docstring)."""
         self.board = board  # the live view is rebuilt from it for an engine that restarted
+        self.ready = None
+        if not self.parts:
+            self.chain = Chain(live_sums(self.shadow.live))
+        token = anyio.lowlevel.current_token()
+        send, receive = anyio.create_memory_object_stream[Frame](max_buffer_size=math.inf)
+
+        def landed(frame: Frame) -> None:  # in the staging thread
+            anyio.from_thread.run_sync(send.send_nowait, frame, token=token)
+
         t0 = anyio.current_time()
-        written = await anyio.to_thread.run_sync(self._advance, board, version)
+        failed: list[Exception] = []  # raised as they are, once the parts handed on are written
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._hand_on, receive, version, failed)
+            with send:
+                try:
+                    written = await anyio.to_thread.run_sync(self._advance, board, version, landed)
+                except Exception as exc:
+                    failed.insert(0, exc)
+        if failed:
+            self.parts = []  # the copy is rebuilt from an anchor next: everything whole then
+            raise failed[0]
         if self.pending is not None:
             self.pending.merge(written)
-        _, view = self.shadow.take(version)
-        t1 = anyio.current_time()
-        path = self.work_dir / f"v{version:08d}.enginepatch"
-        data = await anyio.to_thread.run_sync(self._write_patch, view, version, path)
-        self.prepared = _Prepared(version, path, file_digest(data), len(data))
-        t2 = anyio.current_time()
-        # every worker reads and plans it while serving, so the pause holds only the writes
-        info = {"path": str(path), "digest": self.prepared.digest, "prepare": True}
+        if written.replaced or self.pending is None:
+            # the parts describe values the engine does not hold: one part of everything since
+            _, view = self.shadow.take(version)
+            self.parts = []
+            data = await anyio.to_thread.run_sync(
+                build, self.pending, view, self.shadow.live, version
+            )
+            await self._part(data, version)
+        self.ready = version
+        took = round(anyio.current_time() - t0, 4)
+        log.debug("vllm.staged", version=version, parts=len(self.parts), stage_s=took)
+
+    async def _hand_on(
+        self, receive: MemoryObjectReceiveStream[Frame], version: int, failed: list[Exception]
+    ) -> None:
+        """Write the frames that landed as parts of at least :data:`PART_BYTES` (the rest when
+        the stage ends), and have every worker read each ahead; an engine that fails to take one
+        is noted in ``failed`` (the rest still drain)."""
+        frames: list[Frame] = []
+        async with receive:
+            async for frame in receive:
+                frames.append(frame)
+                if sum(len(f.data) for f in frames) >= PART_BYTES and not failed:
+                    await self._handed(frames, version, failed)
+                    frames = []
+        if frames and not failed:
+            await self._handed(frames, version, failed)
+
+    async def _handed(self, frames: list[Frame], version: int, failed: list[Exception]) -> None:
+        try:
+            await self._part(frames, version)
+        except EngineError as exc:
+            failed.append(exc)
+
+    async def _part(self, frames: list[Frame] | bytes, version: int) -> None:
+        """Write ``frames`` (or an engine patch made already) as the next part."""
+        if isinstance(frames, bytes):
+            data = frames
+        else:
+            chained = [self.chain.next(f) for f in frames]
+            data = await anyio.to_thread.run_sync(encode, chained, set(), version)
+        path = self.work_dir / f"v{version:08d}.{len(self.parts):05d}.enginepatch"
+        await anyio.to_thread.run_sync(write, path, data)
+        part = _Part(path, file_digest(data))
+        self.written_bytes += len(data)
+        info = {"path": str(path), "digest": part.digest, "part": len(self.parts)}
+        self.parts.append(part)
         await self._send(info, None)
-        log.debug(
-            "vllm.staged",
-            version=version,
-            advance_s=round(t1 - t0, 4),
-            engine_patch_s=round(t2 - t1, 4),
-            prepare_s=round(anyio.current_time() - t2, 4),
-        )
 
-    def _write_patch(self, view: dict[str, torch.Tensor], version: int, path: Path) -> bytes:
-        data = encode(engine_tensors(self.pending, view), version)
-        write(path, data)
-        return data
-
-    def _advance(self, board: Board, version: int) -> Written:
-        with recording() as written:
+    def _advance(self, board: Board, version: int, landed: Callable[[Frame], None]) -> Written:
+        with recording(landed) as written:
             try:
                 self.shadow.stage(board, version)
             except BaseException:
@@ -155,17 +183,16 @@ class VLLMInplaceBackend(VLLMBackend):
 
     async def apply(self, version: int, mode: QuiesceMode) -> None:
         staged, _ = self.shadow.take(version)
-        prepared = self.prepared
-        if prepared is None or prepared.version != version:
+        if self.ready != version:
             raise EngineError(f"version {version} has no engine patch staged")
+        parts = [[str(p.path), p.digest] for p in self.parts]
         if mode == "pause":
             await self.call("/pause?mode=keep", {})
         try:
             try:
-                info = {"path": str(prepared.path), "digest": prepared.digest}
-                await self._send(info, str(version))
+                await self._send({"parts": parts}, str(version))
             except EngineError as exc:
-                await self._undo(prepared, exc)
+                await self._undo(version, exc)
                 raise
             await self.reset_cache(version, mode)
         finally:
@@ -174,34 +201,34 @@ class VLLMInplaceBackend(VLLMBackend):
         got = await self._engine_version()
         if got != str(version):
             raise EngineError(f"vllm /weight_info says {got!r} after version {version}")
-        self._activated(staged, prepared)
+        self._activated(staged)
 
-    def _activated(self, staged: Staged, prepared: _Prepared) -> None:
-        self.island_bytes[prepared.version] = prepared.size * (1 + self.workers)
+    def _activated(self, staged: Staged) -> None:
+        written = self.written_bytes
+        self.island_bytes[staged.version] = written * (1 + self.workers)
         self.shadow.activated(staged)
-        self.pending, self.prepared, self.lost = Written(), None, False
+        self.pending, self.parts, self.ready, self.lost = Written(), [], None, False
+        self.written_bytes = 0
         for old in self.work_dir.glob("v*.enginepatch"):
             old.unlink(missing_ok=True)
         log.info(
             "vllm.patched",
             engine=self.url,
-            version=prepared.version,
-            engine_patch_bytes=prepared.size,
-            island_bytes=self.island_bytes[prepared.version],
+            version=staged.version,
+            engine_patch_bytes=written,
+            island_bytes=self.island_bytes[staged.version],
         )
 
-    async def _undo(self, prepared: _Prepared, exc: EngineError) -> None:
-        """Put back the version served before ``prepared`` failed (module docstring): a worker
+    async def _undo(self, version: int, exc: EngineError) -> None:
+        """Put back the version served before ``version`` failed (module docstring): a worker
         that failed undid its own writes; one that succeeded takes its update back."""
         live = self.shadow.live  # None: its startup weights, whose label stays as it is
         try:
-            await self._send(
-                {"undo": prepared.version}, None if live is None else str(live.version)
-            )
+            await self._send({"undo": version}, None if live is None else str(live.version))
         except EngineError as again:
             self.broken = f"vllm could not be put back after a failed update: {again}"[:500]
             raise EngineUnavailable(self.broken) from exc
-        log.warning("vllm.update_undone", engine=self.url, version=prepared.version, error=str(exc))
+        log.warning("vllm.update_undone", engine=self.url, version=version, error=str(exc))
 
     async def recover(self) -> None:
         """An engine that restarted (on its startup checkpoint) gets the live view back whole
@@ -224,12 +251,14 @@ class VLLMInplaceBackend(VLLMBackend):
         assert self.board is not None  # a version is live: it was staged from the board
         await self.call("/init_weight_transfer_engine", {"init_info": {}})
         view = await anyio.to_thread.run_sync(self.shadow.live_view, self.board)
-        self.pending, self.prepared = Written(), None  # a staged version is staged again
-        data = await anyio.to_thread.run_sync(encode, engine_tensors(None, view), live.version)
+        self.pending, self.parts, self.ready = Written(), [], None  # staged ones: staged again
+        self.written_bytes = 0
+        data = await anyio.to_thread.run_sync(build, None, view, None, live.version)
         path = self.work_dir / "restore.enginepatch"
         await anyio.to_thread.run_sync(write, path, data)
         try:
-            await self._send({"path": str(path), "digest": file_digest(data)}, str(live.version))
+            parts = [[str(path), file_digest(data)]]
+            await self._send({"parts": parts}, str(live.version))
             await self.call("/reset_prefix_cache", {})
         finally:
             path.unlink(missing_ok=True)

@@ -3,30 +3,32 @@ the patch, through vLLM's own RL interface.
 
 vLLM (≥ 0.32) loads weight-transfer backends from a registry
 (``vllm.distributed.weight_transfer.WeightTransferEngineFactory``); sprawl's package registers
-``"sprawl"`` there from a ``vllm.general_plugins`` entry point (:func:`register`), so installing
+``"sprawl"`` there from a ``vllm.general_plugins`` entry point
+(:mod:`policies.serve.backends.vllm_plugin`), so installing
 sprawl into the engine's environment and starting vLLM with ``--weight-transfer-config
 '{"backend": "sprawl"}'`` (and ``VLLM_SERVER_DEV_MODE=1`` for the routes) is all an operator
 adds. The sidecar (:mod:`policies.serve.backends.vllm_inplace`) then drives vLLM's routes::
 
     POST /init_weight_transfer_engine {"init_info": {}}            (once, on connect)
-    POST /start_weight_update → /update_weights {"update_info": {"path", "digest",
-        "prepare": true}} → /finish_weight_update {}              (staged: read and planned
-                                                                     on a thread, serving)
+    POST /start_weight_update → /update_weights {"update_info": {"path", "digest", "part"}}
+        → /finish_weight_update {}            (each part as its chunks land: read ahead on a
+                                               thread, the engine serving on)
     POST /pause?mode=keep → /start_weight_update
-    POST /update_weights {"update_info": {"path": …, "digest": …}}
+    POST /update_weights {"update_info": {"parts": [[path, digest], …]}}
     POST /finish_weight_update {"weight_version": "<sprawl version>"} → /resume
 
-``path`` is an engine patch (:mod:`policies.serve.backends.engine_patch`: per tensor the
-checkpoint positions written since the version the engine serves and each value's change, about
-the patch's size) that the sidecar wrote on the island.
+Each part is an engine patch (:mod:`policies.serve.backends.engine_patch`: the board's own patch
+frames the shadow applied, as they crossed the link) that the sidecar wrote on the island; the
+parts since the version the engine serves make the update.
 
 :meth:`~SprawlWeightTransferEngine.init_transfer_engine` learns, once per worker, where every
 checkpoint element lives in the worker's parameters: it loads the checkpoint the engine started
 from through the model's own ``load_weights`` and watches its final ``Tensor.copy_`` calls
 (:mod:`policies.serve.backends.param_map`), so fused parameters, tensor-parallel slices (each
 rank learns its own part) and tied heads are vLLM's business. An update then checks the file
-(digest, names, dtypes, positions), reads the old values at those positions from the
-parameters, checks their sum, adds the changes and writes them, all or nothing
+(digest, each frame's checksum, names, dtypes, shapes), reads the values at the positions each
+frame writes from the parameters, computes the new ones and checks them against the frame's
+target checksums, then writes them, all or nothing
 (:mod:`policies.serve.backends.engine_apply`); a tensor the map could not place goes through
 vLLM's own ``load_checkpoint_weight_patches`` from a copy the worker keeps.
 
@@ -51,7 +53,6 @@ import glob
 import json
 import os
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,22 +69,10 @@ from vllm.model_executor.model_loader.checkpoint_weight_patch import (
     load_checkpoint_weight_patches,
 )
 
-from policies.serve.backends.engine_apply import EngineWeights, Plan
-from policies.serve.backends.engine_patch import read
+from policies.serve.backends.engine_apply import EngineWeights, Updates, warm_up
 from policies.serve.backends.param_map import learn
 
 log = structlog.get_logger(__name__)
-BACKEND = "sprawl"
-
-
-def register() -> None:
-    """The ``vllm.general_plugins`` entry point: register the ``sprawl`` backend (once)."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(
-            BACKEND, __name__, SprawlWeightTransferEngine.__name__
-        )
 
 
 @dataclass
@@ -93,15 +82,16 @@ class SprawlInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
 
 @dataclass
 class SprawlUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
-    """One version's engine patch (its island-local path and the file's digest), or ``undo``: the
-    version whose update this worker is to take back (a no-op unless it was its last)."""
+    """One of: a part of an engine patch to read ahead (``path``, the file's ``digest`` and
+    ``part``, its place among the parts since the version the engine serves; returns at once),
+    the parts to write (``parts``: ``[path, digest]`` each, in order), or ``undo``: the version
+    whose update this worker is to take back (a no-op unless it was its last)."""
 
     path: str | None = None
     digest: str | None = None
+    part: int = 0
+    parts: list[list[str]] | None = None
     undo: int | None = None
-    prepare: bool = False
-    """Read and plan ``path`` on a thread of the worker's own, the engine serving on, and return
-    at once (the update of the same path and digest then only writes)."""
 
 
 def _checkpoint(model_dir: str, dtype: torch.dtype) -> dict[str, tuple[str, list[int]]]:
@@ -131,14 +121,12 @@ class SprawlWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.expected = _checkpoint(self.model_config.model, self.model_config.dtype)
-        self.weights: EngineWeights | None = None
-        self.reader = ThreadPoolExecutor(1, thread_name_prefix="sprawl-prepare")
-        self.prepared: tuple[str, str, Future[Plan]] | None = None
+        self.updates: Updates | None = None
 
     def init_transfer_engine(self, init_info: SprawlInitInfo) -> None:
         """Make every weight writable in place (on the CPU build: unpack) and learn where each
         checkpoint element lives; once per worker (the engine still on its startup weights)."""
-        if self.weights is not None:
+        if self.updates is not None:
             return
         packed = [
             m
@@ -162,7 +150,9 @@ class SprawlWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
             for name, t in _startup_weights(self.model_config.model, self.model_config.dtype)
             if name in pmap.unmapped
         }
-        self.weights = EngineWeights(pmap, copies, self._load_sparse)
+        weights = EngineWeights(pmap, copies, self._load_sparse)
+        self.updates = Updates(weights, self.expected)
+        warm_up()
         log.info(
             "vllm.weights_mapped",
             unpacked=len(emptied),
@@ -193,35 +183,24 @@ class SprawlWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: SprawlUpdateInfo) -> None:
-        """Apply the engine patch at ``path`` in place, all or nothing; or, with ``undo``, put
-        back what the update to that version overwrote here (if it was the last one)."""
-        weights = self.weights
-        if weights is None:
+        """Read a part ahead, write the parts of an engine patch in place (all or nothing), or
+        put back what the update to ``undo`` overwrote here (if it was the last one)."""
+        updates = self.updates
+        if updates is None:
             raise RuntimeError("init_weight_transfer_engine first: the weights are not mapped")
         if update_info.undo is not None:
-            weights.undo(update_info.undo)
-            return
-        path, digest = update_info.path, update_info.digest
-        if path is None or digest is None:
-            raise ValueError("update_info needs path and digest (or undo)")
-        if update_info.prepare:
-            self.prepared = (path, digest, self.reader.submit(self._plan, weights, path, digest))
-            return
-        prepared, self.prepared = self.prepared, None
-        plan = None
-        if prepared is not None and prepared[:2] == (path, digest):
-            plan = prepared[2].result()  # read while serving; waits if still reading
-        if plan is None or plan.generation != weights.generation:
-            plan = self._plan(weights, path, digest)
-        weights.commit(plan)
-
-    def _plan(self, weights: EngineWeights, path: str, digest: str) -> Plan:
-        version, tensors = read(path, digest, self.expected)
-        return weights.plan(version, tensors)
+            updates.undo(update_info.undo)
+        elif update_info.parts is not None:
+            updates.write([(str(p), str(d)) for p, d in update_info.parts])
+        elif update_info.path is not None and update_info.digest is not None:
+            updates.prepare(update_info.part, update_info.path, update_info.digest)
+        else:
+            raise ValueError("update_info needs parts, path and digest, or undo")
 
     def shutdown(self) -> None:
         """Stop the reader thread."""
-        self.reader.shutdown(wait=False, cancel_futures=True)
+        if self.updates is not None:
+            self.updates.close()
 
 
 def _recreate_weight(module: torch.nn.Module) -> None:

@@ -247,9 +247,9 @@ class SprawlWorkerExtension:
         (:meth:`~policies.serve.backends.engine_apply.EngineWeights.footprint`); ``mapped``
         false before ``/init_weight_transfer_engine`` or without that backend."""
         out: dict[str, Any] = {"mapped": False, "rank": int(getattr(self, "rank", 0))}
-        weights = getattr(getattr(self, "weight_transfer_engine", None), "weights", None)
-        if weights is not None:
-            out.update(mapped=True, **asdict(weights.footprint()))
+        updates = getattr(getattr(self, "weight_transfer_engine", None), "updates", None)
+        if updates is not None:
+            out.update(mapped=True, **asdict(updates.weights.footprint()))
         return out
 
     def _sprawl_undo(self) -> dict[str, Any]:

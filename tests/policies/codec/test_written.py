@@ -1,5 +1,6 @@
-"""Where patches wrote (policies.codec.written): the positions and old values an island turns
-into an engine patch, for single patches, chains, anchors and sharded versions."""
+"""What patches wrote (policies.codec.written): the frames an island hands its engine, replayed as
+an engine does (policies.serve.backends.engine_changes), for single patches, chains, anchors and
+sharded versions."""
 
 from __future__ import annotations
 
@@ -7,13 +8,17 @@ import itertools
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies.board import Board, BoardOptions, BoardReader, ShardedPublisher
 from policies.codec import apply_patch, encode_patch
+from policies.codec.digests import checksums
 from policies.codec.written import Written, recording
+from policies.serve.backends.engine_changes import changes
+from policies.serve.backends.engine_patch import engine_frames
 from tests.support.boards import adam_like_step
 
 State = dict[str, torch.Tensor]
@@ -28,16 +33,29 @@ def _state(seed: int) -> State:
     }
 
 
+def _units(t: torch.Tensor) -> np.ndarray:
+    return t.reshape(-1).view(torch.uint8).numpy().view(f"<u{t.element_size()}")
+
+
 def _replayed(base: State, written: Written, target: State) -> State:
-    """``base`` with the recorded positions set to ``target``'s values (what an engine does)."""
+    """``base`` moved by the recorded frames, read as an engine reads them (its values gathered
+    at the positions each frame writes and checked against the frame's target checksums)."""
     out = {k: v.clone() for k, v in base.items()}
-    for name in written.replaced:
-        out[name] = target[name].clone()
-    for name in written.parts:
-        ch = written.take(name, target[name])
-        flat = out[name].reshape(-1)
-        assert torch.equal(flat[ch.positions].view(torch.uint8), ch.old.view(torch.uint8))
-        flat[ch.positions] = ch.new
+    frames, replaced = engine_frames(written, target, checksums(base))
+
+    class Engine:  # holds every tensor whole, in place
+        def whole(self, name: str) -> np.ndarray:
+            return _units(out[name])
+
+        def gather(self, name: str, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            return np.ones(positions.size, dtype=bool), _units(out[name])[positions].copy()
+
+    found = changes(frames, replaced, Engine())
+    for name, (positions, new, _) in found.at.items():
+        _units(out[name])[positions] = new
+    for name, values in found.whole.items():
+        t = target[name]
+        out[name] = torch.from_numpy(values.view(np.uint8).copy()).view(t.dtype).reshape(t.shape)
     return out
 
 
@@ -61,17 +79,11 @@ def test_the_positions_a_patch_wrote_rebuild_the_target_from_the_base(
         apply_patch(view, patch)
     assert _same(view, target)
     assert not written.replaced
+    assert [f.data for f in written.frames] == [patch]  # the patch itself, nothing re-encoded
     assert _same(_replayed(base, written, target), target)
-    for name in written.parts:  # every value that changed is among the positions
-        changed = np.flatnonzero(
-            (base[name].reshape(-1).view(torch.uint8).reshape(base[name].numel(), -1)
-             != target[name].reshape(-1).view(torch.uint8).reshape(target[name].numel(), -1))
-            .any(dim=1).numpy()
-        )  # fmt: skip
-        assert set(changed) <= set(written.take(name, target[name]).positions.tolist())
 
 
-def test_a_chain_keeps_each_position_once_with_its_value_before_the_first_patch() -> None:
+def test_a_chain_replays_in_order_from_the_first_base() -> None:
     states = [_state(0)]
     for v in range(1, 4):
         states.append(adam_like_step(states[-1], v, density=0.2, float_noise=1e-3))
@@ -81,9 +93,8 @@ def test_a_chain_keeps_each_position_once_with_its_value_before_the_first_patch(
         with recording() as step:
             apply_patch(view, encode_patch(before, after))
         total.merge(step)
+    assert len(total.frames) == 3
     assert _same(_replayed(states[0], total, states[-1]), states[-1])
-    ch = total.take("a", states[-1]["a"])
-    assert torch.equal(ch.positions, torch.unique(ch.positions))
 
 
 def test_nothing_is_recorded_outside_a_recording_and_a_board_anchor_counts_whole(
@@ -98,23 +109,15 @@ def test_nothing_is_recorded_outside_a_recording_and_a_board_anchor_counts_whole
     with recording() as written:
         board.advance(view, None, 0)  # an anchor: every tensor replaced
     assert written.replaced == set(s0)
-    assert not written.parts
+    assert not written.frames
     with recording() as written:
         board.advance(view, 0, 1)
     assert not written.replaced
-    assert set(written.parts) <= set(s0)
+    assert written.frames
     assert _same(_replayed(s0, written, view), view)
 
 
-def test_pieces_of_a_sharded_version_are_recorded_in_their_full_tensor(tmp_path: Path) -> None:
-    inner = Written()
-    piece = torch.arange(12, dtype=torch.int64)  # piece (3, 4) at offset (2, 4) of (6, 8)
-    inner.add("w", np.array([0, 5, 11]), piece[[0, 5, 11]])
-    outer = Written()
-    outer.add_boxes(inner, {"w": ([3, 4], [2, 4], [6, 8])})
-    got = outer.take("w", torch.zeros(6, 8, dtype=torch.int64)).positions.tolist()
-    assert got == [2 * 8 + 4, 3 * 8 + 5, 4 * 8 + 7]
-
+def test_pieces_of_a_sharded_version_are_recorded_with_their_boxes(tmp_path: Path) -> None:
     pub = ShardedPublisher(str(tmp_path / "s"), "run")
     s0 = _state(0)
     s1 = adam_like_step(s0, 1, density=0.05, float_noise=1e-3)
@@ -126,8 +129,13 @@ def test_pieces_of_a_sharded_version_are_recorded_in_their_full_tensor(tmp_path:
     base = {k: v.clone() for k, v in view.items()}
     with recording() as written:
         reader.advance(view, 0, 1)
-    assert written.parts
+    assert written.frames
+    assert all(f.boxes for f in written.frames)
     assert _same(_replayed(base, written, view), view)
+    wrong = {k: v.clone() for k, v in base.items()}
+    wrong["a"].view(torch.int16)[:, :] ^= 1  # an engine not on the version the frames start from
+    with pytest.raises(ValueError, match="not the ones the patch starts from"):
+        _replayed(wrong, written, view)
 
 
 def test_a_tensor_new_to_the_patch_is_shipped_and_recorded_whole() -> None:
@@ -137,5 +145,5 @@ def test_a_tensor_new_to_the_patch_is_shipped_and_recorded_whole() -> None:
     view = {k: v.clone() for k, v in base.items()}
     with recording() as written:
         apply_patch(view, encode_patch(base, target))
-    assert written.replaced == {"d"}
-    assert _same(_replayed({**base, "d": torch.zeros(5)}, written, target), target)
+    assert not written.replaced  # the frame itself carries it whole
+    assert _same(_replayed(base, written, target), target)

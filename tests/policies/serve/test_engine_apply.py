@@ -1,5 +1,6 @@
-"""Engine patches applied in checkpoint coordinates to a model whose loader fuses, slices and
-converts as vLLM's do (param_map, engine_apply, engine_patch): exact, all or nothing."""
+"""Engine patches (the board's frames) applied in checkpoint coordinates to a model whose loader
+fuses, slices and converts as vLLM's do (param_map, engine_changes, engine_apply, engine_patch):
+exact, checked, all or nothing."""
 
 from __future__ import annotations
 
@@ -8,16 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from policies.codec import encode_patch
+from policies.codec.digests import checksums
+from policies.codec.written import Frame
 from policies.serve.backends.engine_apply import EngineWeights
-from policies.serve.backends.engine_patch import (
-    EngineTensor,
-    delta,
-    encode,
-    file_digest,
-    read,
-    unit_sum,
-    write,
-)
+from policies.serve.backends.engine_patch import encode, file_digest, read, whole_frame, write
 from policies.serve.backends.param_map import learn
 from tests.support.boards import adam_like_step
 
@@ -88,16 +84,15 @@ def _same(a: State, b: State) -> bool:
     )
 
 
-def _patch(base: State, target: State, tmp: Path) -> tuple[str, str]:
-    tensors = []
-    for name, t in target.items():
-        flat_b, flat_t = base[name].reshape(-1), t.reshape(-1)
-        pos = torch.nonzero(flat_b.view(torch.int16) != flat_t.view(torch.int16)).reshape(-1)
-        old, new = flat_b[pos], flat_t[pos]
-        tensors.append(
-            EngineTensor(name, tuple(t.shape), "delta", delta(old, new), pos, unit_sum(old))
-        )
-    data = encode(tensors, 1)
+def _frame(base: State, target: State, sums: bool = True) -> Frame:
+    """The board's patch ``base`` → ``target``, as the shadow keeps it."""
+    return Frame(encode_patch(base, target), checksums(base) if sums else None)
+
+
+def _patch(
+    frames: list[Frame], tmp: Path, replaced: frozenset[str] = frozenset()
+) -> tuple[str, str]:
+    data = encode(frames, set(replaced), 1)
     path = tmp / "p"
     write(path, data)
     return str(path), file_digest(data)
@@ -107,6 +102,11 @@ def _expected(ckpt: State) -> dict[str, tuple[str, list[int]]]:
     return {n: ("bfloat16", list(t.shape)) for n, t in ckpt.items()}
 
 
+def _changed(base: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    flat_b, flat_t = base.reshape(-1).view(torch.int16), target.reshape(-1).view(torch.int16)
+    return torch.nonzero(flat_b != flat_t).reshape(-1)
+
+
 def test_fused_sliced_and_converted_tensors_are_patched_exactly(tmp_path: Path) -> None:
     model, ckpt, loaded = FusedModel(), _checkpoint(0), []
     engine = _engine(model, ckpt, loaded)
@@ -114,34 +114,64 @@ def test_fused_sliced_and_converted_tensors_are_patched_exactly(tmp_path: Path) 
     assert {b.param for b in engine.map.boxes["k"]} == {"qkv"}
     assert _same(_held(model), _rank1(ckpt))
     target = adam_like_step(ckpt, 1, density=0.3)
-    path, digest = _patch(ckpt, target, tmp_path)
-    version, tensors = read(path, digest, _expected(ckpt))
-    engine.apply(version, tensors)
+    path, digest = _patch([_frame(ckpt, target)], tmp_path)
+    version, frames, replaced = read(path, digest, _expected(ckpt))
+    engine.apply(version, frames, replaced)
     assert _same(_held(model), _rank1(target))  # rank 1's rows only; the rest is rank 0's
     assert loaded == ["norm"]
     footprint = engine.footprint()
     assert footprint.held == {"q": 24, "k": 24, "v": 24, "embed": 60, "norm": 6}
     assert footprint.version == 1
-    assert footprint.offered == {t.name: t.values.numel() for t in tensors}
-    for t in tensors:  # of q, k and v, only the positions in rank 1's rows (24 … 47)
-        assert t.positions is not None
-        rows = (t.positions >= 24) & (t.positions < 48)
-        mine = rows if t.name in ("q", "k", "v") else torch.ones_like(t.positions, dtype=torch.bool)
-        assert footprint.written.get(t.name, 0) == int(mine.sum()), t.name
+    for name in ckpt:  # of q, k and v, only the positions in rank 1's rows (24 … 47)
+        pos = _changed(ckpt[name], target[name])
+        assert footprint.offered[name] >= pos.numel()  # a dense chunk offers all its units
+        rows = (pos >= 24) & (pos < 48) if name in ("q", "k", "v") else torch.ones_like(pos) > 0
+        assert footprint.written[name] >= int(rows.sum()), name
     assert engine.undo(1)
     assert engine.footprint().version is None
     assert _same(_held(model), _rank1(ckpt))
     assert not engine.undo(1)  # only the last update, once
 
 
+def test_a_chain_of_frames_and_a_tensor_replaced_whole_end_at_the_last_version(
+    tmp_path: Path,
+) -> None:
+    """Versions staged and not served yet travel as their frames in order; a tensor replaced
+    whole (an anchor) skips its frames and is written from the last one."""
+    model, ckpt, _ = FusedModel(), _checkpoint(0), []
+    engine = _engine(model, ckpt, [])
+    v1 = adam_like_step(ckpt, 1, density=0.2)
+    v2 = adam_like_step(v1, 2, density=0.2)
+    v2["embed"] = torch.randn(10, 6).to(BF16)  # as an anchor would bring it
+    frames = [_frame(ckpt, v1), _frame(v1, v2, sums=False), whole_frame({"embed": v2["embed"]})]
+    path, digest = _patch(frames, tmp_path, frozenset({"embed"}))
+    engine.apply(*read(path, digest, _expected(ckpt)))
+    assert _same(_held(model), _rank1(v2))
+
+
+def test_frames_of_pieces_are_written_into_their_tensors(tmp_path: Path) -> None:
+    """A sharded board's frames cover boxes of tensors (each rank's rows)."""
+    model, ckpt, _ = FusedModel(), _checkpoint(0), []
+    engine = _engine(model, ckpt, [])
+    target = adam_like_step(ckpt, 1, density=0.5)
+    frames = []
+    for lo, hi in ((0, 4), (4, 8)):  # two trainer ranks, four rows of q each
+        piece = {"q": ckpt["q"][lo:hi].clone()}
+        frame = _frame(piece, {"q": target["q"][lo:hi].clone()})
+        frames.append(Frame(frame.data, frame.base_checksums, {"q": ((4, 6), (lo, 0), (8, 6))}))
+    path, digest = _patch(frames, tmp_path)
+    engine.apply(*read(path, digest, _expected(ckpt)))
+    assert torch.equal(model.qkv[0:4].view(torch.int16), target["q"][4:8].view(torch.int16))
+
+
 def test_a_patch_for_other_weights_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     model, ckpt, loaded = FusedModel(), _checkpoint(0), []
     engine = _engine(model, ckpt, loaded)
-    target = adam_like_step(ckpt, 1, density=0.3)
-    path, digest = _patch(adam_like_step(ckpt, 9, density=0.3), target, tmp_path)  # another base
-    _, tensors = read(path, digest, _expected(ckpt))
+    other = adam_like_step(ckpt, 9, density=0.3)
+    frame = Frame(encode_patch(other, adam_like_step(other, 1, 0.3)), checksums(ckpt))
+    path, digest = _patch([frame], tmp_path)  # made from another base, checked as ours
     with pytest.raises(ValueError, match="not the ones the patch starts from"):
-        engine.apply(1, tensors)
+        engine.apply(*read(path, digest, _expected(ckpt)))
     assert _same(_held(model), _rank1(ckpt))
     assert loaded == []
 
@@ -153,49 +183,44 @@ def test_a_write_that_fails_midway_is_undone(tmp_path: Path) -> None:
     def broken(tensors: list[tuple[str, tuple[int, ...], torch.Tensor, torch.Tensor]]) -> None:
         raise RuntimeError("the loader raised")
 
-    target = adam_like_step(ckpt, 1, density=0.3)
-    path, digest = _patch(ckpt, target, tmp_path)
-    _, tensors = read(path, digest, _expected(ckpt))
+    path, digest = _patch([_frame(ckpt, adam_like_step(ckpt, 1, density=0.3))], tmp_path)
     engine.load_sparse = broken
     with pytest.raises(RuntimeError, match="the loader raised"):
-        engine.apply(1, tensors)
+        engine.apply(*read(path, digest, _expected(ckpt)))
     engine.load_sparse = lambda tensors: None
     assert _same(_held(model), _rank1(ckpt))
     assert engine.last is None
 
 
-@pytest.mark.parametrize(
-    "damage",
-    ["digest", "name", "position"],
-)
+@pytest.mark.parametrize("damage", ["digest", "frame", "name", "shape", "trailing"])
 def test_a_damaged_or_foreign_engine_patch_is_refused_naming_what(
     tmp_path: Path, damage: str
 ) -> None:
     ckpt = _checkpoint(0)
-    name = "embed" if damage != "name" else "nope"
-    pos = torch.tensor([3, 59 if damage != "position" else 60])
-    old = ckpt["embed"].reshape(-1)[pos % 60]
-    changes = delta(old, old * 2)
-    data = encode([EngineTensor(name, (10, 6), "delta", changes, pos, unit_sum(old))], 1)
-    path = tmp_path / "p"
-    write(path, data)
-    digest = file_digest(data) if damage != "digest" else "0" * 32
+    target = adam_like_step(ckpt, 1, density=0.3)
     expected = _expected(ckpt)
-    with pytest.raises(
-        ValueError, match={"digest": "digest", "name": "nope", "position": "past"}[damage]
-    ):
-        read(str(path), digest, expected)
+    if damage == "name":
+        expected.pop("embed")
+    if damage == "shape":
+        expected["embed"] = ("bfloat16", [6, 10])
+    data = encode([_frame(ckpt, target)], set(), 1)
+    if damage == "frame":  # a byte of the frame flipped, the file's digest made to match
+        data = data[:-40] + bytes([data[-40] ^ 1]) + data[-39:]
+    if damage == "trailing":
+        data += b"x"
+    write(tmp_path / "p", data)
+    digest = file_digest(data) if damage != "digest" else "0" * 32
+    match = {"digest": "digest", "frame": "checksum", "name": "embed", "shape": "embed"}
+    with pytest.raises(ValueError, match=match.get(damage, "after the last frame")):
+        read(str(tmp_path / "p"), digest, expected)
 
 
 def test_whole_tensors_are_copied_into_their_runs_and_undone(tmp_path: Path) -> None:
     model, ckpt, loaded = FusedModel(), _checkpoint(0), []
     engine = _engine(model, ckpt, loaded)
     target = _checkpoint(1)
-    tensors = [EngineTensor(n, tuple(t.shape), "dense", t.reshape(-1)) for n, t in target.items()]
-    data = encode(tensors, 1)
-    write(tmp_path / "p", data)
-    _, read_back = read(str(tmp_path / "p"), file_digest(data), _expected(ckpt))
-    engine.apply(1, read_back)
+    path, digest = _patch([whole_frame(target)], tmp_path, frozenset(target))
+    engine.apply(*read(path, digest, _expected(ckpt)))
     assert _same(_held(model), _rank1(target))
     assert loaded == ["norm"]
     assert engine.undo(1)

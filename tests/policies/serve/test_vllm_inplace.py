@@ -81,9 +81,8 @@ async def test_versions_are_patched_in_place_through_the_weight_transfer_routes(
             assert _same(fake.weights, board.load(v)[1])  # bit for bit
             assert fake.weight_version == str(v)
             sent = [c for c in fake.calls if c[0] == "/update_weights"][-1][1]["update_info"]
-            assert not await anyio.Path(
-                sent["path"]
-            ).exists()  # the island keeps no engine patch once it is live
+            for path, _ in sent["parts"]:  # the island keeps no engine patch once it is live
+                assert not await anyio.Path(path).exists()
         status, body = await generate(url, {"prompt_token_ids": [3, 4], "max_tokens": 2})
         assert status == 200
         assert body["policy_version"] == {"start": 3, "end": 3}
@@ -92,8 +91,10 @@ async def test_versions_are_patched_in_place_through_the_weight_transfer_routes(
     assert fake.calls[-1][0] != "/collective_rpc"
     assert "/collective_rpc" not in fake.paths()  # no private hook: vLLM's own routes
     updates = [b["update_info"] for p, b, _ in fake.calls if p == "/update_weights"]
-    assert [u.get("prepare", False) for u in updates] == [True, False] * 4  # read ahead, serving
-    assert all(u["path"] == v["path"] for u, v in zip(updates[::2], updates[1::2], strict=True))
+    writes = [u["parts"] for u in updates if "parts" in u]
+    assert len(writes) == 4  # version 0 whole, then 1, 2 and 3
+    read_ahead = [u["path"] for u in updates if "path" in u]  # as they landed, serving
+    assert [path for parts in writes for path, _ in parts] == read_ahead
 
 
 async def test_an_update_that_fails_midway_is_undone_before_generation_resumes(

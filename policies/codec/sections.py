@@ -1,0 +1,70 @@
+"""One section's changes read without its tensor: where they go, the values they store and the
+values they make.
+
+The shadow applies a section to a whole tensor (:func:`policies.codec.ops.apply_section`). An
+engine holds its weights elsewhere (fused, sliced; :mod:`policies.serve.backends.engine_changes`):
+it reads the section's positions and stored values (:func:`section_values`), gathers the values it
+holds there, and computes the new ones with :func:`untransform`, the inverse of
+:func:`policies.codec.ops.transform`.
+
+Guarantees: every function works in time proportional to the section (no pass over the tensor);
+a section that does not fit ``units`` raises ``ValueError``; positions and values come in the same
+order (sparse changes, bitmask changes, then every unit of the dense chunks), the order the
+compiled decoder writes them in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from policies.codec.ops import CODINGS, Coding, decode_positions, section_head
+
+I64 = npt.NDArray[np.int64]
+UInt = npt.NDArray[np.unsignedinteger[Any]]
+
+
+def _positions(data: bytes, units: int, chunk: int) -> tuple[I64, int]:
+    _, _, n_bm, lens, start = section_head(data)
+    buf = np.frombuffer(data, dtype=np.uint8)
+    nchunks = -(-units // chunk)
+    (sparse, bitmask), dense, end = decode_positions(
+        buf[start:], nchunks, units, chunk, [int(n) for n in lens], n_bm
+    )
+    spans = (dense[:, None] * chunk + np.arange(chunk, dtype=np.int64)).reshape(-1)
+    return np.concatenate([sparse, bitmask, spans[spans < units]]), start + end
+
+
+def section_values(data: bytes, units: int, chunk: int, width: int) -> tuple[I64, Coding, UInt]:
+    """A section's positions, its coding and the values it stores for them (unsigned integers of
+    ``width`` bytes, transformed by the coding)."""
+    positions, vstart = _positions(data, units, chunk)
+    code, n_vals = section_head(data)[:2]
+    if n_vals != positions.size or vstart + n_vals * width != len(data):
+        raise ValueError("section sizes do not add up")
+    planes = np.frombuffer(data, dtype=np.uint8, count=n_vals * width, offset=vstart)
+    planes = planes.reshape(width, n_vals)
+    dtype = np.dtype(f"<u{width}")
+    z = np.zeros(n_vals, dtype=dtype)
+    for k in range(width):
+        z |= planes[k].astype(dtype) << dtype.type(8 * k)
+    return positions, CODINGS[code], z
+
+
+def _unzigzag(z: UInt) -> UInt:
+    one = z.dtype.type(1)
+    return (z >> one) ^ (np.zeros_like(z) - (z & one))
+
+
+def untransform(b: UInt, z: UInt, coding: Coding) -> UInt:
+    """The target units from base units ``b`` and stored values ``z`` (inverse of
+    :func:`policies.codec.ops.transform`; exact in the units' bits)."""
+    if coding == "xor":
+        return b ^ z
+    if coding == "delta":
+        return b + _unzigzag(z)
+    sign = b.dtype.type(1 << (b.dtype.itemsize * 8 - 1))
+    ordered = np.where(b & sign, ~b, b | sign) + _unzigzag(z)
+    return np.where(ordered & sign, ordered ^ sign, ~ordered)
