@@ -94,8 +94,13 @@ class FakeTransferVLLM:
         if path == "/init_weight_transfer_engine":
             self.initialised = True
         elif path == "/start_weight_update":
-            if self.updating or not self.initialised:
-                return _error("start_weight_update while one is active, or not initialised")
+            if not self.initialised:
+                return _error("Weight transfer not initialized")
+            if self.updating:  # vLLM's words
+                return _error(
+                    "start_weight_update called while a weight update is already active. Call "
+                    "finish_weight_update first."
+                )
             self.updating = True
         elif path == "/update_weights":
             try:

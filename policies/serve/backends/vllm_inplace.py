@@ -5,31 +5,32 @@ The default way a vLLM island takes versions (``orchestrate sidecar --engine-kin
 "sprawl"}'``, :mod:`policies.serve.backends.vllm_transfer`). Generation is
 :class:`~policies.serve.backends.vllm.VLLMBackend`'s.
 
-**stage** advances the island's shadow with the board's patches while the engine serves, keeping
-the frames it applied (:func:`policies.codec.written.recording`), and writes the **engine patch**
-of everything applied since the version the engine serves
-(:mod:`policies.serve.backends.engine_patch`: those frames as they crossed the link, nothing
-re-encoded; a tensor an anchor replaced travels whole) as one island-local file under
-``work_dir``, which every worker reads and plans on a thread of its own while the engine serves (an
-update session with ``"prepare": true``). **apply** then drives vLLM's routes: ``/pause?mode=keep``
-(mode ``"pause"``; mode ``"wait"`` drained first) → ``/start_weight_update`` → ``/update_weights``
-→ ``/finish_weight_update`` with ``weight_version`` = the sprawl version → prefix cache reset →
-``/resume``, and checks ``/weight_info`` says that version. No full-view file is written or read
-per version.
+**stage** advances the island's shadow with the board's patches while the engine serves and hands
+each frame on as it is applied (:func:`policies.codec.written.recording`), while the rest of the
+patch still crosses the link: the frames are written as they came (nothing re-encoded) into
+**engine patch** parts of at least :data:`PART_BYTES` under ``work_dir``
+(:mod:`policies.serve.backends.engine_patch`), and every worker reads each part ahead on a thread
+of its own, checking it against its weights, while the engine serves
+(:class:`~policies.serve.backends.engine_apply.Updates`). A version's parts go in one
+weight-update session: ``/start_weight_update`` before its first part, ``/update_weights``
+``{"path", "digest", "part"}`` for each. A stage that replaced tensors whole (an anchor) hands on
+one part of everything since the version the engine serves instead. **apply** then drives
+vLLM's routes: ``/pause?mode=keep`` (mode ``"pause"``; mode ``"wait"`` drained first) →
+``/update_weights {"parts": …}`` (the writes alone) → ``/finish_weight_update`` with
+``weight_version`` = the sprawl version → prefix cache reset → ``/resume``, and checks
+``/weight_info`` says that version. No full-view file is written or read per version. A session
+left open by a sidecar that stopped is closed (label unchanged) before the next one opens.
 
-Each worker reads the values each frame changes from its own weights, computes the new ones and
-checks the tensors they make against the frame's target checksums before it writes anything
-(:mod:`policies.serve.backends.engine_apply`).
-
-All-or-nothing: a worker checks the file (digest, names, dtypes, positions, old values) before
-writing and undoes its own writes if one fails midway; the sidecar then asks every worker to take
-that update back (``{"undo": version}``: a worker that failed has nothing to take back) with the
-old ``weight_version``, before generation resumes. If that fails too, the engine is marked
-broken: every request is a 503 until it restarts. An engine that restarted (``/weight_info``
-no longer names the live version) gets the live view back whole (a dense engine patch) before it
-serves again (the shadow's copy rebuilt from the board first if it holds another version, a staged
-one then staged again). ``island_bytes`` counts what each version wrote and the workers read on the
-island (the engine patch, once written and once read per worker).
+All-or-nothing: each worker reads the values each frame changes from its own weights, computes
+the new ones and checks the tensors they make against the frame's target checksums before it
+writes anything, and undoes its own writes if one fails midway; the sidecar then asks every
+worker to take that update back (``{"undo": version}``: a worker that failed has nothing to take
+back) with the old ``weight_version``, before generation resumes. If that fails too, the engine
+is marked broken: every request is a 503 until it restarts. An engine that restarted
+(``/weight_info`` no longer names the live version) gets the live view back whole (a part of
+whole tensors) before it serves again (the shadow's copy rebuilt from the board first if it holds
+another version, a staged one then staged again). ``island_bytes`` counts what each version wrote
+and the workers read on the island (its parts, once written and once read per worker).
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class VLLMInplaceBackend(VLLMBackend):
         self.chain = Chain({})
         self.written_bytes = 0  # engine-patch bytes written since the live version
         self.ready: int | None = None  # the version whose parts are all handed on
+        self.updating = False  # a weight-update session is open on the engine
         self.board: Board | None = None
 
     async def connect(self) -> None:
@@ -163,7 +165,8 @@ class VLLMInplaceBackend(VLLMBackend):
         self.written_bytes += len(data)
         info = {"path": str(path), "digest": part.digest, "part": len(self.parts)}
         self.parts.append(part)
-        await self._send(info, None)
+        await self._open()
+        await self._call_session("/update_weights", {"update_info": info})
 
     def _advance(self, board: Board, version: int, landed: Callable[[Frame], None]) -> Written:
         with recording(landed) as written:
@@ -174,11 +177,35 @@ class VLLMInplaceBackend(VLLMBackend):
                 raise
         return written
 
+    async def _open(self) -> None:
+        """Open the weight-update session the parts are read ahead in, if it is not open: one
+        session from a version's first part to its write, so reading a part ahead is one call."""
+        if self.updating:
+            return
+        try:
+            await self.call("/start_weight_update", {})
+        except EngineError as exc:
+            if "already active" not in str(exc):
+                raise
+            # a session left open (by a sidecar that stopped midway): closed, label unchanged
+            await self.call("/finish_weight_update", {})
+            await self.call("/start_weight_update", {})
+        self.updating = True
+
+    async def _call_session(self, path: str, body: dict[str, Any]) -> None:
+        try:
+            await self.call(path, body)
+        except EngineError:
+            self.updating = False  # vLLM's worker ends the session on an error
+            raise
+
     async def _send(self, update_info: dict[str, Any], weight_version: str | None) -> None:
-        """One weight-update session; ``weight_version`` None leaves vLLM's label as it is."""
-        await self.call("/start_weight_update", {})
-        await self.call("/update_weights", {"update_info": update_info})
+        """The rest of a weight-update session (opened first if need be); ``weight_version`` None
+        leaves vLLM's label as it is."""
+        await self._open()
+        await self._call_session("/update_weights", {"update_info": update_info})
         label = {} if weight_version is None else {"weight_version": weight_version}
+        self.updating = False
         await self.call("/finish_weight_update", label)
 
     async def apply(self, version: int, mode: QuiesceMode) -> None:
@@ -250,6 +277,7 @@ class VLLMInplaceBackend(VLLMBackend):
         self.lost = True
         assert self.board is not None  # a version is live: it was staged from the board
         await self.call("/init_weight_transfer_engine", {"init_info": {}})
+        self.updating = False  # a restarted engine has none open
         view = await anyio.to_thread.run_sync(self.shadow.live_view, self.board)
         self.pending, self.parts, self.ready = Written(), [], None  # staged ones: staged again
         self.written_bytes = 0

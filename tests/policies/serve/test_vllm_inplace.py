@@ -87,7 +87,10 @@ async def test_versions_are_patched_in_place_through_the_weight_transfer_routes(
         assert status == 200
         assert body["policy_version"] == {"start": 3, "end": 3}
     order = [p for p in fake.paths() if p in (*ROUTES, "/resume", "/reset_prefix_cache")]
-    assert order[-6:] == [*ROUTES, "/reset_prefix_cache", "/resume"]
+    # one session a version: opened as its first part is read ahead, finished with its label
+    assert order[-5:] == ["/pause", *ROUTES[2:], "/reset_prefix_cache", "/resume"]
+    assert fake.paths().count("/start_weight_update") == 4
+    assert order[-6] == "/update_weights"  # the last part, read ahead before the pause
     assert fake.calls[-1][0] != "/collective_rpc"
     assert "/collective_rpc" not in fake.paths()  # no private hook: vLLM's own routes
     updates = [b["update_info"] for p, b, _ in fake.calls if p == "/update_weights"]
@@ -116,10 +119,24 @@ async def test_an_update_that_fails_midway_is_undone_before_generation_resumes(
         assert finished == ["0", "1", "1"]  # 0 came whole; the undo went in as 1 again
         undo = [b["update_info"] for p, b, _ in fake.calls if p == "/update_weights"][-1]
         assert undo == {"undo": 2}
-        last = fake.paths()[fake.paths().index("/pause", len(fake.paths()) - 9) :]
-        assert last[:8] == [*ROUTES[:3], *ROUTES[1:], "/resume"]  # undone inside the pause
+        paths = fake.paths()
+        undone = max(i for i, (p, b, _) in enumerate(fake.calls) if b == {"update_info": undo})
+        # the failed write, then the undo in a session of its own, inside the pause
+        assert paths[undone - 3 : undone + 3] == [*ROUTES[::2], *ROUTES[1:], "/resume"]
         await wait_version(url, 2, timeout_s=30)  # retried, and then it holds
         assert _same(fake.weights, board.load(2)[1])
+
+
+async def test_a_session_left_open_by_a_stopped_sidecar_is_closed_and_updates_go_on(
+    board: Board, tmp_path: Path
+) -> None:
+    fake = FakeTransferVLLM(board.load(0)[1])
+    fake.initialised = fake.updating = True  # a sidecar stopped while parts were read ahead
+    async with _serving(board, tmp_path, fake) as url:
+        _publish_step(board, 1)
+        await wait_version(url, 1)
+        assert _same(fake.weights, board.load(1)[1])
+    assert fake.weight_version == "1"
 
 
 async def test_an_engine_that_restarted_gets_the_live_version_back_whole(
