@@ -234,6 +234,8 @@ def _units(t: torch.Tensor) -> UInt:
 
 def _tensor(units: UInt, dtype: torch.dtype) -> torch.Tensor:
     """Unsigned integers back to values of ``dtype``."""
+    if not units.size:  # a box holding none of the positions (torch gives it no stride to view)
+        return torch.empty(0, dtype=dtype)
     return torch.from_numpy(np.ascontiguousarray(units).view(np.uint8).copy()).view(dtype)
 
 
