@@ -11,11 +11,23 @@ index — and keeps what it loaded, so a test compares it with the board's versi
 ``return_routed_experts`` gets ``meta_info.routed_experts`` as SGLang encodes it (base64 of
 ``int32`` ids for positions ``routed_experts_start_len … prompt + completion − 2``; id
 :func:`expert_of`); without it, such a request is a 400.
+
+With ``startup`` (the checkpoint it started from) it is an SGLang started with
+``--custom-weight-loader policies.serve.backends.sglang_loader.apply_engine_patch`` and
+``--tp-size tp``: ``tp`` workers of a tiny SGLang-like model (:mod:`tests.support.sglang_model`),
+and ``/update_weights_from_tensor`` does what SGLang's does — each rank's entry of
+``serialized_named_tensors`` base64-decoded and loaded with SGLang's allow-list unpickler, checked
+to be ``(name, tensor)`` pairs, the ``load_format`` refused unless registered, and the loader
+imported by name and called, unguarded, as ``loader(model, named_tensors)`` on every rank — then
+flushes and sets ``weight_version`` as SGLang does. ``damage`` / ``fail_rank`` damage the next
+engine patch / one rank's command on cue.
 """
 
 from __future__ import annotations
 
 import base64
+import importlib
+import io
 import json
 import time
 from collections.abc import AsyncIterator
@@ -30,7 +42,9 @@ import torch
 from aiohttp import web
 from safetensors.torch import load_file
 
+from policies.serve.backends.sglang_loader import COMMAND, LOADER, read_command
 from tests.support.lane import loopback
+from tests.support.sglang_model import AllowListUnpickler, SGLangLikeModel
 
 SAMPLING_FIELDS = {
     # SamplingParams' API fields (sampling/sampling_params.py); anything else is a TypeError there
@@ -74,6 +88,17 @@ UPDATE_FIELDS = {
     "flush_cache",
     "manifest",
 }
+TENSOR_FIELDS = {
+    # UpdateWeightsFromTensorReqInput (managers/io_struct.py)
+    "serialized_named_tensors",
+    "load_format",
+    "flush_cache",
+    "abort_all_requests",
+    "weight_version",
+    "disable_draft_model",
+    "torch_empty_cache",
+}
+PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 def expert_of(position: int, layer: int, k: int, experts: int) -> int:
@@ -109,6 +134,49 @@ class FakeSGLang:
     weight_version: str | None = None
     paused: bool = False
     routing: tuple[int, int, int] | None = None
+    startup: Path | None = None
+    """The checkpoint it started from: set, it takes in-place updates (module docstring)."""
+    tp: int = 1
+    converted: frozenset[str] = frozenset()
+    """Tensors its model loads through a converted copy (sprawl's loader cannot map them)."""
+    loaders: list[str] = field(default_factory=lambda: [LOADER])
+    """``--custom-weight-loader``."""
+    damage: int = 0
+    """That many upcoming ``apply`` commands find their engine patch damaged (a byte flipped)."""
+    fail_rank: int | None = None
+    """The next ``apply`` command reaches this rank with another digest (it refuses it)."""
+    refuse_undo: bool = False
+    """The next ``undo`` command is answered 400 without reaching the workers."""
+    crashed: str | None = None
+    """A loader's exception: SGLang's scheduler would have ended."""
+    flushes: int = 0
+    workers: list[SGLangLikeModel] = field(default_factory=list)
+    labelled: anyio.Event = field(default_factory=anyio.Event)
+    """Set (and replaced) whenever ``weight_version`` is set."""
+
+    def __post_init__(self) -> None:
+        if self.startup is not None:
+            self.restart()
+
+    def restart(self) -> None:
+        """As a restarted SGLang: new workers on the startup checkpoint, label ``default``."""
+        assert self.startup is not None
+        self.workers = [
+            SGLangLikeModel(self.startup, r, self.tp, self.converted) for r in range(self.tp)
+        ]
+        self.weight_version = "default"
+
+    def _server_info(self) -> dict[str, Any]:
+        """Some of SGLang's server arguments, as ``/get_server_info`` lists them."""
+        return {
+            "enable_return_routed_experts": self.routing is not None,
+            "version": "0.5.9",
+            "model_path": str(self.startup) if self.startup is not None else "m",
+            "tp_size": self.tp,
+            "pp_size": 1,
+            "dp_size": 1,
+            "custom_weight_loader": self.loaders if self.startup is not None else [],
+        }
 
     def bodies(self, path: str) -> list[Any]:
         return [c[1] for c in self.calls if c[0] == path]
@@ -163,6 +231,54 @@ class FakeSGLang:
         message = "Succeeded to update model weights."
         return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
 
+    def _from_tensor(self, body: dict[str, Any]) -> web.Response:
+        unknown = set(body) - TENSOR_FIELDS
+        if unknown:
+            return web.json_response({"detail": f"unknown {unknown}"}, status=422)
+        fmt = body.get("load_format")
+        entries = body["serialized_named_tensors"]
+        if fmt not in self.loaders or not self.workers or len(entries) < len(self.workers):
+            message = f"Invalid update_weights_from_tensor payload: load_format={fmt}"
+            return web.json_response({"success": False, "message": message}, status=400)
+        module, name = str(fmt).rsplit(".", 1)
+        loader = getattr(importlib.import_module(module), name)
+        named = [rank_tensors(entry) for entry in entries[: len(self.workers)]]
+        if self.refuse_undo and read_command(named[0]).get("op") == "undo":
+            self.refuse_undo = False
+            return web.json_response({"success": False, "message": "boom"}, status=400)
+        self._tamper(named)
+        for worker, tensors in zip(self.workers, named, strict=True):
+            try:
+                loader(worker, tensors)
+            except Exception as exc:  # SGLang does not catch it: its scheduler ends
+                self.crashed = repr(exc)
+                return web.json_response({"detail": "scheduler died"}, status=500)
+        if body.get("flush_cache", True):
+            self.flushes += 1
+        if body.get("weight_version") is not None:
+            self.weight_version = body["weight_version"]
+        return web.json_response({"success": True, "message": "Success"})
+
+    def _tamper(self, named: list[list[tuple[str, torch.Tensor]]]) -> None:
+        command = read_command(named[0])
+        if command.get("op") != "apply":
+            return
+        if self.damage > 0:
+            self.damage -= 1
+            path = Path(command["path"])
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+        if self.fail_rank is not None:
+            wrong = {**read_command(named[self.fail_rank]), "digest": "0" * 32}
+            raw = bytearray(json.dumps(wrong).encode())
+            named[self.fail_rank] = [(COMMAND, torch.frombuffer(raw, dtype=torch.uint8))]
+            self.fail_rank = None
+
+    def held(self) -> list[dict[str, torch.Tensor]]:
+        """What every rank holds, in checkpoint form (its slices)."""
+        return [w.held() for w in self.workers]
+
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body: Any = await request.json() if request.can_read_body else None
         t0 = time.monotonic()
@@ -172,6 +288,18 @@ class FakeSGLang:
             reply = await self._generate(body)
         elif path == "/update_weights_from_disk":
             reply = await self._update(body)
+        elif path == "/update_weights_from_tensor":
+            reply = self._from_tensor(body)
+        elif path == "/update_weight_version":
+            self.weight_version = body["new_version"]
+            self.labelled.set()
+            self.labelled = anyio.Event()
+            message = f"Weight version updated to {body['new_version']}"
+            reply = web.json_response(
+                {"success": True, "message": message, "new_version": body["new_version"]}
+            )
+        elif path == "/pause_generation" and (body or {}).get("mode", "abort") not in PAUSE_MODES:
+            reply = web.json_response({"detail": "mode"}, status=422)
         elif path == "/pause_generation":
             self.paused = True
             reply = web.json_response(
@@ -186,10 +314,8 @@ class FakeSGLang:
             card = {"id": "m", "object": "model", "root": "m", "max_model_len": self.context_len}
             reply = web.json_response({"object": "list", "data": [card]})
         elif path == "/get_server_info":
-            reply = web.json_response(
-                {"enable_return_routed_experts": self.routing is not None, "version": "0.5.9"}
-            )
-        elif path == "/get_model_info":
+            reply = web.json_response(self._server_info())
+        elif path in ("/model_info", "/get_model_info"):
             reply = web.json_response(
                 {"model_path": "m", "is_generation": True, "weight_version": self.weight_version}
             )
@@ -197,6 +323,20 @@ class FakeSGLang:
             reply = web.Response(status=404)
         self.calls.append((path, body, t0, time.monotonic()))
         return reply
+
+
+def rank_tensors(entry: str) -> list[tuple[str, torch.Tensor]]:
+    """One rank's entry as SGLang reads it: base64, then its allow-list unpickler."""
+    named = AllowListUnpickler(io.BytesIO(base64.b64decode(entry, validate=True))).load()
+    if not all(
+        isinstance(p, tuple | list)
+        and len(p) == 2
+        and isinstance(p[0], str)
+        and isinstance(p[1], torch.Tensor)
+        for p in named
+    ):
+        raise ValueError("Invalid update_weights_from_tensor payload: (name, tensor) pairs")
+    return [(n, t) for n, t in named]
 
 
 @asynccontextmanager
