@@ -31,10 +31,12 @@ position. The shape comes from the run's ``config.json`` (read from the board at
 stage; before it, no routing is asked for). Not covered: models with dense layers among their
 MoE layers (SGLang reports a row for every layer).
 
-Versions: **stage** advances the island's :class:`~policies.serve.backends.shadow.Shadow` with
-patches from the board (the link carries patches, not checkpoints), then brings the directory
-``materialize_dir`` (which the SGLang server must be able to read) to the staged version by
-writing **only the tensors it does not hold yet**. The layout is one safetensors file per tensor,
+Versions (this class: ``--sglang-update disk``, the fallback for an SGLang without sprawl's loader;
+:mod:`policies.serve.backends.sglang_inplace` writes them in place, the default): **stage**
+advances the island's :class:`~policies.serve.backends.shadow.Shadow` with patches from the board
+(the link carries patches, not checkpoints), then brings the directory ``materialize_dir`` (which
+the SGLang server must be able to read) to the staged version by writing **only the tensors it
+does not hold yet**. The layout is one safetensors file per tensor,
 named by the tensor and its checksum (content addressed: a file never changes once written, so
 rewriting in place under a live engine never happens), next to the board's ``base/`` files
 (``config.json``, tokenizer; written once) and ``model.safetensors.index.json``. SGLang's loader
@@ -44,8 +46,9 @@ renames it into place and calls ``POST /update_weights_from_disk`` ``{model_path
 "safetensors", weight_version, flush_cache: true, abort_all_requests: false}`` →
 ``{success, message, num_paused_requests}`` (HTTP 400 when not ``success``). Mode ``"pause"``
 wraps it in ``POST /pause_generation {"mode": "retract"}`` … ``POST /continue_generation``
-(running requests go back to the queue and recompute their KV cache on the new weights); mode
-``"wait"`` drains first (the base class).
+(running requests go back to the queue and recompute their KV cache on the new weights; the flush
+under a retract pause needs sgl-project/sglang#31962, before which SGLang's update asserts on the
+refused flush); mode ``"wait"`` drains first (the base class).
 
 All-or-nothing: the previous version's files stay on disk until the engine has taken the new
 one. If the update fails, the previous index is put back and the engine reloads it
@@ -65,7 +68,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import structlog
@@ -84,6 +87,10 @@ from policies.wire.routing import from_int32, routing_rows
 
 log = structlog.get_logger(__name__)
 
+SGLangUpdate = Literal["inplace", "disk"]
+"""How an SGLang island takes a version: an engine patch through ``update_weights_from_tensor`` and
+sprawl's custom loader (:mod:`policies.serve.backends.sglang_inplace`), or the changed tensors
+through a directory and ``update_weights_from_disk`` (this module)."""
 INDEX = "model.safetensors.index.json"
 NEXT_INDEX = INDEX + ".next"
 WEIGHT_GLOB = "t-*.safetensors"
@@ -157,6 +164,8 @@ class SGLangBackend(HttpBackend):
         self._base_written = False
         self.routing = False
         """Whether the server returns MoE routing (``--enable-return-routed-experts``)."""
+        self.server_info: dict[str, Any] = {}
+        """``GET /get_server_info`` as :meth:`connect` read it (SGLang's server arguments)."""
         self._moe: tuple[int, int, int] | None = None
         """The run's model as SGLang captures its routing (:func:`moe_shape`)."""
 
@@ -173,7 +182,8 @@ class SGLangBackend(HttpBackend):
             msg = f"sglang /v1/models has no max_model_len: {out!r}"[:300]
             raise EngineUnavailable(msg) from None
         info = await self.call("/get_server_info")
-        self.routing = isinstance(info, dict) and info.get("enable_return_routed_experts") is True
+        self.server_info = info if isinstance(info, dict) else {}
+        self.routing = self.server_info.get("enable_return_routed_experts") is True
 
     # -- generation -----------------------------------------------------------------------------
     async def generate_one(self, req: GenerateRequest, seed: int | None) -> Sample:

@@ -3,6 +3,7 @@
     orchestrate sidecar --engine-url URL --engine-kind vllm|sglang|openai --board URL
         [--run NAME] [--port P] [--host H] [--token T] [--engine-api-key K]
         [--activation wait|pause] [--vllm-update inplace|reload] [--kv-on-update recompute|keep]
+        [--sglang-update inplace|disk]
         [--materialize-dir DIR]
         [--version N] [--model NAME]
         [--tls-cert PEM --tls-key PEM] [--parent-stdin]
@@ -52,7 +53,8 @@ from policies.serve.backends.base import HttpBackend
 from policies.serve.backends.llamacpp import LlamaCppBackend
 from policies.serve.backends.llamacpp_wire import LlamaOptions
 from policies.serve.backends.openai import OpenAIBackend
-from policies.serve.backends.sglang import SGLangBackend
+from policies.serve.backends.sglang import SGLangBackend, SGLangUpdate
+from policies.serve.backends.sglang_inplace import SGLangInplaceBackend
 from policies.serve.backends.shadow import check_view
 from policies.serve.backends.vllm import KVOnUpdate, VLLMBackend
 from policies.serve.backends.vllm_inplace import VLLMInplaceBackend
@@ -105,6 +107,7 @@ def make_backend(
     max_adapters: int | None = None,
     vllm_update: VLLMUpdate = "inplace",
     kv_on_update: KVOnUpdate = "recompute",
+    sglang_update: SGLangUpdate = "inplace",
 ) -> HttpBackend:
     """The backend of ``kind``; ``max_adapters`` set: the board holds LoRA versions (vLLM only),
     that many resident."""
@@ -127,7 +130,14 @@ def make_backend(
         )
     common = {"model": model, "max_context": max_context, "api_key": api_key}
     if kind == "sglang":
-        return SGLangBackend(engine_url, materialize_dir=materialize_dir, **common)
+        if kv_on_update == "keep":
+            raise BoardError(
+                "--kv-on-update keep is vLLM's: SGLang cannot flush its prefix cache while "
+                "requests keep their KV in place, so new requests would reuse the old version's "
+                "(SGLang pauses with retract: recompute)"
+            )
+        sglang = SGLangInplaceBackend if sglang_update == "inplace" else SGLangBackend
+        return sglang(engine_url, materialize_dir=materialize_dir, **common)
     if kind == "vllm" and max_adapters is not None:
         return VLLMLoraBackend(
             engine_url, work_dir=materialize_dir, max_adapters=max_adapters, **common
@@ -163,6 +173,7 @@ async def serve_sidecar(
     max_adapters: int = 4,
     vllm_update: VLLMUpdate = "inplace",
     kv_on_update: KVOnUpdate = "recompute",
+    sglang_update: SGLangUpdate = "inplace",
     task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the sidecar until cancelled; ``started`` with the bound port. A board of LoRA
@@ -190,6 +201,7 @@ async def serve_sidecar(
             max_adapters=max_adapters if lora else None,
             vllm_update=vllm_update,
             kv_on_update=kv_on_update,
+            sglang_update=sglang_update,
         )
         try:
             await backend.connect()
@@ -243,7 +255,17 @@ def build_parser() -> argparse.ArgumentParser:
         choices=get_args(KVOnUpdate),
         default="recompute",
         help="vllm, --activation pause: the running requests' KV recomputed under the new "
-        "version (exact), or kept (faster; their later tokens come from stale KV)",
+        "version (exact), or kept (faster; their later tokens come from stale KV); sglang: "
+        "recompute only",
+    )
+    p.add_argument(
+        "--sglang-update",
+        choices=get_args(SGLangUpdate),
+        default="inplace",
+        help="sglang: the engine patch through update_weights_from_tensor and sprawl's loader "
+        "(the engine started with --custom-weight-loader "
+        "policies.serve.backends.sglang_loader.apply_engine_patch), or the changed tensors "
+        "through --materialize-dir and update_weights_from_disk",
     )
     p.add_argument("--poll-interval", type=float, default=1.0)
     p.add_argument(
@@ -338,6 +360,7 @@ def main(argv: list[str]) -> int:
                     max_adapters=args.max_adapters,
                     vllm_update=args.vllm_update,
                     kv_on_update=args.kv_on_update,
+                    sglang_update=args.sglang_update,
                     task_status=task_status,
                 )
             )

@@ -1,4 +1,6 @@
-"""The SGLang backend: a real sidecar and board in front of the scripted SGLang server.
+"""The SGLang backend with ``--sglang-update disk`` (and its generation, which both update ways
+share): a real sidecar and board in front of the scripted SGLang server. The in-place way is
+``test_sglang_inplace.py``.
 
 Versions are real (published to a board of the tiny model); the fake loads the materialized
 directory as SGLang's loader would, so each activation is checked bit for bit against the board.
@@ -63,7 +65,9 @@ async def test_each_version_reaches_sglang_as_its_changed_tensors(
     with capture_logs() as logs:
         async with (
             sglang_server(fake) as engine,
-            standalone(board, "sglang", engine, materialize_dir=shared) as url,
+            standalone(
+                board, "sglang", engine, sglang_update="disk", materialize_dir=shared
+            ) as url,
         ):
             await wait_version(url, 0)
             inodes = {p.name: p.stat().st_ino for p in shared.glob("t-*.safetensors")}
@@ -104,7 +108,7 @@ async def test_a_failed_update_is_put_back_then_retried(board: Board, tmp_path: 
     names = sorted(board.manifest(0).tensors)
     async with (
         sglang_server(fake) as engine,
-        standalone(board, "sglang", engine, materialize_dir=shared) as url,
+        standalone(board, "sglang", engine, sglang_update="disk", materialize_dir=shared) as url,
     ):
         await wait_version(url, 0)
         fake.fail_updates = 1
@@ -131,7 +135,14 @@ async def test_an_engine_that_cannot_be_put_back_is_503_until_a_version_lands(
     fake = FakeSGLang()
     async with (
         sglang_server(fake) as engine,
-        standalone(board, "sglang", engine, materialize_dir=tmp_path / "s", activation=mode) as url,
+        standalone(
+            board,
+            "sglang",
+            engine,
+            sglang_update="disk",
+            materialize_dir=tmp_path / "s",
+            activation=mode,
+        ) as url,
     ):
         await wait_version(url, 0)
         fake.fail_updates = 2  # the update and the put-back
@@ -163,7 +174,9 @@ async def test_a_first_version_the_engine_refuses_is_409_meanwhile(
     fake = FakeSGLang(fail_updates=1)
     async with (
         sglang_server(fake) as engine,
-        standalone(board, "sglang", engine, materialize_dir=tmp_path / "s") as url,
+        standalone(
+            board, "sglang", engine, sglang_update="disk", materialize_dir=tmp_path / "s"
+        ) as url,
     ):
         state = await _get(f"{url}/v1/policy")
         if state["applied_version"] is None:
@@ -179,7 +192,9 @@ async def test_every_sampling_field_is_sent_and_log_probs_are_of_what_was_sample
     fake = FakeSGLang(context_len=333)
     async with (
         sglang_server(fake) as engine,
-        standalone(board, "sglang", engine, materialize_dir=tmp_path / "s") as url,
+        standalone(
+            board, "sglang", engine, sglang_update="disk", materialize_dir=tmp_path / "s"
+        ) as url,
     ):
         await wait_version(url, 0)
         models = await _get(f"{url}/v1/models")
@@ -230,7 +245,14 @@ async def test_activation_modes(
     fake = FakeSGLang(delay=0.6)
     async with (
         sglang_server(fake) as engine,
-        standalone(board, "sglang", engine, materialize_dir=tmp_path / "s", activation=mode) as url,
+        standalone(
+            board,
+            "sglang",
+            engine,
+            sglang_update="disk",
+            materialize_dir=tmp_path / "s",
+            activation=mode,
+        ) as url,
     ):
         await wait_version(url, 0)
         result: dict[str, Any] = {}
@@ -278,7 +300,9 @@ async def test_an_moe_models_routing_comes_back_in_the_lanes_form(
     prompt = [1, 2, 3, 4, 5]
     async with (
         sglang_server(fake) as engine,
-        standalone(board, "sglang", engine, materialize_dir=tmp_path / "s") as url,
+        standalone(
+            board, "sglang", engine, sglang_update="disk", materialize_dir=tmp_path / "s"
+        ) as url,
     ):
         await wait_version(url, 0)
         req = {"prompt_token_ids": prompt, "max_tokens": 3, "routed_experts_prompt_start": 2}
@@ -307,7 +331,9 @@ async def test_routing_is_asked_only_for_an_moe_model_of_a_server_that_returns_i
     fake = FakeSGLang(routing=(2, 2, 8))  # the server could, but the run's model is dense
     async with (
         sglang_server(fake) as engine,
-        standalone(board, "sglang", engine, materialize_dir=tmp_path / "s") as url,
+        standalone(
+            board, "sglang", engine, sglang_update="disk", materialize_dir=tmp_path / "s"
+        ) as url,
     ):
         await wait_version(url, 0)
         status, body = await generate(url, {"prompt_token_ids": [1, 2], "max_tokens": 2})
