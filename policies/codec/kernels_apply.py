@@ -206,10 +206,10 @@ def _check_varints(buf: U8, pstart: I64, lens: I64, n: int) -> int:
 
 @jit
 def _check_layout(
-    units: UInt, buf: U8, start: int, lens: I64, n_vals: int, n_bm: int, chunk: int
+    n: int, width: int, buf: U8, start: int, lens: I64, n_vals: int, n_bm: int, chunk: int
 ) -> int:
-    """Check modes, plane, bitmask and value sizes of a section; 0 or an :data:`ERRORS` code."""
-    n = units.size
+    """Check modes, plane, bitmask and value sizes of a section of a tensor of ``n`` units of
+    ``width`` bytes; 0 or an :data:`ERRORS` code."""
     nchunks = (n + chunk - 1) // chunk
     if start + nchunks > buf.size:
         return 1
@@ -244,7 +244,7 @@ def _check_layout(
             rank += 1
     if rank != n_bm:
         return 3
-    if expected != n_vals or off + n_bm * row + n_vals * units.itemsize != buf.size:
+    if expected != n_vals or off + n_bm * row + n_vals * width != buf.size:
         return 4
     return 0
 
@@ -267,7 +267,7 @@ def apply_changes(
     lengths; a two-lane ``acc`` takes the change of the units' ``sum-128`` checksum (empty:
     not tracked). Everything is checked first; on an error nothing has been written.
     """
-    err = _check_layout(units, buf, start, lens, n_vals, n_bm, chunk)
+    err = _check_layout(units.size, units.itemsize, buf, start, lens, n_vals, n_bm, chunk)
     nchunks = (units.size + chunk - 1) // chunk
     pstart = np.empty(lens.size, dtype=np.int64)
     off = start + nchunks
@@ -328,6 +328,66 @@ def apply_changes(
                     at[q] = lo + q
                 _write_block(units, at, m, buf, vstart, n_vals, j, coding, z, old, acc)
                 j += m
+    return 0
+
+
+@jit
+def read_section(
+    n: int,
+    width: int,
+    buf: U8,
+    start: int,
+    lens: I64,
+    n_vals: int,
+    n_bm: int,
+    chunk: int,
+    at: I64,
+    z: U64,
+) -> int:
+    """The positions (into ``at``) and stored values (into ``z``, ``n_vals`` each) of an
+    uncompressed section of a tensor of ``n`` units of ``width`` bytes, in the order
+    :func:`apply_changes` writes them (sparse, bitmask, then dense chunks), without the tensor;
+    0 or an :data:`ERRORS` code (checked as :func:`apply_changes` checks)."""
+    err = _check_layout(n, width, buf, start, lens, n_vals, n_bm, chunk)
+    nchunks = (n + chunk - 1) // chunk
+    pstart = np.empty(lens.size, dtype=np.int64)
+    off = start + nchunks
+    for k in range(lens.size):
+        pstart[k] = off
+        off += lens[k]
+    if err == 0:
+        err = _check_varints(buf, pstart, lens, n)
+    if err:
+        return err
+    cur = np.zeros(lens.size, dtype=np.int64)
+    pos = -1
+    j = 0
+    for i in range(lens[0] if lens.size else 0):
+        pos += _varint(buf, pstart, cur, i) + 1
+        at[j] = pos
+        j += 1
+    rank = 0
+    for c in range(nchunks):
+        if buf[start + c] == 2:
+            row = off + rank * (chunk // 8)
+            rank += 1
+            for i in range(chunk // 8):
+                byte = buf[row + i]
+                for bit in range(8):
+                    if byte >> bit & 1:
+                        at[j] = c * chunk + 8 * i + bit
+                        j += 1
+    for c in range(nchunks):
+        if buf[start + c] == 3:
+            for u in range(c * chunk, min((c + 1) * chunk, n)):
+                at[j] = u
+                j += 1
+    vstart = off + n_bm * (chunk // 8)
+    for q in range(n_vals):
+        v = ZERO
+        for k in range(width):
+            v |= np.uint64(buf[vstart + k * n_vals + q]) << np.uint64(8 * k)
+        z[q] = v
     return 0
 
 

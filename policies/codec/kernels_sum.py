@@ -133,3 +133,22 @@ def finish_sum(raw: U8, whole: int, acc: U64) -> U64:
         last[: raw.size - whole * 8] = raw[whole * 8 :]
         add_words(last.view("<u8"), whole, out)
     return out + np.uint64(raw.size)
+
+
+@jit
+def add_word_terms(words: U64, before: U64, after: U64, acc: U64) -> None:
+    """Add to the two lanes ``acc`` the change of the ``sum-128`` terms of the words with indices
+    ``words`` going from ``before`` to ``after``: how an engine that holds a tensor off the host,
+    or not in one piece, checks what it is about to write from the words it touches alone
+    (:mod:`policies.serve.backends.engine_changes`)."""
+    a = acc[0]
+    b = acc[1]
+    for q in range(words.size):
+        ka = SEED_A + words[q] * STEP_A
+        kb = SEED_B + words[q] * STEP_B
+        ta0, tb0 = sum_terms(before[q], ka, kb)
+        ta1, tb1 = sum_terms(after[q], ka, kb)
+        a += ta1 - ta0
+        b += tb1 - tb0
+    acc[0] = a
+    acc[1] = b

@@ -20,37 +20,25 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from policies.codec.ops import CODINGS, Coding, decode_positions, section_head
+from policies.codec.kernels_apply import ERRORS, read_section
+from policies.codec.ops import CODINGS, Coding, section_head
 
 I64 = npt.NDArray[np.int64]
 UInt = npt.NDArray[np.unsignedinteger[Any]]
 
 
-def _positions(data: bytes, units: int, chunk: int) -> tuple[I64, int]:
-    _, _, n_bm, lens, start = section_head(data)
-    buf = np.frombuffer(data, dtype=np.uint8)
-    nchunks = -(-units // chunk)
-    (sparse, bitmask), dense, end = decode_positions(
-        buf[start:], nchunks, units, chunk, [int(n) for n in lens], n_bm
-    )
-    spans = (dense[:, None] * chunk + np.arange(chunk, dtype=np.int64)).reshape(-1)
-    return np.concatenate([sparse, bitmask, spans[spans < units]]), start + end
-
-
 def section_values(data: bytes, units: int, chunk: int, width: int) -> tuple[I64, Coding, UInt]:
     """A section's positions, its coding and the values it stores for them (unsigned integers of
-    ``width`` bytes, transformed by the coding)."""
-    positions, vstart = _positions(data, units, chunk)
-    code, n_vals = section_head(data)[:2]
-    if n_vals != positions.size or vstart + n_vals * width != len(data):
-        raise ValueError("section sizes do not add up")
-    planes = np.frombuffer(data, dtype=np.uint8, count=n_vals * width, offset=vstart)
-    planes = planes.reshape(width, n_vals)
-    dtype = np.dtype(f"<u{width}")
-    z = np.zeros(n_vals, dtype=dtype)
-    for k in range(width):
-        z |= planes[k].astype(dtype) << dtype.type(8 * k)
-    return positions, CODINGS[code], z
+    ``width`` bytes, transformed by the coding), decoded by a compiled loop
+    (:func:`policies.codec.kernels_apply.read_section`)."""
+    code, n_vals, n_bm, lens, start = section_head(data)
+    at = np.empty(n_vals, dtype=np.int64)
+    z = np.empty(n_vals, dtype=np.uint64)
+    buf = np.frombuffer(data, dtype=np.uint8)
+    err = read_section(units, width, buf, start, lens, n_vals, n_bm, chunk, at, z)
+    if err:
+        raise ValueError(ERRORS[err])
+    return at, CODINGS[code], z.astype(f"<u{width}")
 
 
 def _unzigzag(z: UInt) -> UInt:

@@ -33,7 +33,8 @@ import numpy as np
 import structlog
 import torch
 
-from policies.codec.kernels_apply import read_changes
+from policies.codec import encode_patch
+from policies.codec.digests import checksums
 from policies.codec.written import Frame
 from policies.serve.backends.engine_changes import I64, Bools, Changes, UInt, changes
 from policies.serve.backends.engine_patch import Expected, read
@@ -107,7 +108,8 @@ class EngineWeights:
         if runs is None or len(runs) != 1 or runs[0][1:3] != (0, numel):
             return None
         param, _, _, at = runs[0]
-        return _units(self.map.params[param][at : at + numel])
+        p = self.map.params[param]
+        return _units(p[at : at + numel]) if p.device.type == "cpu" else None
 
     def gather(self, name: str, positions: I64) -> tuple[Bools, UInt]:
         """``name``'s values at ``positions`` as this engine holds them, and which it holds."""
@@ -119,7 +121,8 @@ class EngineWeights:
         held = np.zeros(positions.size, dtype=bool)
         vals: UInt | None = None
         for param, sel, flat in self.map.locate(name, where):
-            got = _units(self.map.params[param].index_select(0, flat))
+            p = self.map.params[param]
+            got = _units(p.index_select(0, flat.to(p.device)).cpu())
             if vals is None:
                 vals = np.zeros(positions.size, dtype=got.dtype)
             mask = sel if isinstance(sel, slice) else sel.numpy()
@@ -137,8 +140,9 @@ class EngineWeights:
         for param, sel, flat in self.map.locate(name, where):
             p = self.map.params[param]
             mask = sel if isinstance(sel, slice) else sel.numpy()
-            was = p[flat] if old is None else _tensor(old[mask], p.dtype)
-            out.append(_Write(param, name, flat, was, _tensor(new[mask], p.dtype)))
+            at = flat.to(p.device)
+            was = p.index_select(0, at) if old is None else _tensor(old[mask], p.dtype, p.device)
+            out.append(_Write(param, name, at, was, _tensor(new[mask], p.dtype, p.device)))
         return out
 
     def _whole(self, name: str, values: UInt) -> list[_Write]:
@@ -147,7 +151,7 @@ class EngineWeights:
             return self._writes(name, np.arange(values.size, dtype=np.int64), values, None)
         return [  # runs of its parameters: copies, no indices
             _Write(param, name, slice(at, at + end - first), p[at : at + end - first].clone(),
-                   _tensor(values[first:end], p.dtype))
+                   _tensor(values[first:end], p.dtype, p.device))
             for param, first, end, at in runs
             for p in [self.map.params[param]]
         ]  # fmt: skip
@@ -232,11 +236,12 @@ def _units(t: torch.Tensor) -> UInt:
     return t.contiguous().view(torch.uint8).numpy().view(f"<u{t.element_size()}")
 
 
-def _tensor(units: UInt, dtype: torch.dtype) -> torch.Tensor:
-    """Unsigned integers back to values of ``dtype``."""
+def _tensor(units: UInt, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """Unsigned integers back to values of ``dtype`` (on ``device``: the host's by default)."""
     if not units.size:  # a box holding none of the positions (torch gives it no stride to view)
-        return torch.empty(0, dtype=dtype)
-    return torch.from_numpy(np.ascontiguousarray(units).view(np.uint8).copy()).view(dtype)
+        return torch.empty(0, dtype=dtype, device=device)
+    host = torch.from_numpy(np.ascontiguousarray(units).view(np.uint8).copy()).view(dtype)
+    return host if device is None or device.type == "cpu" else host.to(device)
 
 
 @dataclass
@@ -317,6 +322,21 @@ class Updates:
 def warm_up() -> None:
     """Compile the codec kernels an update uses (numba compiles at first call), so the first
     version does not pay for it."""
-    units = np.zeros(8, dtype=np.uint16)
-    two = np.zeros(2, dtype=np.uint64)
-    read_changes(units, two, two, 0, two.copy(), two.copy(), two.copy())
+    base = torch.zeros(64, dtype=torch.bfloat16)
+    target = base.clone()
+    target[::7] = 1.0
+    frame = Frame(encode_patch({"w": base}, {"w": target}), checksums({"w": base}))
+    changes([frame], set(), _Units({"w": _units(base)}))
+
+
+class _Units:
+    """Tensors held whole, in place (what :func:`warm_up` reads)."""
+
+    def __init__(self, tensors: dict[str, UInt]) -> None:
+        self.tensors = tensors
+
+    def whole(self, name: str) -> UInt:
+        return self.tensors[name]
+
+    def gather(self, name: str, positions: I64) -> tuple[Bools, UInt]:
+        return np.ones(positions.size, dtype=bool), self.tensors[name][positions]

@@ -9,16 +9,17 @@ new values from the stored ones. Where the engine holds the record's tensor (or 
 tensor's ``sum-128`` checksum, moved by what the record writes, must give the record's target
 checksum from the frame's base checksum (:func:`policies.codec.kernels_apply.read_changes`,
 which reads only the words written): the engine is then known to hold the version the frame starts
-from, bit for bit where it writes, and the frame to be read right. A tensor held as one run of a
-parameter (or as a copy) is read in place; one held otherwise, or already changed by an earlier
-frame of the patch, is gathered whole for the check first. A tensor-parallel rank holding a slice
+from, bit for bit where it writes, and the frame to be read right. A tensor held on the host as
+one run of a parameter (or as a copy) is read in place; one held otherwise (on an accelerator, in
+several pieces) or already changed by an earlier frame of the patch has the 64-bit words around
+its changes gathered for the check. A tensor-parallel rank holding a slice
 of a tensor cannot check the whole tensor's sum: it writes the positions it holds, unchecked.
 ``full`` records are whole tensors (an anchor, a restart); aliases (a name sharing its primary's
 storage) are written through their primary. Names the patch writes whole are skipped in every
 frame but the last.
 
 Guarantees: nothing is written here (:class:`Held` only reads); a mismatch raises ``ValueError``
-naming the tensor. Cost: proportional to the frames, except the whole-tensor gathers above.
+naming the tensor. Cost: proportional to the frames, no pass over a tensor a ``patch`` writes.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import zstandard
 from policies.codec.digests import hex_lanes, lanes_hex
 from policies.codec.format import PatchHeader, TensorRecord, parse_patch
 from policies.codec.kernels_apply import read_changes
+from policies.codec.kernels_sum import add_word_terms
 from policies.codec.ops import CODINGS, Coding
 from policies.codec.sections import section_values, untransform
 from policies.codec.written import Box, Frame
@@ -138,9 +140,8 @@ def _patch(
     else:
         mine, old = out.values(held, rec.name, positions)
         new = untransform(old, z, coding)
-        if lanes is not None and mine.all():  # gathered whole: held elsewhere, or changed
-            everything = _moved(np.arange(rec.units, dtype=np.int64), box)
-            _read(out.values(held, rec.name, everything)[1], local, z, coding, lanes)
+        if lanes is not None and mine.all():  # held elsewhere, or changed: its words gathered
+            _word_change(out, held, rec, box, local, new, lanes)
     if lanes is not None and mine.all() and lanes_hex(lanes) != rec.checksum:
         raise ValueError(
             f"{rec.name}: the engine's values are not the ones the patch starts from "
@@ -159,6 +160,23 @@ def _read(units: UInt, local: I64, z: UInt, coding: Coding, lanes: U64 | None) -
     at = local.astype(np.uint64)
     read_changes(units, at, z.astype(np.uint64), CODINGS.index(coding), old, new, acc)
     return old.astype(units.dtype), new.astype(units.dtype)
+
+
+def _word_change(
+    out: Changes, held: Held, rec: TensorRecord, box: Box | None, local: I64, new: UInt, lanes: U64
+) -> None:
+    """Move ``lanes`` by writing ``new`` at ``local`` (sorted), from the 64-bit words they
+    touch, gathered (a word's units past the tensor's end are zero)."""
+    per = 8 // rec.width
+    w = local // per
+    words = w[np.append(True, w[1:] != w[:-1])] if w.size else w
+    mates = (words[:, None] * per + np.arange(per, dtype=np.int64)).reshape(-1)
+    inside = mates < rec.units
+    before = np.zeros(mates.size, dtype=new.dtype)
+    before[inside] = out.values(held, rec.name, _moved(mates[inside], box))[1]
+    after = before.copy()
+    after[np.searchsorted(words, w) * per + local % per] = new
+    add_word_terms(words.astype(np.uint64), before.view(np.uint64), after.view(np.uint64), lanes)
 
 
 def _whole(out: Changes, frame: Frame, rec: TensorRecord, data: bytes, held: Held) -> None:

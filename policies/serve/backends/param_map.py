@@ -193,7 +193,8 @@ def _holds(result: ParamMap, name: str, boxes: list[Box | None], ckpt: torch.Ten
         everything = torch.arange(ckpt.numel())
         flat = ckpt.reshape(-1)
         for param, inside, where in result.locate(name, everything):
-            got = result.params[param][where]
+            p = result.params[param]
+            got = p.index_select(0, where.to(p.device)).cpu()  # compared on the host
             if not torch.equal(got.view(torch.uint8), flat[inside].view(torch.uint8)):
                 return False
         return True

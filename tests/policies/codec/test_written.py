@@ -37,15 +37,17 @@ def _units(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy().view(f"<u{t.element_size()}")
 
 
-def _replayed(base: State, written: Written, target: State) -> State:
+def _replayed(base: State, written: Written, target: State, in_place: bool = True) -> State:
     """``base`` moved by the recorded frames, read as an engine reads them (its values gathered
-    at the positions each frame writes and checked against the frame's target checksums)."""
+    at the positions each frame writes and checked against the frame's target checksums), one
+    holding its tensors in place on the host or (``in_place`` false) elsewhere, as on an
+    accelerator."""
     out = {k: v.clone() for k, v in base.items()}
     frames, replaced = engine_frames(written, target, checksums(base))
 
     class Engine:  # holds every tensor whole, in place
-        def whole(self, name: str) -> np.ndarray:
-            return _units(out[name])
+        def whole(self, name: str) -> np.ndarray | None:
+            return _units(out[name]) if in_place else None
 
         def gather(self, name: str, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             return np.ones(positions.size, dtype=bool), _units(out[name])[positions].copy()
@@ -81,6 +83,7 @@ def test_the_positions_a_patch_wrote_rebuild_the_target_from_the_base(
     assert not written.replaced
     assert [f.data for f in written.frames] == [patch]  # the patch itself, nothing re-encoded
     assert _same(_replayed(base, written, target), target)
+    assert _same(_replayed(base, written, target, in_place=False), target)
 
 
 def test_a_chain_replays_in_order_from_the_first_base() -> None:
@@ -95,6 +98,11 @@ def test_a_chain_replays_in_order_from_the_first_base() -> None:
         total.merge(step)
     assert len(total.frames) == 3
     assert _same(_replayed(states[0], total, states[-1]), states[-1])
+    wrong = {k: v.clone() for k, v in states[0].items()}
+    wrong["b"].view(torch.int16)[:] ^= 1
+    for in_place in (True, False):  # checked, whether read in place or word by word
+        with pytest.raises(ValueError, match="not the ones the patch starts from"):
+            _replayed(wrong, total, states[-1], in_place)
 
 
 def test_nothing_is_recorded_outside_a_recording_and_a_board_anchor_counts_whole(
