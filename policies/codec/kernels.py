@@ -10,7 +10,10 @@ the unit's width and sign bit are compile-time constants (:func:`unit_bytes`,
 apply ~20% of its time. They release the GIL (``nogil``) so the codec runs
 them on its threads (:mod:`policies.codec.workers`), and are compiled on first use and cached on
 disk (``cache=True``): the first process pays the compile time once per unit width, later ones
-load the machine code.
+load the machine code. The cache lives under ``~/.cache/sprawl/numba/<numba version>`` unless
+``NUMBA_CACHE_DIR`` says otherwise: an engine's environment (vLLM's, which reads patches with these
+kernels) carries another numba release, and two releases sharing one ``__pycache__`` would each
+throw the other's machine code away and compile again in every process.
 Hot loops index arrays with unsigned integers: numba checks every signed index for wraparound
 (a negative index counts from the end), which keeps a loop from vectorizing.
 
@@ -20,6 +23,8 @@ Guarantees: the encoder kernels write exactly the layout the reference numpy enc
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import numba
@@ -39,6 +44,10 @@ _ONE = np.uint64(1)
 _BYTE = np.uint64(0xFF)
 _LOW7 = np.uint64(0x7F)
 _SEVEN = np.uint64(7)
+
+if not os.environ.get("NUMBA_CACHE_DIR"):  # before any kernel below is made (module docstring)
+    _CACHE = Path.home() / ".cache" / "sprawl" / "numba" / numba.__version__
+    numba.config.CACHE_DIR = str(_CACHE)  # type: ignore[attr-defined]  # numba's config is untyped
 
 _PREFETCH = np.uint64(512)
 """Words ahead of the compare that the scan prefetches (4 KiB)."""
