@@ -4,6 +4,8 @@ all-or-nothing when the engine fails midway or restarts."""
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -14,7 +16,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from policies.board import Board
+from policies.board import Board, failpoints
 from tests.support.boards import adam_like_step, tiny_board
 from tests.support.lane import (
     generate,
@@ -125,6 +127,35 @@ async def test_an_update_that_fails_midway_is_undone_before_generation_resumes(
         assert paths[undone - 3 : undone + 3] == [*ROUTES[::2], *ROUTES[1:], "/resume"]
         await wait_version(url, 2, timeout_s=30)  # retried, and then it holds
         assert _same(fake.weights, board.load(2)[1])
+
+
+async def test_a_damaged_version_is_refused_and_the_live_one_keeps_serving(
+    board: Board, tmp_path: Path
+) -> None:
+    """Every patch of version 2 is damaged on its way to the board: the stage fails (as the
+    sidecar's failure to count, not as a crash of the parts handed on meanwhile) and version 1
+    stays on the engine, bit for bit; version 3 then goes through."""
+    fake = FakeTransferVLLM(board.load(0)[1])
+    async with _serving(board, tmp_path, fake, at=1) as url:
+        rules = [
+            {"site": "board.write", "match": f"*/versions/00000002/{name}", "action": "corrupt"}
+            for name in ("*.patch", "model.safetensors")
+        ]
+        os.environ[failpoints.ENV] = json.dumps([{**rule, "times": 9} for rule in rules])
+        failpoints.reset()
+        view = adam_like_step(board.load(1)[1], 2, 0.02)
+        try:
+            board.publish(2, view, view_name="bfloat16")
+        finally:
+            del os.environ[failpoints.ENV]
+            failpoints.reset()
+        await wait_metric(url, "sprawl_version_failures_total", 1)
+        assert (await policy(url))["applied_version"] == 1
+        assert _same(fake.weights, board.load(1)[1])
+        assert fake.weight_version == "1"
+        board.publish(3, adam_like_step(view, 3, 0.02), view_name="bfloat16")  # from 2's view
+        await wait_version(url, 3)
+        assert _same(fake.weights, board.load(3)[1])
 
 
 async def test_a_session_left_open_by_a_stopped_sidecar_is_closed_and_updates_go_on(
