@@ -126,7 +126,7 @@ def _write_block(
 
 
 @jit
-def _varint(buf: U8, pstart: I64, cur: I64, i: int) -> int:
+def varint(buf: U8, pstart: I64, cur: I64, i: int) -> int:
     """Gap ``i`` of a checked section (its first byte in plane 0); advances the plane cursors.
 
     Branch-free: every plane is read (one byte past a plane's end at most, which is still
@@ -160,7 +160,7 @@ def _short_positions(
     ``at[:m]``; returns the last position and the cursor.
 
     The common case (every gap below 2**14: densities above ~0.05%) decoded with the cursor in
-    a register: :func:`_varint` keeps its cursors in an array, stored and reloaded per gap.
+    a register: :func:`varint` keeps its cursors in an array, stored and reloaded per gap.
     Like it, branch-free, reading at most one byte past plane 1 (still inside the section).
     """
     low7, seven, one = np.uint64(0x7F), np.uint64(7), np.uint64(1)
@@ -250,6 +250,23 @@ def _check_layout(
 
 
 @jit
+def checked_planes(
+    n: int, width: int, buf: U8, start: int, lens: I64, n_vals: int, n_bm: int, chunk: int
+) -> tuple[int, I64, int]:
+    """Check a section of a tensor of ``n`` units of ``width`` bytes (layout and gap planes):
+    ``(0 or an ERRORS code, where each gap plane starts, where the bitmasks start)``."""
+    err = _check_layout(n, width, buf, start, lens, n_vals, n_bm, chunk)
+    pstart = np.empty(lens.size, dtype=np.int64)
+    off = start + (n + chunk - 1) // chunk
+    for k in range(lens.size):
+        pstart[k] = off
+        off += lens[k]
+    if err == 0:
+        err = _check_varints(buf, pstart, lens, n)
+    return err, pstart, off
+
+
+@jit
 def apply_changes(
     units: UInt,
     buf: U8,
@@ -267,17 +284,12 @@ def apply_changes(
     lengths; a two-lane ``acc`` takes the change of the units' ``sum-128`` checksum (empty:
     not tracked). Everything is checked first; on an error nothing has been written.
     """
-    err = _check_layout(units.size, units.itemsize, buf, start, lens, n_vals, n_bm, chunk)
-    nchunks = (units.size + chunk - 1) // chunk
-    pstart = np.empty(lens.size, dtype=np.int64)
-    off = start + nchunks
-    for k in range(lens.size):
-        pstart[k] = off
-        off += lens[k]
-    if err == 0:
-        err = _check_varints(buf, pstart, lens, units.size)
+    err, pstart, off = checked_planes(
+        units.size, units.itemsize, buf, start, lens, n_vals, n_bm, chunk
+    )
     if err:
         return err
+    nchunks = (units.size + chunk - 1) // chunk
     vstart = off + n_bm * (chunk // 8)
     # Positions are produced a block at a time and then written by _write_block.
     cur = np.zeros(lens.size, dtype=np.int64)
@@ -296,7 +308,7 @@ def apply_changes(
             upos, c1 = _short_positions(buf, p0, p1, c1, np.uint64(j), m, upos, at)
         else:
             for q in range(m):
-                pos += _varint(buf, pstart, cur, j + q) + 1
+                pos += varint(buf, pstart, cur, j + q) + 1
                 at[q] = pos
         _write_block(units, at, m, buf, vstart, n_vals, j, coding, z, old, acc)
     j = n_sparse
@@ -329,79 +341,3 @@ def apply_changes(
                 _write_block(units, at, m, buf, vstart, n_vals, j, coding, z, old, acc)
                 j += m
     return 0
-
-
-@jit
-def read_section(
-    n: int,
-    width: int,
-    buf: U8,
-    start: int,
-    lens: I64,
-    n_vals: int,
-    n_bm: int,
-    chunk: int,
-    at: I64,
-    z: U64,
-) -> int:
-    """The positions (into ``at``) and stored values (into ``z``, ``n_vals`` each) of an
-    uncompressed section of a tensor of ``n`` units of ``width`` bytes, in the order
-    :func:`apply_changes` writes them (sparse, bitmask, then dense chunks), without the tensor;
-    0 or an :data:`ERRORS` code (checked as :func:`apply_changes` checks)."""
-    err = _check_layout(n, width, buf, start, lens, n_vals, n_bm, chunk)
-    nchunks = (n + chunk - 1) // chunk
-    pstart = np.empty(lens.size, dtype=np.int64)
-    off = start + nchunks
-    for k in range(lens.size):
-        pstart[k] = off
-        off += lens[k]
-    if err == 0:
-        err = _check_varints(buf, pstart, lens, n)
-    if err:
-        return err
-    cur = np.zeros(lens.size, dtype=np.int64)
-    pos = -1
-    j = 0
-    for i in range(lens[0] if lens.size else 0):
-        pos += _varint(buf, pstart, cur, i) + 1
-        at[j] = pos
-        j += 1
-    rank = 0
-    for c in range(nchunks):
-        if buf[start + c] == 2:
-            row = off + rank * (chunk // 8)
-            rank += 1
-            for i in range(chunk // 8):
-                byte = buf[row + i]
-                for bit in range(8):
-                    if byte >> bit & 1:
-                        at[j] = c * chunk + 8 * i + bit
-                        j += 1
-    for c in range(nchunks):
-        if buf[start + c] == 3:
-            for u in range(c * chunk, min((c + 1) * chunk, n)):
-                at[j] = u
-                j += 1
-    vstart = off + n_bm * (chunk // 8)
-    for q in range(n_vals):
-        v = ZERO
-        for k in range(width):
-            v |= np.uint64(buf[vstart + k * n_vals + q]) << np.uint64(8 * k)
-        z[q] = v
-    return 0
-
-
-@jit
-def read_changes(units: UInt, at: U64, z: U64, coding: int, old: U64, new: U64, acc: U64) -> None:
-    """Read units ``at`` (ascending) into ``old`` and the values the stored ``z`` make of them
-    (:func:`~policies.codec.kernels.inverse`) into ``new``, writing nothing; a two-lane ``acc``
-    takes the change of the units' ``sum-128`` checksum were they written (empty: not tracked).
-    How an engine that holds a tensor elsewhere reads a section's changes
-    (:mod:`policies.serve.backends.engine_changes`): each unit is read once."""
-    sign = sign_bit(units)
-    for q in range(at.size):  # the reads alone first: their (mostly DRAM) misses overlap
-        old[q] = units[at[q]]
-    for q in range(at.size):
-        new[q] = inverse(old[q], z[q], coding, sign)
-    if acc.size:
-        add_word_changes(units, at, old, new, at.size, acc)

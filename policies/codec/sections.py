@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from policies.codec.kernels_apply import ERRORS, read_section
+from policies.codec.kernels_apply import ERRORS
+from policies.codec.kernels_read import read_section
 from policies.codec.ops import CODINGS, Coding, section_head
 
 I64 = npt.NDArray[np.int64]
@@ -30,7 +31,7 @@ UInt = npt.NDArray[np.unsignedinteger[Any]]
 def section_values(data: bytes, units: int, chunk: int, width: int) -> tuple[I64, Coding, UInt]:
     """A section's positions, its coding and the values it stores for them (unsigned integers of
     ``width`` bytes, transformed by the coding), decoded by a compiled loop
-    (:func:`policies.codec.kernels_apply.read_section`)."""
+    (:func:`policies.codec.kernels_read.read_section`)."""
     code, n_vals, n_bm, lens, start = section_head(data)
     at = np.empty(n_vals, dtype=np.int64)
     z = np.empty(n_vals, dtype=np.uint64)

@@ -7,7 +7,7 @@ chunks), and for each ``patch`` record reads its section without the tensor
 the values held there now (the engine's, or what an earlier frame of this patch planned), and the
 new values from the stored ones. Where the engine holds the record's tensor (or piece) whole, the
 tensor's ``sum-128`` checksum, moved by what the record writes, must give the record's target
-checksum from the frame's base checksum (:func:`policies.codec.kernels_apply.read_changes`,
+checksum from the frame's base checksum (:func:`policies.codec.kernels_read.read_changes`,
 which reads only the words written): the engine is then known to hold the version the frame starts
 from, bit for bit where it writes, and the frame to be read right. A tensor held on the host as
 one run of a parameter (or as a copy) is read in place; one held otherwise (on an accelerator, in
@@ -34,7 +34,7 @@ import zstandard
 
 from policies.codec.digests import hex_lanes, lanes_hex
 from policies.codec.format import PatchHeader, TensorRecord, parse_patch
-from policies.codec.kernels_apply import read_changes
+from policies.codec.kernels_read import read_changes
 from policies.codec.kernels_sum import add_word_terms
 from policies.codec.ops import CODINGS, Coding
 from policies.codec.sections import section_values, untransform

@@ -1,6 +1,6 @@
 """A section read without its tensor (policies.codec.sections): positions, stored values and the
 values they make equal what the compiled decoder writes, and the checksum moved by them alone
-(kernels_apply.read_changes) is the target's."""
+(kernels_read.read_changes) is the target's."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from policies.codec import apply_patch, encode_patch
 from policies.codec.digests import hex_lanes, lanes_hex, tensor_checksum
 from policies.codec.format import parse_patch
-from policies.codec.kernels_apply import read_changes
+from policies.codec.kernels_read import read_changes
 from policies.codec.ops import CODINGS, transform
 from policies.codec.sections import section_values, untransform
 
