@@ -19,10 +19,15 @@ GPU GEMM layouts) — the check then leaves them unmapped.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import glob
+import json
+import os
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from safetensors import safe_open
 
 
 @dataclass(frozen=True)
@@ -200,3 +205,35 @@ def _holds(result: ParamMap, name: str, boxes: list[Box | None], ckpt: torch.Ten
         return True
     finally:
         del result.boxes[name]
+
+
+def _files(directory: str) -> list[str]:
+    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if not files:
+        raise ValueError(f"{directory}: no *.safetensors (not the checkpoint SGLang started from)")
+    return files
+
+
+def checkpoint_shapes(directory: str, dtype: torch.dtype) -> dict[str, tuple[str, list[int]]]:
+    """The checkpoint an engine started from (its directory's safetensors files): name → (the
+    dtype the engine serves it in, shape), from the files' headers alone."""
+    served = str(dtype).removeprefix("torch.")
+    found: dict[str, tuple[str, list[int]]] = {}
+    for path in _files(directory):
+        with open(path, "rb") as f:
+            meta: dict[str, Any] = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        meta.pop("__metadata__", None)
+        found.update({k: (served, v["shape"]) for k, v in meta.items()})
+    return found
+
+
+def checkpoint_tensors(
+    directory: str, dtype: torch.dtype, names: set[str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors (those in ``names``, if given), one at a time, in ``dtype``
+    (what an engine serves them in)."""
+    for path in _files(directory):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is no dict)
+                if names is None or name in names:
+                    yield name, f.get_tensor(name).to(dtype)

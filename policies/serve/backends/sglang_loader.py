@@ -54,11 +54,10 @@ check tensors on the CPU today); quantized weights; pipeline parallelism; models
 from __future__ import annotations
 
 import base64
-import glob
 import json
 import os
 import pickle
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -66,17 +65,15 @@ from weakref import WeakKeyDictionary
 
 import structlog
 import torch
-from safetensors import safe_open
 
 from policies.serve.backends.engine_apply import EngineWeights
-from policies.serve.backends.engine_patch import read
-from policies.serve.backends.param_map import learn
+from policies.serve.backends.engine_patch import Expected, read
+from policies.serve.backends.param_map import checkpoint_shapes, checkpoint_tensors, learn
 
 log = structlog.get_logger(__name__)
 LOADER = "policies.serve.backends.sglang_loader.apply_engine_patch"
 """What ``--custom-weight-loader`` names and every update's ``load_format`` is."""
 COMMAND = "sprawl.command"
-Expected = dict[str, tuple[str, list[int]]]
 
 
 def command_payload(command: dict[str, Any]) -> str:
@@ -161,8 +158,10 @@ def _learn(model: torch.nn.Module, checkpoint: str) -> _Worker:
     directory = _local(checkpoint)
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     load = cast(Callable[[list[tuple[str, torch.Tensor]]], object], model.load_weights)
-    pmap = learn(load, model.named_parameters(), _tensors(directory, dtype))
-    copies = {n: t.reshape(-1).clone() for n, t in _tensors(directory, dtype, pmap.unmapped)}
+    pmap = learn(load, model.named_parameters(), checkpoint_tensors(directory, dtype))
+    copies = {
+        n: t.reshape(-1).clone() for n, t in checkpoint_tensors(directory, dtype, pmap.unmapped)
+    }
 
     def reload(tensors: list[tuple[str, tuple[int, ...], torch.Tensor, torch.Tensor]]) -> None:
         """The model's own loader, for the tensors the map could not place: each whole, from
@@ -170,7 +169,7 @@ def _learn(model: torch.nn.Module, checkpoint: str) -> _Worker:
         load([(name, copies[name].view(shape)) for name, shape, _, _ in tensors])
 
     log.info("sglang_loader.weights_mapped", mapped=len(pmap.boxes), unmapped=sorted(pmap.unmapped))
-    return _Worker(EngineWeights(pmap, copies, reload), _headers(directory, dtype))
+    return _Worker(EngineWeights(pmap, copies, reload), checkpoint_shapes(directory, dtype))
 
 
 def _local(checkpoint: str) -> str:
@@ -181,36 +180,6 @@ def _local(checkpoint: str) -> str:
     from huggingface_hub import snapshot_download
 
     return str(snapshot_download(checkpoint, local_files_only=True))
-
-
-def _files(directory: str) -> list[str]:
-    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
-    if not files:
-        raise ValueError(f"{directory}: no *.safetensors (not the checkpoint SGLang started from)")
-    return files
-
-
-def _headers(directory: str, dtype: torch.dtype) -> Expected:
-    """Checkpoint name → (dtype served, shape), from the files' headers alone."""
-    served = str(dtype).removeprefix("torch.")
-    found: Expected = {}
-    for path in _files(directory):
-        with open(path, "rb") as f:
-            meta: dict[str, Any] = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        meta.pop("__metadata__", None)
-        found.update({k: (served, v["shape"]) for k, v in meta.items()})
-    return found
-
-
-def _tensors(
-    directory: str, dtype: torch.dtype, names: set[str] | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors (those in ``names``, if given), one at a time, in ``dtype``."""
-    for path in _files(directory):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is no dict)
-                if names is None or name in names:
-                    yield name, f.get_tensor(name).to(dtype)
 
 
 def _synchronize(model: torch.nn.Module) -> None:

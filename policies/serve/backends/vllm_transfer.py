@@ -49,16 +49,11 @@ attributes).
 
 from __future__ import annotations
 
-import glob
-import json
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 import torch
-from safetensors import safe_open
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -70,7 +65,7 @@ from vllm.model_executor.model_loader.checkpoint_weight_patch import (
 )
 
 from policies.serve.backends.engine_apply import EngineWeights, Updates, warm_up
-from policies.serve.backends.param_map import learn
+from policies.serve.backends.param_map import checkpoint_shapes, checkpoint_tensors, learn
 
 log = structlog.get_logger(__name__)
 
@@ -94,19 +89,6 @@ class SprawlUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
     undo: int | None = None
 
 
-def _checkpoint(model_dir: str, dtype: torch.dtype) -> dict[str, tuple[str, list[int]]]:
-    """``name → (dtype, shape)`` of the checkpoint the engine started from (headers only), each
-    in the dtype the engine serves (``dtype``; vLLM casts the checkpoint's to it)."""
-    served = str(dtype).removeprefix("torch.")
-    found: dict[str, tuple[str, list[int]]] = {}
-    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
-        with open(path, "rb") as f:
-            meta: dict[str, Any] = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        meta.pop("__metadata__", None)
-        found.update({k: (served, v["shape"]) for k, v in meta.items()})
-    return found
-
-
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight, bias)
 
@@ -120,7 +102,7 @@ class SprawlWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.expected = _checkpoint(self.model_config.model, self.model_config.dtype)
+        self.expected = checkpoint_shapes(self.model_config.model, self.model_config.dtype)
         self.updates: Updates | None = None
 
     def init_transfer_engine(self, init_info: SprawlInitInfo) -> None:
@@ -143,11 +125,11 @@ class SprawlWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
         pmap = learn(
             self.model.load_weights,
             self.model.named_parameters(),
-            _startup_weights(self.model_config.model, self.model_config.dtype),
+            checkpoint_tensors(self.model_config.model, self.model_config.dtype),
         )
         copies = {
             name: t.reshape(-1).clone()
-            for name, t in _startup_weights(self.model_config.model, self.model_config.dtype)
+            for name, t in checkpoint_tensors(self.model_config.model, self.model_config.dtype)
             if name in pmap.unmapped
         }
         weights = EngineWeights(pmap, copies, self._load_sparse)
@@ -223,12 +205,3 @@ def _recreate_weight(module: torch.nn.Module) -> None:
     bias = getattr(m, "bias", None)
     if isinstance(bias, torch.Tensor) and bias.dtype != m.params_dtype:
         bias.data = bias.data.to(m.params_dtype)
-
-
-def _startup_weights(model_dir: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the model directory's safetensors files, one at a time, in the dtype the
-    engine serves."""
-    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is no dict)
-                yield name, f.get_tensor(name).to(dtype)
