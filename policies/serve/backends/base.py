@@ -87,6 +87,10 @@ class EngineUnavailable(EngineError):
     """The external engine answered with an error or could not be reached."""
 
 
+STATUS_EVERY_S = 1.0
+"""How often a serving engine is asked which version it holds (a restart takes tens of seconds)."""
+
+
 class HttpBackend:
     """Gating, stamps and fan-out shared by the HTTP adapters."""
 
@@ -112,6 +116,17 @@ class HttpBackend:
         self._inflight = 0
         self._idle = anyio.Event()
         self._idle.set()
+        self.lost = False  # the engine went away: it may come back on its startup weights
+        self._asked = -STATUS_EVERY_S
+
+    def _status_due(self) -> bool:
+        """Whether to ask the engine which version it holds now: at once after it went away,
+        else at most every :data:`STATUS_EVERY_S`."""
+        now = anyio.current_time()
+        if not self.lost and now - self._asked < STATUS_EVERY_S:
+            return False
+        self._asked = now
+        return True
 
     # -- HTTP -----------------------------------------------------------------------------------
     @property

@@ -70,8 +70,6 @@ from policies.serve.decode import QuiesceMode
 from policies.wire.lane import GenerateRequest
 
 log = structlog.get_logger(__name__)
-STATUS_EVERY_S = 1.0
-"""How often a serving engine is asked which version it holds (a restart takes minutes)."""
 
 
 @dataclass(frozen=True)
@@ -114,9 +112,7 @@ class SGLangInplaceBackend(SGLangBackend):
         self.checkpoint = ""
         self.island_bytes: dict[int, int] = {}
         """Per version activated: bytes written plus read on the island's disk for it."""
-        self.lost = False  # the engine went away: it may come back on its startup weights
         self.paused = False  # generation is paused by this backend (left so while broken)
-        self._asked = -STATUS_EVERY_S
         self._updates = 0
         self._run = secrets.token_hex(4)  # results of another sidecar process never match
         self._result_bytes = 0  # the last update's results, written and read once each
@@ -302,10 +298,8 @@ class SGLangInplaceBackend(SGLangBackend):
         """An engine that restarted (on its startup checkpoint), or that a failed update left
         broken, gets the live view back whole before it serves again (asked at most once a
         second while nothing failed)."""
-        now = anyio.current_time()
-        if not self.lost and now - self._asked < STATUS_EVERY_S:
+        if not self._status_due():
             return
-        self._asked = now
         try:
             got = await self._engine_version()
         except EngineUnavailable:

@@ -60,7 +60,6 @@ from policies.serve.decode import QuiesceMode
 from policies.wire.lane import GenerateRequest
 
 log = structlog.get_logger(__name__)
-STATUS_EVERY_S = 1.0
 PREPARE_POLL_S = 0.005
 """How soon the sidecar first asks the workers whether the staged file is read (doubling to
 0.1 s)."""
@@ -105,9 +104,7 @@ class VLLMBackend(HttpBackend):
         """Generation through ``/inference/v1/generate`` (learnt by :meth:`connect`)."""
         self.shadow = Shadow("vllm")
         self.broken: str | None = None
-        self.lost = False  # the engine went away: it may come back on its startup weights
         self._digests: dict[int, str] = {}  # per staged or live version: its file's digest
-        self._asked = -STATUS_EVERY_S
         self.workers = 1
         self.island_bytes: dict[int, int] = {}
         """Per version activated: bytes written plus read on the island's disk for it (the
@@ -161,10 +158,8 @@ class VLLMBackend(HttpBackend):
         """Ask the workers what they serve; an engine that restarted (on its startup checkpoint)
         gets the live version back before it serves again. Requests are 503 meanwhile. Asked at
         most once a second while nothing failed (a restart takes tens of seconds)."""
-        now = anyio.current_time()
-        if not self.lost and now - self._asked < STATUS_EVERY_S:
+        if not self._status_due():
             return
-        self._asked = now
         try:
             out = await self.call("/collective_rpc", {"method": "sprawl_status", "args": []})
         except EngineUnavailable:

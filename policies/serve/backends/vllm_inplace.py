@@ -52,7 +52,7 @@ from policies.errors import EngineError
 from policies.serve.backends.base import EngineUnavailable
 from policies.serve.backends.engine_patch import Chain, build, encode, file_digest, live_sums, write
 from policies.serve.backends.shadow import Staged
-from policies.serve.backends.vllm import STATUS_EVERY_S, VLLMBackend
+from policies.serve.backends.vllm import VLLMBackend
 from policies.serve.decode import QuiesceMode
 
 log = structlog.get_logger(__name__)
@@ -260,10 +260,8 @@ class VLLMInplaceBackend(VLLMBackend):
     async def recover(self) -> None:
         """An engine that restarted (on its startup checkpoint) gets the live view back whole
         before it serves again (asked at most once a second while nothing failed)."""
-        now = anyio.current_time()
-        if not self.lost and now - self._asked < STATUS_EVERY_S:
+        if not self._status_due():
             return
-        self._asked = now
         try:
             got = await self._engine_version()
         except EngineUnavailable:

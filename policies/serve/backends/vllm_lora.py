@@ -34,7 +34,7 @@ from policies.board import Board
 from policies.errors import EngineError
 from policies.serve.adapters import PEFT_PREFIX, AdapterLRU, adapter_config, adapter_name
 from policies.serve.backends.base import EngineUnavailable
-from policies.serve.backends.vllm import ADAPTER, STATUS_EVERY_S, VLLMBackend
+from policies.serve.backends.vllm import ADAPTER, VLLMBackend
 from policies.serve.decode import Generation, OutOfBounds, QuiesceMode
 from policies.wire.lane import GenerateRequest, VersionBounds
 
@@ -99,10 +99,8 @@ class VLLMLoraBackend(VLLMBackend):
         """Load the resident adapters again if vLLM restarted without them (asked at most once
         a second while nothing failed)."""
         resident = self.lru.versions()
-        now = anyio.current_time()
-        if not resident or (not self.lost and now - self._asked < STATUS_EVERY_S):
+        if not resident or not self._status_due():
             return
-        self._asked = now
         try:
             out = await self.call("/v1/models")
         except EngineUnavailable:
