@@ -8,10 +8,12 @@ sidecar's own llama-server); the engine's sidecar reads the board through a seri
 ``--link-mbit`` Mbit/s, each read a round trip of ``--link-rtt-ms`` away (default 0;
 :class:`~orchestrator.bench.sync.ThrottledBoard`). Then ``--versions`` versions are published,
 each moving ``--density`` of the bf16 values by ±1 ulp (an Adam step). Per version: ``sync_s``
-(from the start of ``Board.publish`` to the sidecar serving it), ``board_bytes_read`` (what
-crossed the link to stage it), ``patch_bytes``, ``pause_ms`` (how long generation was held),
-``island_bytes`` (vLLM: bytes written plus read on the island's disk to hand the engine that
-version) and ``engine_weight_version`` (vLLM's ``/weight_info``). Per run: their p50s,
+(from the start of ``Board.publish`` to the sidecar serving it, which may come before the
+publish returns: the patches for replicas further behind are written after the commit),
+``board_bytes_read`` (what crossed the link to stage it), ``patch_bytes``, ``pause_ms`` (how
+long generation was held), ``island_bytes`` (vLLM: bytes written plus read on the island's disk
+to hand the engine that version) and ``engine_weight_version`` (vLLM's ``/weight_info``). Per
+run: their p50s,
 ``limit_ratio`` (the full checkpoint's link time ÷ ``sync_s`` p50, over full ÷ patch bytes: the
 share of what the bytes allow), ``decode_tokens_per_s`` (8 sampled requests of 64 tokens at
 once after the last version) and ``exact`` (greedy token ids and log probs of the live engine
@@ -44,9 +46,9 @@ import anyio
 import torch
 from prometheus_client import CollectorRegistry
 from safetensors.torch import load_file
-from transformers import AutoConfig
 
-from orchestrator.bench.sync import Link, ThrottledBoard, adam_step, add_link_flags, parse_flags
+from orchestrator.bench.sync import Link, ThrottledBoard, add_link_flags, parse_flags
+from orchestrator.bench.trainer import TrainerProcess
 from policies.board import Board, Manifest
 from policies.board.read import WEIGHTS
 from policies.serve.backends.base import HttpBackend
@@ -145,20 +147,11 @@ def _llamacpp(model: Path, work: Path) -> HttpBackend:
     )
 
 
-def bf16_view(model: Path) -> dict[str, torch.Tensor]:
-    """The bf16 served view of a model directory's weights (a tied head once, as the
-    embedding): what a bench publishes as version 0."""
-    weights = load_file(model / "model.safetensors")
-    tied = bool(AutoConfig.from_pretrained(model).tie_word_embeddings)
-    return {
-        k: w.to(torch.bfloat16)
-        for k, w in weights.items()
-        if not (tied and k == "lm_head.weight")  # shipped once, as the embedding
-    }
-
-
-def _publish(board: Board, version: int, view: dict[str, torch.Tensor]) -> Manifest:
-    return board.publish(version, view, view_name="bfloat16")
+async def _publish(
+    trainer: TrainerProcess, version: int, out: list[tuple[float, Manifest]], car: Sidecar
+) -> None:
+    out.append(await trainer.publish(version))
+    car.notify()
 
 
 async def _decode_tps(backend: Backend, concurrent: int = 8, tokens: int = 64) -> float:
@@ -205,14 +198,38 @@ async def run(
 ) -> dict[str, Any]:
     """One engine following ``versions`` versions (vLLM: taking them by ``update``)."""
     await anyio.Path(root).mkdir(parents=True, exist_ok=True)
-    pub = Board(str(root / "board"), "bench")
-    pub.create(model)
-    view = bf16_view(model)
-    pub.publish(0, view, view_name="bfloat16")
+    trainer = TrainerProcess(str(root / "board"), "bench", model, density)
+    await anyio.to_thread.run_sync(trainer.start)
+    try:
+        found = await _follow(kind, root, trainer, versions, mbit, poll_s, rtt_ms, update)
+    finally:
+        await anyio.to_thread.run_sync(trainer.close)
+    return {
+        "engine": kind,
+        "update": update if kind == "vllm" else None,
+        "model": str(model),
+        "link_mbit_s": mbit,
+        "link_rtt_ms": rtt_ms,
+        "density": density,
+        **found,
+    }
+
+
+async def _follow(
+    kind: str,
+    root: Path,
+    trainer: TrainerProcess,
+    versions: int,
+    mbit: float,
+    poll_s: float,
+    rtt_ms: float,
+    update: VLLMUpdate,
+) -> dict[str, Any]:
+    """The engine, its sidecar and the link, following the versions ``trainer`` publishes."""
+    pub = Board(str(root / "board"), "bench")  # read only: the trainer publishes
     start_dir = pub.materialize(0, root / "v0")
     full_bytes = (start_dir / WEIGHTS).stat().st_size
     link = Link(mbit, rtt_ms)
-    gen = torch.Generator().manual_seed(1)
     rows: list[dict[str, Any]] = []
     async with _engine(kind, start_dir, root, "live", update) as inner:
         backend = _Timed(inner)
@@ -226,17 +243,20 @@ async def run(
         async with anyio.create_task_group() as tg:
             await tg.start(car.run)
             for v in range(1, versions + 1):
-                view = adam_step(view, density, gen)
                 before = link.bytes
-                t0 = time.perf_counter()
-                manifest = await anyio.to_thread.run_sync(_publish, pub, v, view)
-                car.notify()
-                with anyio.fail_after(300):
-                    while True:
-                        if car.applied_version == v:
-                            break
-                        await anyio.sleep(poll_s / 4)
-                sync_s = time.perf_counter() - t0
+                published: list[tuple[float, Manifest]] = []
+                async with anyio.create_task_group() as publishing:
+                    # served once its patch from v-1 is committed: the patches for replicas
+                    # further behind are written after that, while it serves
+                    publishing.start_soon(_publish, trainer, v, published, car)
+                    with anyio.fail_after(300):
+                        while True:
+                            if car.applied_version == v:
+                                break
+                            await anyio.sleep(poll_s / 4)
+                    served = time.monotonic()
+                t0, manifest = published[0]
+                sync_s = served - t0
                 island = getattr(inner, "island_bytes", {})
                 rows.append(
                     {
@@ -259,12 +279,6 @@ async def run(
             await fresh.activate(versions, "wait")
         exact = live == await _answers(fresh)
     return {
-        "engine": kind,
-        "update": update if kind == "vllm" else None,
-        "model": str(model),
-        "link_mbit_s": mbit,
-        "link_rtt_ms": rtt_ms,
-        "density": density,
         **_figures(rows, full_bytes, mbit),
         "decode_tokens_per_s": decode_tps,
         "exact": exact,

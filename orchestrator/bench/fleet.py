@@ -30,8 +30,8 @@ import aiohttp
 import anyio
 from rich.console import Console
 
-from orchestrator.bench.engine_sync import bf16_view
 from orchestrator.bench.scheduler import throughput
+from orchestrator.bench.trainer import bf16_view
 from orchestrator.config import FleetConfig, RayFleetConfig, RayResourcesConfig
 from orchestrator.loop.client import HttpTransport
 from orchestrator.loop.fleet import fleet_supervisor

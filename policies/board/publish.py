@@ -26,11 +26,15 @@ fields (:func:`~policies.board.manifest.manifest_seal`), patch names and sizes i
 
 Guarantees:
 
-- patches are streamed: ``STREAM``, then each chunk as soon as it is encoded, so replicas
-  stage chunks while the rest is encoded (:mod:`policies.board.stream`);
-- bytes are durable before the pointer moves: data files, then the manifest, then the pointer,
-  each written atomically (local: temp file + fsync + rename + directory fsync; object stores:
-  one PUT per object, the pointer last);
+- the delta from the previous version is streamed: ``STREAM``, then each chunk as soon as it is
+  encoded, so replicas stage chunks while the rest is encoded (:mod:`policies.board.stream`);
+  the version is committed (manifest, pointer) as soon as the delta (and an anchor's file) is
+  durable, and only then are the catch-up patches written and the manifest written again with
+  them: a replica one version behind serves the version without waiting for patches it does not
+  need (a reader that read the manifest before plans without them);
+- bytes are durable before a manifest names them and before the pointer moves: data files, then
+  the manifest, then the pointer, each written atomically (local: temp file + fsync + rename +
+  directory fsync; object stores: one PUT per object);
 - the pointer only moves forward, and readers see only versions at or below it
   (:meth:`versions`, :meth:`load` refuse newer ones), so no reader observes a half-written
   version; a reader verifies what it reads anyway: every anchor tensor's xxh3-128 checksum, every
@@ -230,6 +234,15 @@ class Board(BoardReader):
     def _write(self, path: str, data: bytes) -> None:
         self.store.write(path, data)
 
+    def _write_in(self, vdir: str, rel: str, data: bytes) -> None:
+        self._write(f"{vdir}/{rel}", data)
+
+    def _write_manifest(self, vdir: str, manifest: Manifest) -> Manifest:
+        """``manifest`` sealed, and written."""
+        sealed = manifest.model_copy(update={"seal": manifest_seal(manifest)})
+        self._write(f"{vdir}/{MANIFEST}", sealed.model_dump_json(indent=1).encode())
+        return sealed
+
     # -- writing ---------------------------------------------------------------------------------
     def create(self, model_dir: Path) -> None:
         """Make ``base/`` hold exactly the static model files (config, tokenizer) of
@@ -271,18 +284,18 @@ class Board(BoardReader):
         bases = board_plan.patch_bases(version, latest, held, opts.catchup_levels)
         vdir = self._vdir(version)
         patches: dict[int, PatchRef] = {}
-        if bases:  # the previous version first: replicas holding it stage chunks as they land
-            order = sorted(bases, key=lambda b: (b != latest, -b))
-            stream = announce(
-                version, tensors, {b: held[b].digest for b in order}, uuid.uuid4().hex
-            )
+        order = sorted(bases, key=lambda b: (b != latest, -b))
+        write = partial(self._write_in, vdir)
+        if order:  # the previous version's patch, streamed: replicas holding it stage it
+            first = order[0]
+            stream = announce(version, tensors, {first: held[first].digest}, uuid.uuid4().hex)
             self._write(f"{self.root}/{STREAM}", stream.model_dump_json().encode())
             sums, patches = write_chunks(
                 stream,
-                {b: held[b].view for b in order},
+                {first: held[first].view},
                 tensors,
                 opts,
-                lambda rel, data: self._write(f"{vdir}/{rel}", data),
+                write,
                 scan_on=scan_on,
                 known=known,
             )
@@ -328,10 +341,17 @@ class Board(BoardReader):
             format=STREAM_FORMAT,
             base_files=file_entries(self.base_files()),
         )
-        manifest = manifest.model_copy(update={"seal": manifest_seal(manifest)})
-        self._write(f"{vdir}/{MANIFEST}", manifest.model_dump_json(indent=1).encode())
+        self._write_manifest(vdir, manifest)
         pointer = Pointer(version=version, digest=digest)
         self._write(f"{self.root}/POINTER", pointer.model_dump_json().encode())
+        if len(order) > 1:  # served already; then the patches for replicas further behind
+            later = announce(version, tensors, {b: held[b].digest for b in order[1:]}, stream.id)
+            views = {b: held[b].view for b in order[1:]}
+            _, more = write_chunks(later, views, tensors, opts, write, known=sums)
+            patches.update(more)
+            manifest = self._write_manifest(
+                vdir, manifest.model_copy(update={"patches": list(patches.values())})
+            )
         held = {**held, version: _Held(tensors, digest, sums)}
         self._held = {v: held[v] for v in board_plan.keep_views(version, held, opts.catchup_levels)}
         self._head = manifest

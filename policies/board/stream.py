@@ -3,12 +3,14 @@
 A publisher holding the previous view (:meth:`policies.board.Board.publish`) cuts the version's
 tensors into chunks (:func:`plan_chunks`: whole tensors in name order, names sharing a storage
 together, at least :data:`CHUNK_VIEW_BYTES` of view each) and announces them in the run's
-``STREAM`` object (:class:`~policies.board.types.Stream`: version, a new id, the bases and their
-digests, each chunk's tensor names and size limit). It then encodes the chunks one after
-another, each a complete sprawl patch frame of its tensors (:func:`policies.codec.encode_patch`
-with the base's digest and the target's checksums), and writes chunk ``i`` of the patch from
-``u`` to ``versions/<v>/from-<u:08d>/<i:05d>.patch`` (:func:`~policies.board.types.chunk_file`)
-as soon as it is encoded, while the next is encoded; the manifest (format
+``STREAM`` object (:class:`~policies.board.types.Stream`: version, a new id, the base (the
+previous version) and its digest, each chunk's tensor names and size limit; the catch-up patches
+written after the commit go through the same :func:`write_chunks`, unannounced). It then encodes
+the chunks one after another, each a complete sprawl patch frame of its tensors
+(:func:`policies.codec.encode_patch` with the base's digest and the target's checksums), and
+writes chunk ``i`` of the patch from ``u`` to ``versions/<v>/from-<u:08d>/<i:05d>.patch``
+(:func:`~policies.board.types.chunk_file`) as soon as it is encoded, while the next is encoded;
+the manifest (format
 :data:`~policies.board.types.STREAM_FORMAT`, each chunk's size and frame checksum under
 :attr:`~policies.board.types.PatchRef.chunks`) and then the pointer are written only once every
 chunk is durable.

@@ -321,6 +321,49 @@ def test_the_stream_is_announced_and_recorded_chunk_by_chunk(
         assert len(raw) == c.bytes <= stream.limits[i]
 
 
+def test_a_version_is_served_before_the_patches_for_replicas_further_behind_are_written(
+    make_board: MakeBoard, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the previous version's patch is streamed and committed (manifest, pointer) before
+    the version is servable; the patches from older versions follow, and the manifest is written
+    again with them (fails when every patch is encoded before the commit)."""
+    board = make_board()
+    views = [_view(0)]
+    for v in range(1, 4):
+        views.append(_step(views[-1], v))
+    for v in range(3):
+        board.publish(v, views[v], view_name="bfloat16")
+    written: list[str] = []
+    seen: dict[str, Manifest] = {}
+    write = board._write
+
+    def record(path: str, data: bytes) -> None:
+        write(path, data)
+        rel = path.removeprefix(f"{board.root}/")
+        written.append(rel)
+        if rel == "POINTER":  # what a replica reads the moment the version is committed
+            seen["at commit"] = make_board().manifest(3)
+
+    monkeypatch.setattr(board, "_write", record)
+    final = board.publish(3, views[3], view_name="bfloat16")
+    assert sorted(p.base for p in final.patches) == [0, 2]
+    pointer = written.index("POINTER")
+    assert all("from-00000000" not in w for w in written[:pointer]), written
+    assert any("from-00000000" in w for w in written[pointer:]), written
+    assert written[-1] == "versions/00000003/manifest.json"
+    assert [p.base for p in seen["at commit"].patches] == [2]
+    assert seen["at commit"].digest == final.digest
+    stream = make_board().stream()
+    assert stream is not None
+    assert stream.bases == {2: board.manifest(2).digest}
+    fresh: State = {}
+    make_board().advance(fresh, None, 3)  # anchor 0, then the patch from it
+    assert _same(fresh, views[3])
+    behind = {k: t.clone() for k, t in views[0].items()}
+    make_board().advance(behind, 0, 3)
+    assert _same(behind, views[3])
+
+
 def _source_of(
     chunks: dict[str, bytes], stream: Stream, latest: list[int], reads: dict[str, float]
 ) -> board_stream.StreamSource:
