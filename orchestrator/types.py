@@ -34,6 +34,7 @@ StopReason = Literal[
     "context",  # the sequence reached the context limit (model.max_context, the engines')
     "episode_timeout",  # timeouts.episode_s elapsed; the partial trajectory is kept
     "env_error",  # user environment code raised; the error is recorded
+    "orchestrator_error",  # sprawl's own turn logic raised (a bug of ours); the error is recorded
     "model_error",  # every endpoint failed the call (after retry)
     "interrupted",  # the run was shut down while the episode was in flight
 ]

@@ -12,6 +12,11 @@ Guarantees:
   cancellation of the run all end the episode with a stop reason and the partial trajectory
   (a cancelled episode lands in :attr:`EpisodeRunner.interrupted`, since cancellation must
   propagate);
+- only the environment's own calls (``initial_messages``, ``respond`` and the tools it runs,
+  ``score``, ``metadata``, ``total_reward``; a verifiers rollout) make an ``env_error``
+  (:func:`environment_code`); an exception in sprawl's own turn logic (chat rendering, tool-call
+  parsing, the pool) is sprawl's: logged with its traceback (``episode_orchestrator_error``),
+  counted (``sprawl_episodes_orchestrator_error``) and recorded as ``orchestrator_error``;
 - the environment's :meth:`~environments.base.Environment.metadata` of a finished episode is kept
   on it as JSON values (an exception there is the episode's error, like a reward function's).
 """
@@ -20,8 +25,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Literal
 
 import anyio
 import structlog
@@ -44,6 +50,43 @@ from policies.wire.tool_parsers import ToolParser
 from policies.wire.toolcalls import to_openai_message
 
 log = structlog.get_logger(__name__)
+
+
+class EnvironmentFailed(Exception):
+    """The environment's own code raised (the exception it raised is ``__cause__``)."""
+
+
+class OrchestratorFailed(Exception):
+    """Sprawl's own code raised inside a callback the environment's code called (a verifiers
+    rollout's model): kept sprawl's on its way out through the environment's code."""
+
+
+@contextmanager
+def environment_code(*passing: type[BaseException]) -> Iterator[None]:
+    """Run the environment's code: what it raises becomes :class:`EnvironmentFailed`, except a
+    failed model call, a failure already attributed and the ``passing`` types (sprawl's own
+    signals that cross the environment's code)."""
+    kept: tuple[type[BaseException], ...] = (
+        EndpointError,
+        EnvironmentFailed,
+        OrchestratorFailed,
+        *passing,
+    )
+    try:
+        yield
+    except kept:
+        raise
+    except Exception as exc:
+        raise EnvironmentFailed(str(exc)) from exc
+
+
+def _record(
+    where: Literal["environment", "orchestrator"], exc: BaseException, prefix: str = ""
+) -> ErrorRecord:
+    """The episode's error record of ``exc`` (what it wraps, for the markers above)."""
+    marked = isinstance(exc, EnvironmentFailed | OrchestratorFailed) and exc.__cause__
+    cause = exc.__cause__ if marked and exc.__cause__ is not None else exc
+    return ErrorRecord(where=where, type=type(cause).__name__, message=f"{prefix}{cause}")
 
 
 def _jsonable(metadata: Mapping[str, Any]) -> dict[str, Any]:
@@ -140,42 +183,35 @@ class EpisodeRunner:
                 )
                 log.info("episode_interrupted")
                 raise
-            except Exception as exc:  # user environment code: recorded as data, never a crash
-                stop, error = (
-                    "env_error",
-                    ErrorRecord(where="environment", type=type(exc).__name__, message=str(exc)),
-                )
+            except EnvironmentFailed as exc:  # user environment code: data, never a crash
+                stop, error = "env_error", _record("environment", exc)
+            except Exception as exc:  # sprawl's own turn logic: a bug of ours, not the user's
+                log.exception("episode_orchestrator_error")
+                stop, error = "orchestrator_error", _record("orchestrator", exc)
             rewards: dict[str, float] = {}
+            reward = 0.0
             if error is None:
                 state.stop_reason = stop
-                try:
-                    rewards = await self.env.score(state)
-                except Exception as exc:  # a reward function's bug is the episode's error
-                    stop, error = (
-                        "env_error",
-                        ErrorRecord(
-                            where="environment", type=type(exc).__name__, message=f"reward: {exc}"
-                        ),
-                    )
+                try:  # a reward function's bug is the episode's error
+                    with environment_code():
+                        rewards = await self.env.score(state)
+                        reward = self.env.total_reward(rewards) if rewards else 0.0
+                except EnvironmentFailed as exc:
+                    rewards, reward = {}, 0.0
+                    stop, error = "env_error", _record("environment", exc, "reward: ")
             metadata: dict[str, Any] = {}
-            try:
-                metadata = _jsonable(self.env.metadata(state))
-            except Exception as exc:  # user code, like a reward function
+            try:  # user code, like a reward function
+                with environment_code():
+                    metadata = _jsonable(self.env.metadata(state))
+            except EnvironmentFailed as exc:
                 if error is None:
-                    stop, error = (
-                        "env_error",
-                        ErrorRecord(
-                            where="environment",
-                            type=type(exc).__name__,
-                            message=f"metadata: {exc}",
-                        ),
-                    )
+                    stop, error = "env_error", _record("environment", exc, "metadata: ")
             episode = Episode(
                 **rec,
                 messages=state.messages,
                 rewards=rewards,
                 metadata=metadata,
-                reward=self.env.total_reward(rewards) if rewards else 0.0,
+                reward=reward,
                 tool_calls=[
                     ToolCallRecord(name=c.name, arguments=c.arguments, result=r, error=e)
                     for c, r, e in state.tool_results
@@ -196,7 +232,8 @@ class EpisodeRunner:
         bounds: Callable[[], VersionBounds],
         seed: int | None,
     ) -> StopReason:
-        state.messages = list(self.env.initial_messages(task))
+        with environment_code():
+            state.messages = list(self.env.initial_messages(task))
         ids = self.chat.initial(state.messages)
         rec["token_ids"], rec["prompt_len"] = ids, len(ids)
         for turn in range(self.max_turns):
@@ -210,7 +247,8 @@ class EpisodeRunner:
                 tools=self.chat.tools,
             )
             state.messages.append(to_openai_message(parsed))
-            reply = await self.env.respond(state, parsed)
+            with environment_code():
+                reply = await self.env.respond(state, parsed)
             state.messages.extend(reply.messages)
             if reply.done:
                 return "done"

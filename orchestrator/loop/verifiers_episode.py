@@ -28,7 +28,8 @@ from typing import Any
 from environments.errors import EnvError
 from environments.types import EpisodeState
 from environments.verifiers_adapter import Sampled, StopKind, VerifiersEnvironment
-from orchestrator.loop.episode import EpisodeRunner
+from orchestrator.errors import EndpointError
+from orchestrator.loop.episode import EpisodeRunner, OrchestratorFailed, environment_code
 from orchestrator.types import StopReason
 from policies.wire.lane import VersionBounds
 from policies.wire.toolcalls import Message
@@ -61,7 +62,6 @@ class VerifiersRunner(EpisodeRunner):
         last: list[int] = []
 
         async def model(new: list[Message], tools: list[dict[str, Any]] | None) -> Sampled:
-            nonlocal last
             if (tools or None) != self.chat.tools:
                 names = [t["function"]["name"] for t in tools or []]
                 raise EnvError(
@@ -71,6 +71,15 @@ class VerifiersRunner(EpisodeRunner):
             state.turn = len(rec["segments"])
             if state.turn >= self.max_turns:
                 raise _Stopped("max_turns")
+            try:
+                return await sample(new)
+            except (EndpointError, _Stopped):
+                raise
+            except Exception as exc:  # sprawl's own: not the environment's, though it called
+                raise OrchestratorFailed(str(exc)) from exc
+
+        async def sample(new: list[Message]) -> Sampled:
+            nonlocal last
             if state.turn == 0:
                 ids.extend(self.chat.initial(new))
                 rec["prompt_len"] = len(ids)
@@ -96,7 +105,8 @@ class VerifiersRunner(EpisodeRunner):
             )
 
         try:
-            stop, rewritten = await self.env.rollout(state, model)
+            with environment_code(_Stopped):
+                stop, rewritten = await self.env.rollout(state, model)
         except _Stopped as stopped:
             return stopped.reason
         state.data[_REWRITTEN] = rewritten

@@ -157,6 +157,12 @@ class RunMetrics(NullEvents):
             "the model saw (their reasoning left out)",
             registry=r,
         )
+        self.orchestrator_errors = Counter(
+            "sprawl_episodes_orchestrator_error",
+            "Episodes ended by an exception in sprawl's own turn logic (a bug of ours, logged "
+            "with its traceback as episode_orchestrator_error)",
+            registry=r,
+        )
 
         self.by_length = {
             axis: Counter(
@@ -217,6 +223,7 @@ class RunMetrics(NullEvents):
                     self.groups_by_env.labels(f["environment"], f["decision"]).inc()
                 self.group_lag.observe(f["max_lag"])
                 self.history_rewritten.inc(f.get("history_rewritten", 0))
+                self.orchestrator_errors.inc(f.get("orchestrator_errors", 0))
                 self._decided(f)
             case "requeue":
                 self.requeued.inc()

@@ -132,6 +132,7 @@ class TrajectoryLog:
             max_lag=decision.max_lag,
             reason=decision.reason,
             history_rewritten=sum(e.history_rewritten for e in group.episodes),
+            orchestrator_errors=sum(e.stop_reason == "orchestrator_error" for e in group.episodes),
             # the group's longest episode: the length-bias guard's unit (staleness.length_bias)
             max_sampled_tokens=max((e.n_sampled for e in group.episodes), default=0),
             max_turns=max((len(e.segments) for e in group.episodes), default=0),

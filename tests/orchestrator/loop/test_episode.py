@@ -140,6 +140,64 @@ async def test_user_code_exception_is_recorded(tokenizer: PreTrainedTokenizerBas
     assert (episode.error.type, episode.error.message) == ("RuntimeError", "user bug")
 
 
+class _BrokenParser:
+    """A tool parser with a bug: sprawl's own turn logic, not the environment's."""
+
+    markers: tuple[str, ...] = ()
+
+    def parse(self, text: str, **_: Any) -> Any:
+        raise KeyError("parser bug")
+
+
+async def test_an_exception_in_sprawl_s_own_turn_logic_is_an_orchestrator_error(
+    tokenizer: PreTrainedTokenizerBase, caplog: pytest.LogCaptureFixture
+) -> None:
+    """(fails when the whole turn loop is caught as the environment's error)"""
+    t = ScriptedTransport({"a": 0}, replies=[_say(tokenizer, "hello")])
+    runner, pool = _runner(tokenizer, t)
+    runner.parser = _BrokenParser()  # type: ignore[assignment]
+    episode = await _episode(runner, pool)
+    assert episode.stop_reason == "orchestrator_error"
+    assert episode.error is not None
+    assert (episode.error.where, episode.error.type) == ("orchestrator", "KeyError")
+    assert len(episode.segments) == 1  # the call it made is kept
+
+
+class BadTotal(Calculator):
+    def total_reward(self, rewards: dict[str, float]) -> float:
+        raise ValueError("weights bug")
+
+
+class ExplodingTool(Calculator):
+    async def respond(self, state: Any, parsed: Any) -> Any:
+        raise OSError("tool host gone")
+
+
+@pytest.mark.parametrize(
+    ("env", "want"),
+    [
+        (BadTotal, ("ValueError", "reward: weights bug")),
+        (ExplodingTool, ("OSError", "tool host gone")),
+    ],
+)
+async def test_the_environment_s_own_calls_are_env_errors(
+    tokenizer: PreTrainedTokenizerBase, env: type[Calculator], want: tuple[str, str]
+) -> None:
+    """``total_reward`` raised out of the runner before it was inside the environment's calls."""
+    call = json.dumps({"name": "calculator", "arguments": {"expression": "1+1"}})
+    replies = [_say(tokenizer, f"<tool_call>\n{call}\n</tool_call>"), _say(tokenizer, "2")]
+    t = ScriptedTransport({"a": 0}, replies=replies)
+    runner, pool = _runner(tokenizer, t, env(CalculatorConfig(num_tasks=2)))
+    episode = await _episode(runner, pool)
+    assert episode.stop_reason == "env_error"
+    assert episode.error is not None
+    assert (episode.error.where, episode.error.type, episode.error.message) == (
+        "environment",
+        *want,
+    )
+    assert episode.reward == 0.0
+
+
 async def test_max_turns_ends_the_episode(tokenizer: PreTrainedTokenizerBase) -> None:
     call = json.dumps({"name": "calculator", "arguments": {"expression": "2*3"}})
     reply = _say(tokenizer, f"<tool_call>\n{call}\n</tool_call>")
