@@ -23,6 +23,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -34,6 +35,7 @@ import structlog
 from pydantic_core import to_jsonable_python
 
 from environments.base import Environment, EpisodeState
+from environments.errors import RewardError
 from orchestrator.errors import EndpointError
 from orchestrator.loop.pool import Pool
 from orchestrator.types import (
@@ -78,6 +80,14 @@ def environment_code(*passing: type[BaseException]) -> Iterator[None]:
         raise
     except Exception as exc:
         raise EnvironmentFailed(str(exc)) from exc
+
+
+def _check_finite(rewards: Mapping[str, float], total: float) -> None:
+    """Refuse a reward that is not a finite number (NaN or infinite: one such reward trained on
+    turns every parameter NaN), naming the component."""
+    for name, value in {**rewards, "total_reward": total}.items():
+        if not isinstance(value, int | float) or not math.isfinite(value):
+            raise RewardError(f"{name!r} returned {value!r}: a reward must be a finite number")
 
 
 def _record(
@@ -196,6 +206,7 @@ class EpisodeRunner:
                     with environment_code():
                         rewards = await self.env.score(state)
                         reward = self.env.total_reward(rewards) if rewards else 0.0
+                        _check_finite(rewards, reward)
                 except EnvironmentFailed as exc:
                     rewards, reward = {}, 0.0
                     stop, error = "env_error", _record("environment", exc, "reward: ")

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import pytest
 from transformers import PreTrainedTokenizerBase
 from trio.testing import MockClock
 
+from environments.base import EpisodeState, reward
 from environments.calculator import Calculator, CalculatorConfig
 from orchestrator.loop.episode import EpisodeRunner
 from orchestrator.loop.pool import Pool
@@ -196,6 +198,35 @@ async def test_the_environment_s_own_calls_are_env_errors(
         *want,
     )
     assert episode.reward == 0.0
+
+
+class NanReward(Calculator):
+    @reward(weight=1.0)
+    def correct(self, state: EpisodeState) -> float:
+        return math.nan
+
+
+class InfTotal(Calculator):
+    def total_reward(self, rewards: dict[str, float]) -> float:
+        return math.inf
+
+
+@pytest.mark.parametrize(
+    ("env", "named"), [(NanReward, "'correct' returned nan"), (InfTotal, "'total_reward'")]
+)
+async def test_a_non_finite_reward_is_an_environment_error_never_trained_on(
+    tokenizer: PreTrainedTokenizerBase, env: type[Calculator], named: str
+) -> None:
+    """(a NaN reward reached the trajectory log, whose writer refuses it: the run exited 1)"""
+    t = ScriptedTransport({"a": 0}, replies=[_say(tokenizer, "2")])
+    runner, pool = _runner(tokenizer, t, env(CalculatorConfig(num_tasks=2)))
+    episode = await _episode(runner, pool)
+    assert episode.stop_reason == "env_error"
+    assert episode.error is not None
+    assert episode.error.type == "RewardError"
+    assert named in episode.error.message
+    assert (episode.reward, episode.rewards) == (0.0, {})
+    json.dumps(episode.model_dump(mode="json"), allow_nan=False)  # what the log writer does
 
 
 async def test_max_turns_ends_the_episode(tokenizer: PreTrainedTokenizerBase) -> None:
