@@ -191,7 +191,7 @@ class EpisodeRunner:
                         finished_at=time.time(),
                     )
                 )
-                log.info("episode_interrupted")
+                log.debug("episode_interrupted")  # the run logs one line for all
                 raise
             except EnvironmentFailed as exc:  # user environment code: data, never a crash
                 stop, error = "env_error", _record("environment", exc)

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 import anyio
+import structlog
 
 from orchestrator.loop.batcher import Batcher
 from orchestrator.loop.scheduler import Scheduler
@@ -28,7 +29,23 @@ from orchestrator.loop.train_sink import Recorder, TrainerSink, consume, drain
 from orchestrator.record.events import STOPPED_UNFINISHED, STOPPED_UNTRAINED
 from orchestrator.types import Group
 
+log = structlog.get_logger(__name__)
+
 Leftovers = list[tuple[Group, str]]
+
+
+def log_in_flight(unfinished: Sequence[Group]) -> None:
+    """One line for the groups a stop found in flight (each episode's own line is debug:
+    ``episode_interrupted``); nothing when there were none."""
+    if not unfinished:
+        return
+    n = sum(e.stop_reason == "interrupted" for g in unfinished for e in g.episodes)
+    log.info(
+        f"{len(unfinished)} groups in flight at stop: {n} episodes interrupted, "
+        "recorded in the trajectory log",
+        groups=len(unfinished),
+        episodes_interrupted=n,
+    )
 
 
 async def rl_loop(
@@ -66,6 +83,8 @@ async def rl_loop(
             tg.cancel_scope.cancel()
     finally:
         leftovers = [(g, STOPPED_UNTRAINED) for g in drain(recv)]
-        leftovers += [(g, STOPPED_UNFINISHED) for g in scheduler.abandoned()]
+        unfinished = scheduler.abandoned()
+        leftovers += [(g, STOPPED_UNFINISHED) for g in unfinished]
+        log_in_flight(unfinished)
         if on_stop is not None:
             on_stop(leftovers)

@@ -11,6 +11,7 @@ import anyio
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from structlog.testing import capture_logs
 from transformers import PreTrainedTokenizerBase
 from trio.testing import MockClock
 
@@ -18,7 +19,7 @@ from environments.calculator import Calculator, CalculatorConfig
 from orchestrator.bench.simulate import calculator_runner
 from orchestrator.loop.batcher import Batcher
 from orchestrator.loop.pool import Pool
-from orchestrator.loop.rl import rl_loop
+from orchestrator.loop.rl import log_in_flight, rl_loop
 from orchestrator.loop.scheduler import Scheduler, VersionClock
 from orchestrator.loop.train_sink import drain
 from orchestrator.types import Batch, Group, GroupDecision, NullEvents
@@ -208,11 +209,19 @@ async def _cancel_mid_flight(tokenizer: PreTrainedTokenizerBase) -> None:
         seed=0,
     )
     send, recv = anyio.create_memory_object_stream[Group](max_buffer_size=2)
-    with anyio.move_on_after(2.0):
-        await sched.run(send)
-    drain(recv)
-    groups = sched.abandoned()
+    with capture_logs() as logs:
+        with anyio.move_on_after(2.0):
+            await sched.run(send)
+        drain(recv)
+        groups = sched.abandoned()
+        log_in_flight(groups)
     assert len(groups) == sched.admitted == 4  # (0 + 1 + max_lag) * groups_per_batch
+    # what a person sees at the stop: one line, the per-episode ones at debug
+    shown = [e for e in logs if e["log_level"] != "debug"]
+    assert [e["event"] for e in shown] == [
+        "4 groups in flight at stop: 12 episodes interrupted, recorded in the trajectory log"
+    ]
+    assert [e["log_level"] for e in logs if e["event"] == "episode_interrupted"] == ["debug"] * 4
     for g in groups:
         assert [e.id for e in g.episodes] == [f"{g.id}-{i}" for i in range(3)]
         assert {e.stop_reason for e in g.episodes} == {"interrupted"}
