@@ -52,6 +52,7 @@ from policies.model.chat_template import noted_tool_parser
 from policies.serve.decode import Generation
 from policies.serve.sidecar import Sidecar, stamps
 from policies.wire import tool_parsers
+from policies.wire.chat_tokens import control_texts, mark_control_text, plain_text_ids
 from policies.wire.lane import (
     ChatChoice,
     ChatCompletionRequest,
@@ -116,6 +117,7 @@ class OpenAIRoutes:
     ) -> None:
         self.sidecar = sidecar
         self.tokenizer = tokenizer
+        self._control = control_texts(tokenizer)
         template = getattr(tokenizer, "chat_template", None)
         if isinstance(template, dict):  # named templates ("default", "tool_use", …)
             template = "\n".join(str(t) for t in template.values())
@@ -208,9 +210,10 @@ class OpenAIRoutes:
         tools: list[dict[Any, Any] | Callable[..., Any]] | None = None
         if req.tools and req.tool_choice != "none":
             tools = [t.model_dump(exclude_none=True) for t in req.tools]
+        marked, texts = mark_control_text(messages, self._control)  # never control tokens
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=False
+                marked, tools=tools, add_generation_prompt=True, tokenize=False
             )
         except Exception as exc:  # jinja raises its own error types on unrenderable input
             raise BadRequest(f"messages cannot be rendered: {exc}", "messages") from None
@@ -219,7 +222,7 @@ class OpenAIRoutes:
             prefill = self.parser.prefill(req.tool_choice.function.name)
         elif req.tool_choice == "required":
             prefill = self.parser.prefill()
-        ids = self.tokenizer.encode(str(text) + prefill, add_special_tokens=False)
+        ids = plain_text_ids(self.tokenizer, str(text) + prefill, texts)
         return [int(i) for i in ids], prefill
 
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse:

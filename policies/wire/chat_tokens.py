@@ -22,6 +22,12 @@ by ``max_tokens`` gets the template's whole closing.
 when the environment has tools): a template that cannot render it, or that drops a plain
 assistant turn's content when more messages follow, is a :class:`SprawlError` naming it.
 
+Text from environments, tools and users never becomes control tokens: a message whose text
+holds a special token's text (a tool echoing ``<|im_end|>\n<|im_start|>user…``) is rendered with a
+marker in its place, and its text encoded as plain text (``split_special_tokens``) between the
+template's own tokens (:func:`plain_text_ids`); other messages are encoded with the template's
+text as before. A template that transforms such a text (trims it) gets it untransformed.
+
 What the template does to *earlier* turns is recorded rather than applied:
 :meth:`ChatTokens.history_rewritten` says whether the template, re-rendering the episode's
 messages, would drop reasoning the model saw (Qwen3 and R1 strip it from earlier turns). Such an
@@ -31,7 +37,8 @@ through the template would show a later model call less. docs/environments.md sa
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from policies.wire.errors import SprawlError
@@ -48,9 +55,59 @@ _PROBE: list[Message] = [
     {"role": "assistant", "content": _SENTINEL},
 ]
 _USER_PROBE: list[Message] = [{"role": "user", "content": "y"}]
+_MARKER = re.compile("\x00sprawl-text-([0-9]+)\x00")
 _TOOL_PROBE: list[Message] = [
     {"role": "tool", "tool_call_id": "call_0", "name": "probe", "content": "y"},
 ]
+
+
+def control_texts(tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """The text of every special token of ``tokenizer``, longest first."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+    found = {t.content for t in added if t.special} | set(tokenizer.all_special_tokens)
+    return sorted((t for t in found if t), key=len, reverse=True)
+
+
+def mark_control_text(
+    messages: Sequence[Message], control: Sequence[str]
+) -> tuple[list[Message], list[str]]:
+    """``messages`` with each text (a ``content`` string, or a text part's ``text``) that holds
+    any of ``control`` replaced by a marker, and those texts in marker order."""
+    texts: list[str] = []
+
+    def mark(text: object) -> object:
+        if not isinstance(text, str) or not any(c in text for c in control):
+            return text
+        texts.append(text)
+        return f"\x00sprawl-text-{len(texts) - 1}\x00"
+
+    out: list[Message] = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = [
+                {**p, "text": mark(p["text"])} if isinstance(p, dict) and "text" in p else p
+                for p in content
+            ]
+            out.append({**m, "content": parts})
+        else:
+            out.append({**m, "content": mark(content)} if "content" in m else dict(m))
+    return out, texts
+
+
+def plain_text_ids(
+    tokenizer: PreTrainedTokenizerBase, text: str, texts: Sequence[str]
+) -> list[int]:
+    """Token ids of a render holding :func:`mark_control_text`'s markers: the template's text
+    with its special tokens, each marked text as plain text."""
+    ids: list[int] = []
+    for i, piece in enumerate(_MARKER.split(text)):
+        if i % 2:
+            plain = texts[int(piece)]
+            ids.extend(tokenizer.encode(plain, add_special_tokens=False, split_special_tokens=True))
+        elif piece:
+            ids.extend(tokenizer.encode(piece, add_special_tokens=False))
+    return ids
 
 
 class ChatTokens:
@@ -76,6 +133,7 @@ class ChatTokens:
         ids = [tokenizer.convert_tokens_to_ids(t) for t in _CHANNEL_TOKENS]
         self._channels = ids if all(i in self._special_ids for i in ids) else []
         self._specials = sorted(tokenizer.all_special_tokens, key=len, reverse=True)
+        self._control = control_texts(tokenizer)
         # a template that ends an assistant turn with a special token, even a different one when
         # more messages follow (gpt-oss: <|return|> last, <|end|> in history), closes turns
         closing = self._leading_special(self._probe_suffix([], generation_prompt=False))
@@ -116,23 +174,28 @@ class ChatTokens:
         stripped = text.lstrip()
         return next((t for t in self._specials if stripped.startswith(t)), None)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, texts: Sequence[str] = ()) -> list[int]:
+        """``text``'s token ids; ``texts``: what its markers stand for (:func:`plain_text_ids`)."""
+        if texts:
+            return plain_text_ids(self.tokenizer, text, texts)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def initial(self, messages: list[Message]) -> list[int]:
         """Tokens of the opening messages plus the assistant generation prompt."""
-        return self.encode(self._render(messages, generation_prompt=True))
+        marked, texts = mark_control_text(messages, self._control)
+        return self.encode(self._render(marked, generation_prompt=True), texts)
 
     def continuation(self, sampled: list[int], new_messages: list[Message]) -> list[int]:
         """Tokens to append after ``sampled`` so that the model answers ``new_messages``."""
-        suffix = self._probe_suffix(new_messages)
+        marked, texts = mark_control_text(new_messages, self._control)
+        suffix = self._probe_suffix(marked)
         if sampled and sampled[-1] in self._special_ids:  # the model closed its turn itself
             sampled_tail = str(self.tokenizer.decode(sampled[-1:], skip_special_tokens=False))
             leading = self._leading_special(suffix)
             closes = self._closes_turns or leading in self._closers or leading == sampled_tail
             if leading is not None and closes:
                 suffix = suffix.lstrip()[len(leading) :]
-        return self.encode(suffix)
+        return self.encode(suffix, texts)
 
     def assistant_text(self, sampled: list[int], markers: Iterable[str] = ()) -> str:
         """The text a tool parser reads: the sampled tokens decoded with every special token
