@@ -392,7 +392,7 @@ class Board(BoardReader):
             found = self.store.dirs_with(f"{self.root}/versions", MANIFEST)
         except FileNotFoundError:
             return None
-        return max((int(d) for d in found if d.isdigit()), default=None)
+        return max((int(d) for d in found if d.isascii() and d.isdigit()), default=None)
 
     # -- retention -------------------------------------------------------------------------------
     def gc(self, keep_from: int) -> list[int]:

@@ -213,6 +213,10 @@ class BoardReader:
             raw = self._read(f"{self.root}/{STREAM}", MAX_STREAM_BYTES)
         except FileNotFoundError:
             return None
+        except VersionCorrupt as exc:  # not a regular file
+            error = str(exc)
+            log.warning("board.stream_unreadable", board=self.safe_url, run=self.run, error=error)
+            return None
         try:
             if len(raw) > MAX_STREAM_BYTES:
                 raise ValueError(f"larger than {MAX_STREAM_BYTES} bytes")
@@ -250,7 +254,7 @@ class BoardReader:
             found = self.store.dirs_with(f"{self.root}/versions", MANIFEST)
         except FileNotFoundError:
             return []
-        return sorted(int(d) for d in found if d.isdigit() and int(d) <= latest)
+        return sorted(int(d) for d in found if d.isascii() and d.isdigit() and int(d) <= latest)
 
     def manifest(self, version: int) -> Manifest:
         """The manifest of ``version`` (cached once the pointer has passed it: immutable)."""

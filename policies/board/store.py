@@ -3,7 +3,8 @@
 Guarantees: :meth:`Store.write` makes an object appear whole or not at all (local: temp file in
 the same directory + fsync + rename + directory fsync; object stores: one PUT); :meth:`Store.read`
 returns the object's bytes as stored, never more than the caller's limit plus one
-(``FileNotFoundError`` if absent); every other storage
+(``FileNotFoundError`` if absent; locally, anything but a regular file is refused, never waited
+on); every other storage
 failure becomes :class:`BoardError` whose message has the URL's credentials, configured secrets
 and ``AWS_*`` credentials from the environment removed, and which does not chain the original
 exception (tracebacks cannot leak it either).
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -24,7 +26,7 @@ from typing import TypeVar
 import fsspec
 
 from policies.board import failpoints
-from policies.errors import BoardError, PolicyError
+from policies.errors import BoardError, PolicyError, VersionCorrupt
 
 T = TypeVar("T")
 _SECRET_KEYS = ("key", "secret", "token", "password")
@@ -47,6 +49,24 @@ def _flatten(d: Mapping[str, object], prefix: str = "") -> Iterator[tuple[str, o
             yield from _flatten(v, f"{prefix}{k}.")
         else:
             yield f"{prefix}{k}", v
+
+
+def _read_regular(path: str, most: int) -> bytes:
+    """At most ``most`` bytes of the local file ``path``, which must be a regular file: a FIFO,
+    a device or a socket put in an object's place is refused, never waited on (opened without
+    blocking, checked on the open descriptor)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise VersionCorrupt(f"{redact(path)} is not a regular file")
+        chunks: list[bytes] = []
+        left = most
+        while left > 0 and (chunk := os.read(fd, min(left, 1 << 24))):
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 class Store:
@@ -85,9 +105,12 @@ class Store:
         """The object's bytes, at most ``limit + 1`` of them: a result longer than ``limit``
         means the object is larger (the caller refuses it), and a file that never ends
         (``/dev/zero`` behind a symlink) costs no more than that."""
-        data: bytes = self.call(
-            f"reading {path}", lambda: self.fs.cat_file(path, start=0, end=limit + 1)
-        )
+        if self.local:
+            data = self.call(f"reading {path}", lambda: _read_regular(path, limit + 1))
+        else:
+            data = self.call(
+                f"reading {path}", lambda: self.fs.cat_file(path, start=0, end=limit + 1)
+            )
         self.bytes_read += len(data)
         return data
 

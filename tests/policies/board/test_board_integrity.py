@@ -201,19 +201,18 @@ def test_a_patch_larger_than_its_record_is_refused_after_reading_only_that_much(
     board = _published(lambda **kw: Board(str(tmp_path / "b"), "run", **kw), tmp_path)
     patch = Path(board.root) / "versions" / "00000001" / "from-00000000" / "00000.patch"
     size = patch.stat().st_size
-    patch.unlink()
-    os.symlink("/dev/zero", patch)  # a file that never ends
+    patch.write_bytes(patch.read_bytes() + b"\0" * (4 << 20))  # longer than its record
     reader = Board(str(tmp_path / "b"), "run")
     with pytest.raises(VersionCorrupt, match=rf"00000\.patch holds more than {size} bytes"):
         reader.advance(reader.load(0)[1], 0, 1)
+    assert reader.store.bytes_read < (1 << 20)  # the anchor's view, the manifests, one byte over
     anchor = Path(board.root) / "versions" / "00000000" / WEIGHTS
-    anchor_size = anchor.stat().st_size
     anchor.unlink()
-    os.symlink("/dev/zero", anchor)
+    os.symlink("/dev/zero", anchor)  # a file that never ends: not a regular file, not read
     reader = Board(str(tmp_path / "b"), "run")
-    with pytest.raises(VersionCorrupt, match=rf"{WEIGHTS} holds more than {anchor_size} bytes"):
+    with pytest.raises(VersionCorrupt, match=rf"{WEIGHTS} is not a regular file"):
         reader.load(0)
-    assert reader.store.bytes_read < anchor_size + 64 * 1024  # the manifests, and one byte over
+    assert reader.store.bytes_read < 64 * 1024  # the manifests only
 
 
 def test_a_shorter_patch_is_refused_as_truncated(make_board: MakeBoard, tmp_path: Path) -> None:
@@ -230,14 +229,20 @@ def test_an_endless_pointer_or_manifest_is_refused(tmp_path: Path) -> None:
     board = _published(lambda **kw: Board(str(tmp_path / "b"), "run", **kw), tmp_path)
     manifest = Path(board.root) / MANIFEST_1
     manifest.unlink()
-    os.symlink("/dev/zero", manifest)
-    with pytest.raises(VersionCorrupt, match=r"version 1: manifest\.json is larger than"):
+    os.symlink("/dev/zero", manifest)  # never ends: not a regular file, not read at all
+    with pytest.raises(VersionCorrupt, match=r"manifest\.json is not a regular file"):
         Board(str(tmp_path / "b"), "run").manifest(1)
     pointer = Path(board.root) / "POINTER"
     pointer.unlink()
     os.symlink("/dev/zero", pointer)
-    with pytest.raises(BoardError, match=r"POINTER is malformed \(larger than 4096 bytes\)"):
+    with pytest.raises(BoardError, match=r"POINTER is not a regular file"):
         Board(str(tmp_path / "b"), "run").latest()
+    pointer.unlink()
+    pointer.write_bytes(b" " * (1 << 20))  # a regular file past the limit: read that far only
+    reader = Board(str(tmp_path / "b"), "run")
+    with pytest.raises(BoardError, match=r"POINTER is malformed \(larger than 4096 bytes\)"):
+        reader.latest()
+    assert reader.store.bytes_read == 4097
 
 
 # -- boards written by an older sprawl -------------------------------------------------------------
@@ -288,3 +293,40 @@ def test_versions_command_names_an_old_format_board_in_one_line(
     assert err.startswith("orchestrate: error: version 0 on ")
     assert "written by an older sprawl" in err
     assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "rel", ["POINTER", MANIFEST_1, "versions/00000001/from-00000000/00000.patch", "STREAM"]
+)
+def test_a_fifo_in_an_object_s_place_is_refused_not_waited_on(tmp_path: Path, rel: str) -> None:
+    """(a reader blocked forever on the FIFO: a live server then never applied later versions)"""
+    board = Board(str(tmp_path / "board"), "run", anchor_every=100)
+    board.create(_model_dir(tmp_path / "model"))
+    view = _view(0)
+    for v in range(2):
+        view = {k: (t + 0.0625 * v).to(t.dtype) for k, t in view.items()}
+        board.publish(v, view, view_name="bfloat16")
+    path = Path(board.root) / rel
+    path.unlink()
+    os.mkfifo(path)
+    reader = Board(str(tmp_path / "board"), "run")
+    with pytest.raises(VersionCorrupt, match="not a regular file"):
+        reader.store.read(str(path), 1 << 20)
+    if rel == "STREAM":  # what a replica does with it: nothing is streamed (logged)
+        assert reader.stream() is None
+    elif rel == "POINTER":
+        with pytest.raises(BoardError):
+            reader.latest()
+    else:
+        with pytest.raises(VersionCorrupt, match="not a regular file"):
+            reader.load(1)
+
+
+def test_a_version_directory_named_with_a_non_ascii_digit_is_ignored(
+    make_board: MakeBoard, tmp_path: Path
+) -> None:
+    """(``'²'.isdigit()`` is true and ``int('²')`` raises: listing versions crashed)"""
+    board = _published(make_board, tmp_path)
+    board.fs.makedirs(f"{board.root}/versions/²", exist_ok=True)
+    board.fs.pipe_file(f"{board.root}/versions/²/manifest.json", b"{}")
+    assert make_board().versions() == [0, 1]
