@@ -73,7 +73,7 @@ from transformers import DynamicCache
 from policies.errors import BadRequest, EngineError
 from policies.model.moe import RoutingRecorder
 from policies.serve.adapters import ResidentAdapters
-from policies.wire.lane import FinishReason, GenerateChoice, GenerateRequest
+from policies.wire.lane import FinishReason, GenerateChoice, GenerateRequest, choice_seed
 from policies.wire.routing import encode_routing
 
 log = structlog.get_logger(__name__)
@@ -302,10 +302,11 @@ class DecodeBatcher:
         rows = []
         for i in range(req.n):
             gen = torch.Generator(device=self.device)
-            if req.seed is None:
+            seed = choice_seed(req.seed, i)
+            if seed is None:
                 gen.seed()
             else:
-                gen.manual_seed(req.seed + i)
+                gen.manual_seed(seed)
             row = _Row(job, i, gen, cached=len(req.prompt_token_ids))
             row.take(*sample_token(logits, req.temperature, req.top_k, req.top_p, gen))
             rows.append(row)

@@ -77,6 +77,14 @@ class GenerateRequest(_Wire):
     )
 
 
+def choice_seed(seed: int | None, i: int) -> int | None:
+    """The seed of choice ``i`` of a request seeded ``seed``: ``seed + i``, wrapped into int64
+    (the seed's range), so a request may carry any int64 seed whatever its ``n``."""
+    if seed is None:
+        return None
+    return (seed + i + 2**63) % 2**64 - 2**63
+
+
 class GenerateChoice(_Wire):
     """One sampled continuation with the log prob of each sampled token.
 

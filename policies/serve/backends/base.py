@@ -39,7 +39,7 @@ import structlog
 from policies.board import Board
 from policies.errors import BadRequest, EngineError
 from policies.serve.decode import Generation, OutOfBounds, QuiesceMode, check_routing_start
-from policies.wire.lane import FinishReason, GenerateChoice, GenerateRequest
+from policies.wire.lane import FinishReason, GenerateChoice, GenerateRequest, choice_seed
 
 log = structlog.get_logger(__name__)
 
@@ -194,7 +194,7 @@ class HttpBackend:
         samples: list[Sample] = []
         try:
             for i in range(req.n):
-                seed = None if req.seed is None else req.seed + i
+                seed = choice_seed(req.seed, i)
                 samples.append(await self.generate_one(req, seed))
         finally:
             self._inflight -= 1

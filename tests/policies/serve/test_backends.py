@@ -211,6 +211,10 @@ async def test_vllm_activates_staged_files_by_rpc_and_sends_every_sampling_field
             url, {"prompt_token_ids": [3, 4], "max_tokens": 2, "seed": 9, "top_k": 5}
         )
         status_long, long = await generate(url, {"prompt_token_ids": [3] * 64})
+        top = 2**63 - 1  # the largest seed the lane takes: its second choice wraps around
+        status_n, _ = await generate(url, {"prompt_token_ids": [3], "seed": top, "n": 2})
+    assert status_n == 200
+    assert [b["seed"] for b in fake.bodies("/v1/completions")[-2:]] == [top, -(2**63)]
     activation = [
         path
         for path, body, _, _ in fake.calls
