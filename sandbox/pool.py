@@ -53,8 +53,9 @@ class SandboxPool:
         if isinstance(self.backend, UnsandboxedSandbox):
             log.warning(
                 "sandbox.UNSANDBOXED",
-                detail="model-written code runs WITHOUT isolation: it can read host files, "
-                "use the network and signal host processes; only rlimits and wall time apply "
+                detail="model-written code runs WITHOUT isolation: no namespaces and no seccomp "
+                "filter, so it can read host files, use the network, make any system call and "
+                "signal host processes; only rlimits and wall time apply "
                 "(sandbox.allow_unsandboxed = true)",
             )
 

@@ -115,6 +115,7 @@ def test_fallback_only_when_allowed_and_warns_every_time() -> None:
         assert isinstance(pool.backend, UnsandboxedSandbox)
         events = [entry["event"] for entry in logs if entry["log_level"] == "warning"]
         assert events == ["sandbox.bwrap_unavailable", "sandbox.UNSANDBOXED"]
+        assert "no seccomp filter" in logs[-1]["detail"]  # said loudly, not left implied
     with pytest.raises(SandboxUnavailableError, match="allow_unsandboxed"):
         UnsandboxedSandbox(SandboxConfig(), None)
 
