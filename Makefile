@@ -10,6 +10,7 @@ BIN     := $(VENV)/bin
 .PHONY: demo test lint install engines
 
 demo: $(STAMP)
+	$(BIN)/python -m policies.codec.warm
 	$(BIN)/orchestrate --config configs/demo.toml --run.name demo-$$(date +%Y%m%d-%H%M%S)
 
 test: $(STAMP) lint engines
@@ -31,4 +32,5 @@ $(STAMP): pyproject.toml scripts/install-system-deps.sh scripts/constraints-cpu.
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c scripts/constraints-cpu.txt -e '.[dev]'
+	$(BIN)/python -m policies.codec.warm
 	touch $(STAMP)

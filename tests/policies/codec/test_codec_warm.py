@@ -1,0 +1,46 @@
+"""``warm_up`` compiles every kernel a version needs: a publish and a replica's apply after it
+compile nothing more (policies/codec/warm.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numba
+import torch
+
+from policies.board import Board
+from policies.codec import kernels, kernels_apply, kernels_read, kernels_sum
+from policies.codec.warm import warm_up
+
+
+def _signatures() -> dict[str, int]:
+    out = {}
+    for module in (kernels, kernels_apply, kernels_read, kernels_sum):
+        for name, obj in vars(module).items():
+            if isinstance(obj, numba.core.registry.CPUDispatcher):
+                out[f"{module.__name__}.{name}"] = len(obj.signatures)
+    return out
+
+
+def test_after_warm_up_a_version_compiles_nothing(tmp_path: Path) -> None:
+    """(fails when a kernel a publish or an apply uses is left for the first version to compile)"""
+    warm_up()
+    ready = _signatures()
+    gen = torch.Generator().manual_seed(0)
+    view = {
+        "embed": torch.randn(300, 256, generator=gen).to(torch.bfloat16),
+        "norm": torch.randn(256, generator=gen),
+        "scales": torch.randint(0, 255, (4096,), generator=gen, dtype=torch.uint8),
+    }
+    board = Board(str(tmp_path / "board"), "run")
+    board.publish(0, view, view_name="bfloat16")
+    reader = Board(str(tmp_path / "board"), "run")
+    _, held = reader.load(0)
+    for v in range(1, 4):
+        view = {k: t.clone() for k, t in view.items()}
+        for t in view.values():
+            t.view(torch.uint8).view(-1)[:: 97 * v] ^= 1
+        board.publish(v, view, view_name="bfloat16")
+        reader.advance(held, v - 1, v)
+    grown = {k: (ready.get(k, 0), n) for k, n in _signatures().items() if n > ready.get(k, 0)}
+    assert grown == {}
