@@ -133,7 +133,7 @@ async def run(cfg: Config) -> RunSummary:
     event_log = EventLog.for_run(
         run_dir / "events", cfg, first_seq=logged.next_seq if logged else 0
     )
-    events = Tee(event_log, metrics, *([view] if view is not None else []))
+    events = Tee(event_log, metrics, summary.sync, *([view] if view is not None else []))
     trajlog = TrajectoryLog(
         run_dir / "trajectories",
         run=cfg.run.name,

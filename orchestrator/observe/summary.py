@@ -12,12 +12,14 @@ first episode is shown, not its best, so the "after" transcript is a draw, not a
 from __future__ import annotations
 
 import json
+import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.observe.trend import quarters
-from orchestrator.types import Episode, Group, GroupDecision
+from orchestrator.types import Endpoint, Episode, Group, GroupDecision, NullEvents
 
 if TYPE_CHECKING:
     from orchestrator.record import resume
@@ -25,6 +27,40 @@ if TYPE_CHECKING:
 _LINE = 100  # characters of one transcript line
 MIN_STEPS_JUDGED = 8
 """Steps the learning verdict needs: quarters of two steps, so each has a standard error."""
+
+
+class VersionSync(NullEvents):
+    """Seconds from each version's publish (the ``trainer_version`` event) until every endpoint
+    that reported it serves it (as the pool sees them: as often as it polls them); an event sink
+    of the run's :class:`~orchestrator.observe.metrics.Tee`."""
+
+    def __init__(self) -> None:
+        self.published: dict[int, float] = {}
+        self.seconds: dict[int, float] = {}
+        self._seen: dict[str, int] = {}
+
+    def emit(self, kind: str, **f: Any) -> None:
+        if kind == "trainer_version":
+            self.published.setdefault(int(f["version"]), time.monotonic())
+
+    def endpoint(self, ep: Endpoint) -> None:
+        if ep.applied_version is None:
+            return
+        now, before = time.monotonic(), self._seen.get(ep.id, -1)
+        self._seen[ep.id] = max(ep.applied_version, before)
+        for v, t in self.published.items():
+            if before < v <= ep.applied_version:
+                self.seconds[v] = max(self.seconds.get(v, 0.0), now - t)
+
+    def render(self) -> str | None:
+        """``first version served in X s`` against the median of the later ones, if any."""
+        if not self.seconds:
+            return None
+        first, *later = (self.seconds[v] for v in sorted(self.seconds))
+        line = f"versions:  first version served in {first:.2f} s"
+        if later:
+            line += f" (later ones: median {statistics.median(later):.2f} s, {len(later)} versions)"
+        return line
 
 
 @dataclass
@@ -51,6 +87,8 @@ class RunSummary:
     """The last trained group's first episode, of ``first_sample``'s task when there is one."""
     report: Path | None = None
     """The HTML report written when the run ended (``run.report``)."""
+    sync: VersionSync = field(default_factory=VersionSync)
+    """This process's publish → serving times (it reads the run's events)."""
 
     def cover(self, logged: resume.LoggedRun) -> None:
         """Count the whole run its logs describe (every process's records) instead of this
@@ -104,6 +142,8 @@ class RunSummary:
                 lines.append(f"env {env}: {decided} groups ({dropped} dropped)")
         for ep, versions in sorted(self.served.items()):
             lines.append(f"{ep}: {_served(versions)}")
+        if (synced := self.sync.render()) is not None:
+            lines.append(synced)
         if self.report is not None:
             lines.append(f"report:    {self.report}")
         first, last = self.first_sample, self.last_sample

@@ -5,8 +5,11 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
+
+from orchestrator.observe import summary as summary_module
 from orchestrator.observe.summary import RunSummary, transcript
-from orchestrator.types import Group, GroupDecision
+from orchestrator.types import Endpoint, EndpointRef, Group, GroupDecision
 from tests.support.trajectories import make_episode
 
 
@@ -84,3 +87,39 @@ def test_a_short_run_is_not_judged_and_has_no_after_transcript_from_the_same_ver
     assert "before training (v0, task calc-1" in text
     assert "after training" not in text
     assert text.endswith("learning:  not judged (2 steps; the verdict needs 8)")
+
+
+def _ep(name: str, version: int) -> Endpoint:
+    return Endpoint(EndpointRef(id=name, url=f"http://{name}"), applied_version=version)
+
+
+def test_the_summary_says_how_fast_the_first_version_was_served(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Publish → every endpoint serving it, from the run's events: the first version against the
+    median of the later ones (a stalled first version shows; issue #45)."""
+    clock = [100.0]
+    monkeypatch.setattr(summary_module.time, "monotonic", lambda: clock[0])
+    summary = RunSummary(run_dir=tmp_path)
+    sync = summary.sync
+
+    def at(t: float) -> None:
+        clock[0] = 100.0 + t
+
+    for v, published, served_a, served_b in [(1, 0.0, 6.0, 6.2), (2, 10.0, 10.1, 10.3)]:
+        at(published)
+        sync.emit("trainer_version", version=v)
+        at(served_a)
+        sync.endpoint(_ep("a", v))
+        sync.endpoint(_ep("a", v))  # polled again
+        at(served_b)
+        sync.endpoint(_ep("b", v))
+    at(20.0)
+    sync.emit("trainer_version", version=3)
+    at(20.2)
+    sync.endpoint(_ep("a", 4))  # skipped 3: served too
+    assert sync.seconds == pytest.approx({1: 6.2, 2: 0.3, 3: 0.2})
+    assert "versions:  first version served in 6.20 s (later ones: median 0.25 s, 2 versions)" in (
+        summary.render()
+    )
+    assert "first version" not in RunSummary(run_dir=tmp_path).render()  # nothing published
