@@ -7,11 +7,14 @@ from pathlib import Path
 
 import anyio
 import pytest
+import structlog
 from rich.console import Console
+from rich.live import Live
 
 from orchestrator.observe.live import LiveView, wanted
 from orchestrator.record.events import STOPPED_UNFINISHED
 from orchestrator.types import Endpoint, EndpointRef
+from policies.wire.logs import configure
 from staleness.config import LengthBiasConfig
 from tests.support.events import pool_run
 
@@ -98,3 +101,17 @@ def test_frame_shows_drop_rate_by_tokens_and_turns() -> None:
     assert "0-1:10%(20)" in rows["turns"]
     assert "80% vs 10%" in rows["turns"]
     assert "BIASED" in rows["turns"]
+
+
+def test_log_lines_print_above_the_live_view_not_into_it() -> None:
+    """(fails when the logger writes to the stderr it saw at configure time: past the live
+    region, whose redraws then left stale partial frames behind)"""
+    configure(fmt="json")
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=80)
+    with Live("first frame", console=console, auto_refresh=False, transient=False) as live:
+        structlog.get_logger().info("between_frames")
+        live.update("second frame", refresh=True)
+    text = out.getvalue()
+    assert "between_frames" in text  # through the view's console, which clears its region first
+    assert text.index("between_frames") < text.index("second frame")
