@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Install the system packages sprawl needs outside Python, both for the sandbox: bubblewrap
-# (`bwrap`) and libseccomp (`libseccomp.so.2`, which compiles the sandbox's syscall filter).
+# Install the system packages sprawl needs outside Python: for the sandbox, bubblewrap (`bwrap`)
+# and libseccomp (`libseccomp.so.2`, which compiles the sandbox's syscall filter); for the test
+# of what a run shows in a real terminal, tmux.
 #
-# Idempotent: does nothing when both are present. Installs with apt-get only when run as root on
+# Idempotent: does nothing when all are present. Installs with apt-get only when run as root on
 # a Debian/Ubuntu host, running `apt-get update` first only if a package is not known to apt
 # yet. Anywhere else it prints a warning and exits 0: the sandbox then refuses to start with an
 # error naming sandbox.backend / sandbox.allow_unsandboxed (see docs/sandbox.md).
@@ -13,9 +14,10 @@ warn() { echo "install-system-deps: WARNING: $*" >&2; }
 missing=()
 command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
 { ldconfig -p 2>/dev/null || true; } | grep -q 'libseccomp\.so\.2' || missing+=(libseccomp2)
+command -v tmux >/dev/null 2>&1 || missing+=(tmux)
 
 if [ "${#missing[@]}" -eq 0 ]; then
-    echo "install-system-deps: bubblewrap present ($(bwrap --version 2>/dev/null || echo unknown version)), libseccomp present"
+    echo "install-system-deps: bubblewrap present ($(bwrap --version 2>/dev/null || echo unknown version)), libseccomp present, tmux present"
     exit 0
 fi
 if [ "$(id -u)" -ne 0 ]; then
@@ -37,6 +39,6 @@ done
 if apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null; then
     echo "install-system-deps: installed ${missing[*]}"
 else
-    warn "apt-get install ${missing[*]} failed; the sandbox will refuse to start until they are installed"
+    warn "apt-get install ${missing[*]} failed; the sandbox refuses to start without bubblewrap and libseccomp, and the terminal test is skipped without tmux"
 fi
 exit 0
