@@ -498,6 +498,7 @@ def test_versions_names_a_malformed_pointer_in_one_line(
     board = Board(str(tmp_path / "b"), "run")
     board.publish(0, _model(0), view_name="bfloat16")
     board.store.write(f"{board.root}/POINTER", b'{"version": 1e400}')
+    capsys.readouterr()  # the set-up's publish logs: the command's own stderr is checked
     assert main(["versions", "--board", str(tmp_path / "b"), "--run", "run"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("orchestrate: error: ")
@@ -511,6 +512,7 @@ def test_versions_refuses_a_run_name_outside_the_board(
     from orchestrator.cli import main
 
     Board(str(tmp_path / "b" / "x" / "y"), "run").publish(0, _model(0), view_name="bfloat16")
+    capsys.readouterr()  # the set-up's publish logs: the command's own stderr is checked
     assert main(["versions", "--board", str(tmp_path / "b" / "x" / "y"), "--run", "../.."]) == 2
     err = capsys.readouterr().err
     assert err.startswith("orchestrate: error: run name '../..' is not valid")

@@ -144,6 +144,7 @@ def test_materialize_refuses_a_version_whose_base_files_were_tampered(
     _edit(board, "base/config.json", lambda b: b.replace(b"10000", b"20000"))
     out = tmp_path / "ckpt"
     args = ["materialize", "--board", str(tmp_path / "b"), "--run", "run", "--version", "1"]
+    capsys.readouterr()  # the set-up's publish logs: the command's own stderr is checked
     assert main([*args, "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(
@@ -288,6 +289,7 @@ def test_versions_command_names_an_old_format_board_in_one_line(
 
     board = _published(lambda **kw: Board(str(tmp_path / "b"), "run", **kw), tmp_path)
     _edit_manifest(board, "versions/00000000/manifest.json", _as_format_1)
+    capsys.readouterr()  # the set-up's publish logs: the command's own stderr is checked
     assert main(["versions", "--board", str(tmp_path / "b"), "--run", "run"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("orchestrate: error: version 0 on ")
