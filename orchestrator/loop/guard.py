@@ -10,7 +10,10 @@ stdin. The guard runs CMD and waits for the first of:
   SIGTERM to CMD and gives it :data:`GRACE_S` seconds to shut its children down.
 
 Either way it then SIGKILLs every process still in its group but itself (an engine core left
-behind), so the group is empty when the guard exits.
+behind), so the group is empty when the guard exits. A guard SIGKILLed itself cannot do that:
+CMD is started under ``setpriv --pdeathsig TERM`` (where util-linux has it), so it gets SIGTERM
+then — Ray, stopping an island's actor, SIGKILLs the actor's child processes by pid, and the
+vLLM server under the guard had outlived every test run of a Ray island.
 
 Not covered: a descendant that moved to a session or group of its own.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,6 +39,9 @@ GRACE_S = 20.0
 async def guard(cmd: list[str]) -> int:
     """Run ``cmd`` until it exits or the parent goes; sweep the group; CMD's exit status."""
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        setpriv = shutil.which("setpriv")
+        if setpriv is not None:  # CMD gets SIGTERM should this guard be SIGKILLed itself
+            cmd = [setpriv, "--pdeathsig", "TERM", "--", *cmd]
         proc = await anyio.open_process(cmd, stdin=subprocess.DEVNULL, stdout=None, stderr=None)
         async with anyio.create_task_group() as tg:
 

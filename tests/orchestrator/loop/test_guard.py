@@ -1,0 +1,42 @@
+"""The engine guard: what it runs dies with it, even when the guard is SIGKILLed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux's setpriv")
+def test_a_sigkilled_guard_takes_its_command_with_it() -> None:
+    """(a vLLM server outlived its guard whenever Ray SIGKILLed the guard by pid: re-parented
+    to PID 1, it ran on after every test run of a Ray island)"""
+    guard = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.loop.guard", "sleep", "600"],
+        stdin=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not (children := psutil.Process(guard.pid).children()):
+            assert time.monotonic() < deadline, "the guard never started its command"
+            time.sleep(0.05)
+        (command,) = children
+        os.kill(guard.pid, signal.SIGKILL)
+        guard.wait(timeout=10)
+        command.wait(timeout=10)  # psutil.TimeoutExpired if it outlived the guard
+    finally:
+        for p in psutil.process_iter():  # whatever is left of the guard's group
+            try:
+                if p.pid != os.getpid() and os.getpgid(p.pid) == guard.pid:
+                    p.kill()
+            except (ProcessLookupError, psutil.NoSuchProcess):
+                continue
+        assert guard.stdin is not None
+        guard.stdin.close()
