@@ -106,12 +106,16 @@ def test_frame_shows_drop_rate_by_tokens_and_turns() -> None:
 def test_log_lines_print_above_the_live_view_not_into_it() -> None:
     """(fails when the logger writes to the stderr it saw at configure time: past the live
     region, whose redraws then left stale partial frames behind)"""
+    before = structlog.get_config()
     configure(fmt="json")
     out = io.StringIO()
     console = Console(file=out, force_terminal=True, width=80)
-    with Live("first frame", console=console, auto_refresh=False, transient=False) as live:
-        structlog.get_logger().info("between_frames")
-        live.update("second frame", refresh=True)
+    try:
+        with Live("first frame", console=console, auto_refresh=False, transient=False) as live:
+            structlog.get_logger().info("between_frames")
+            live.update("second frame", refresh=True)
+    finally:
+        structlog.configure(**before)  # the other tests' logging, as it was
     text = out.getvalue()
     assert "between_frames" in text  # through the view's console, which clears its region first
     assert text.index("between_frames") < text.index("second frame")
