@@ -94,7 +94,7 @@ def _record(
     where: Literal["environment", "orchestrator"], exc: BaseException, prefix: str = ""
 ) -> ErrorRecord:
     """The episode's error record of ``exc`` (what it wraps, for the markers above)."""
-    marked = isinstance(exc, EnvironmentFailed | OrchestratorFailed) and exc.__cause__
+    marked = isinstance(exc, EnvironmentFailed | OrchestratorFailed)
     cause = exc.__cause__ if marked and exc.__cause__ is not None else exc
     return ErrorRecord(where=where, type=type(cause).__name__, message=f"{prefix}{cause}")
 
@@ -203,12 +203,8 @@ class EpisodeRunner:
             if error is None:
                 state.stop_reason = stop
                 try:  # a reward function's bug is the episode's error
-                    with environment_code():
-                        rewards = await self.env.score(state)
-                        reward = self.env.total_reward(rewards) if rewards else 0.0
-                        _check_finite(rewards, reward)
+                    rewards, reward = await self._score(state)
                 except EnvironmentFailed as exc:
-                    rewards, reward = {}, 0.0
                     stop, error = "env_error", _record("environment", exc, "reward: ")
             metadata: dict[str, Any] = {}
             try:  # user code, like a reward function
@@ -234,6 +230,14 @@ class EpisodeRunner:
             )
             log.debug("episode_done", stop=stop, reward=episode.reward, turns=len(episode.segments))
             return episode
+
+    async def _score(self, state: EpisodeState) -> tuple[dict[str, float], float]:
+        """The episode's reward components and total, every one a finite number."""
+        with environment_code():
+            rewards = await self.env.score(state)
+            reward = self.env.total_reward(rewards) if rewards else 0.0
+            _check_finite(rewards, reward)
+        return rewards, reward
 
     async def _turns(
         self,

@@ -47,7 +47,9 @@ class VersionSync(NullEvents):
         if ep.applied_version is None:
             return
         now, before = time.monotonic(), self._seen.get(ep.id, -1)
-        self._seen[ep.id] = max(ep.applied_version, before)
+        if ep.applied_version <= before:  # polled again, or rolled back: nothing new served
+            return
+        self._seen[ep.id] = ep.applied_version
         for v, t in self.published.items():
             if before < v <= ep.applied_version:
                 self.seconds[v] = max(self.seconds.get(v, 0.0), now - t)
