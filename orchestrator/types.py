@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from policies.wire.lane import (
     FinishReason,
@@ -125,11 +125,6 @@ class Episode(_Record):
     admitted_at_version: int = Field(description="trainer version when the group was admitted")
     started_at: float
     finished_at: float
-
-    @field_validator("stop_reason", mode="before")
-    @classmethod
-    def _schema_1_stop_reason(cls, value: object) -> object:
-        return "context" if value == "context_length" else value  # its name in schema 1
 
     @property
     def n_sampled(self) -> int:

@@ -37,8 +37,6 @@ from orchestrator.errors import TrajlogError
 
 log = structlog.get_logger(__name__)
 
-"""Bumped on any change a reader of an older version would misread (see the schema doc)."""
-
 Stream = Literal["episodes", "batches", "events"]
 PART_SUFFIX = ".jsonl.zst"
 _CHUNK = 1 << 16

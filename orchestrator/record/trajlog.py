@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import structlog
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from orchestrator.record.frames import FrameWriter, iter_records
 from orchestrator.types import NULL_EVENTS, Batch, Episode, EventSink, Group, GroupDecision
@@ -31,15 +31,26 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-SCHEMA_VERSION = 2  # 2: stop_reason context_length became context
+SCHEMA_VERSION = 2
+"""The one schema this sprawl writes and reads (``docs/trajectory-schema.md``)."""
 
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    schema_version: int = SCHEMA_VERSION
+
+    @field_validator("schema_version")
+    @classmethod
+    def _this_schema(cls, v: int) -> int:
+        if v != SCHEMA_VERSION:
+            raise ValueError(
+                f"schema {v}; this sprawl reads schema {SCHEMA_VERSION} (read the log with the "
+                "sprawl that wrote it)"
+            )
+        return v
 
 
 class RunRecord(_Model):
-    schema_version: int = SCHEMA_VERSION
     type: Literal["run"] = "run"
     run: str
     started_at: float
@@ -47,7 +58,6 @@ class RunRecord(_Model):
 
 
 class EpisodeRecord(_Model):
-    schema_version: int = SCHEMA_VERSION
     type: Literal["episode"] = "episode"
     run: str
     trainer_version: int
@@ -58,7 +68,6 @@ class EpisodeRecord(_Model):
 
 
 class BatchRecord(_Model):
-    schema_version: int = SCHEMA_VERSION
     type: Literal["batch"] = "batch"
     run: str
     trained_at_version: int

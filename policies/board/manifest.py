@@ -1,11 +1,9 @@
 """A version's manifest as bytes on the board: its digest, its seal, its record of the base files,
 and reading it back (no I/O here; numpy and xxhash, not the storage edge).
 
-Guarantees: :func:`parse_manifest` returns a manifest only if it is of a format this sprawl reads
-(:data:`~policies.board.types.FORMATS`: :data:`~policies.board.types.BOARD_FORMAT`, whose patches
-are single files; :data:`~policies.board.types.SHARDED_FORMAT` (and format 3) with shards;
-:data:`~policies.board.types.STREAM_FORMAT` (and format 4), whose patches may be stored in chunks
-whose sizes add up to the patch's), every field validates (patch names are the layout's, base
+Guarantees: :func:`parse_manifest` returns a manifest only if it is of the format this sprawl
+reads (:data:`~policies.board.types.FORMAT`; a chunked patch's chunk sizes add up to the
+patch's), every field validates (patch names are the layout's, base
 file names are :data:`~policies.board.types.BASE_FILES`), its digest is that of its tensor
 entries and its seal that of all its fields; otherwise :class:`VersionCorrupt` or, for another
 format, :class:`BoardFormatError` saying how to proceed — each in one line naming the version. A
@@ -29,10 +27,7 @@ from collections.abc import Mapping
 from pydantic import BaseModel, ValidationError
 
 from policies.board.types import (
-    BOARD_FORMAT,
-    FORMATS,
-    SHARDED_FORMATS,
-    STREAM_FORMATS,
+    FORMAT,
     FileEntry,
     Manifest,
     PieceEntry,
@@ -135,7 +130,7 @@ def parse_manifest(raw: bytes, version: int, board: str) -> Manifest:
     the board and run in a format error."""
     try:
         fmt = _Format.model_validate_json(raw).format
-        if fmt not in FORMATS:
+        if fmt != FORMAT:
             raise _format_error(version, fmt, board)
         m = Manifest.model_validate_json(raw)
     except ValidationError as exc:
@@ -144,14 +139,9 @@ def parse_manifest(raw: bytes, version: int, board: str) -> Manifest:
         ) from None
     if m.version != version or manifest_digest(m.tensors) != m.digest or manifest_seal(m) != m.seal:
         raise VersionCorrupt(f"version {version}: manifest does not match its own digest")
-    if (fmt in SHARDED_FORMATS) != bool(m.shards):
-        raise VersionCorrupt(
-            f"version {version}: a format {fmt} manifest "
-            + ("has no shards" if fmt in SHARDED_FORMATS else "has shards")
-        )
     chunked = [p for p in m.patches if p.chunks]
-    if chunked and fmt not in STREAM_FORMATS:
-        raise VersionCorrupt(f"version {version}: a format {fmt} manifest has chunked patches")
+    if chunked and m.shards:
+        raise VersionCorrupt(f"version {version}: a sharded manifest has chunked patches")
     for ref in chunked:
         if sum(c.bytes for c in ref.chunks) != ref.bytes:
             raise VersionCorrupt(
@@ -166,14 +156,13 @@ def parse_manifest(raw: bytes, version: int, board: str) -> Manifest:
 
 def _format_error(version: int, fmt: int, board: str) -> BoardFormatError:
     where = f"version {version} on {board}"
-    if fmt < BOARD_FORMAT:
+    if fmt < FORMAT:
         return BoardFormatError(
             f"{where} was written by an older sprawl (board format {fmt}; this sprawl reads "
-            f"format {BOARD_FORMAT}, which also verifies base files and patch names): publish a "
-            "new run (another --run.name) with this sprawl, or read this one with the sprawl "
-            "that wrote it"
+            f"format {FORMAT}): publish a new run (another --run.name) with this sprawl, or "
+            "read this one with the sprawl that wrote it"
         )
     return BoardFormatError(
-        f"{where} was written by a newer sprawl (board format {fmt}; this sprawl reads formats "
-        f"{', '.join(map(str, FORMATS))}): upgrade sprawl to read it"
+        f"{where} was written by a newer sprawl (board format {fmt}; this sprawl reads format "
+        f"{FORMAT}): upgrade sprawl to read it"
     )

@@ -83,8 +83,8 @@ from policies.board.read import MANIFEST, STREAM, WEIGHTS, BoardReader, anchor_p
 from policies.board.stream import ScanOn, announce, write_chunks
 from policies.board.types import (
     BASE_FILES,
+    FORMAT,
     MAX_VERSION,
-    STREAM_FORMAT,
     BoardOptions,
     Manifest,
     PatchRef,
@@ -338,7 +338,7 @@ class Board(BoardReader):
             if is_anchor or delta is None or head is None
             else head.chain_bytes + delta.bytes,
             full_bytes=full_bytes,
-            format=STREAM_FORMAT,
+            format=FORMAT,
             base_files=file_entries(self.base_files()),
         )
         self._write_manifest(vdir, manifest)

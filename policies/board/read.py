@@ -59,7 +59,6 @@ from policies.board.types import (
 )
 from policies.codec import apply_patch, read_patch_header
 from policies.codec.digests import checksums, storage_key, tensor_checksum
-from policies.codec.kinds import SUM
 from policies.codec.written import current as current_written
 from policies.codec.written import recording
 from policies.errors import (
@@ -107,14 +106,14 @@ def view_checksums(view: Mapping[str, torch.Tensor], m: Manifest) -> dict[str, s
     """The checksums ``m`` would record for ``view`` (for a sharded ``m``: of its pieces' boxes;
     a tensor whose shape is not the manifest's gets no entry)."""
     if not m.shards:
-        return checksums(view, m.checksum_kind)
+        return checksums(view)
     pieces: dict[str, dict[int, PieceEntry]] = {}
     for shard in m.shards:
         for name, p in shard.pieces.items():
             t = view.get(name)
             if t is None or list(t.shape) != m.tensors[name].shape:
                 continue
-            got = tensor_checksum(t[piece_box(p)], m.checksum_kind)
+            got = tensor_checksum(t[piece_box(p)])
             pieces.setdefault(name, {})[shard.rank] = p.model_copy(update={"checksum": got})
     out = {name: pieces_checksum(by_rank) for name, by_rank in pieces.items()}
     out.update({a: out[p] for a, p in m.aliases.items() if p in out})
@@ -124,8 +123,6 @@ def view_checksums(view: Mapping[str, torch.Tensor], m: Manifest) -> dict[str, s
 def _piece_checksums(base: Manifest, shard: ShardEntry) -> dict[str, str] | None:
     """The ``sum-128`` checksums ``base`` records for the pieces of ``shard`` (its rank's, in
     the same boxes; a patch's check from them then costs the words it writes), else None."""
-    if base.checksum_kind != SUM:
-        return None
     held = next((s for s in base.shards if s.rank == shard.rank), None)
     if held is None:
         return None
@@ -614,7 +611,7 @@ class BoardReader:
                 if (
                     list(t.shape) != p.shape
                     or t.dtype != full[name].dtype
-                    or tensor_checksum(t, m.checksum_kind) != p.checksum
+                    or tensor_checksum(t) != p.checksum
                 ):
                     raise VersionCorrupt(
                         f"version {m.version}: checksum mismatch for rank {shard.rank}'s piece "
@@ -649,7 +646,7 @@ class BoardReader:
         if set(tensors) != set(m.tensors):
             raise VersionCorrupt(f"version {m.version}: tensor names differ from the manifest")
         for name, entry in m.tensors.items():
-            if tensor_checksum(tensors[name], m.checksum_kind) != entry.checksum:
+            if tensor_checksum(tensors[name]) != entry.checksum:
                 raise VersionCorrupt(f"version {m.version}: checksum mismatch for {name}")
         return tensors
 

@@ -14,7 +14,7 @@ dimensions publish. Names whose local tensors share one storage (tied embeddings
 served under both names. Without an initialised ``torch.distributed`` the publisher is rank 0 of
 a world of one.
 
-Layout of a sharded version (manifest format :data:`~policies.board.types.SHARDED_FORMAT`)::
+Layout of a sharded version::
 
     versions/<v:08d>/shards/<r:05d>/from-<u:08d>.patch   rank r's patch u → v of its pieces
     versions/<v:08d>/shards/<r:05d>/model.safetensors    rank r's pieces (anchor versions only)
@@ -73,8 +73,8 @@ from policies.board.publish import Board, DeviceView, encode_patches, host_side
 from policies.board.read import MANIFEST, WEIGHTS, anchor_payload
 from policies.board.stream import ScanOn
 from policies.board.types import (
+    FORMAT,
     MAX_VERSION,
-    SHARDED_FORMAT,
     BoardOptions,
     Manifest,
     PatchRef,
@@ -429,7 +429,7 @@ class ShardedPublisher:
             anchor=version if is_anchor else head.anchor if head else None,
             chain_bytes=0 if is_anchor or head is None else head.chain_bytes + delta,
             full_bytes=full_bytes,
-            format=SHARDED_FORMAT,
+            format=FORMAT,
             base_files=file_entries(self.board.base_files()),
             shards=entries,
         )

@@ -10,8 +10,7 @@ the chunks one after another, each a complete sprawl patch frame of its tensors
 (:func:`policies.codec.encode_patch` with the base's digest and the target's checksums), and
 writes chunk ``i`` of the patch from ``u`` to ``versions/<v>/from-<u:08d>/<i:05d>.patch``
 (:func:`~policies.board.types.chunk_file`) as soon as it is encoded, while the next is encoded;
-the manifest (format
-:data:`~policies.board.types.STREAM_FORMAT`, each chunk's size and frame checksum under
+the manifest (each chunk's size and frame checksum under
 :attr:`~policies.board.types.PatchRef.chunks`) and then the pointer are written only once every
 chunk is durable.
 
@@ -64,7 +63,6 @@ from policies.board.types import (
 )
 from policies.codec import apply_patch, encode_patch, read_patch_header
 from policies.codec.digests import checksums, storage_key
-from policies.codec.kinds import SUM
 from policies.errors import BoardError, PatchBaseMismatch, PatchError, VersionCorrupt
 
 CHUNK_VIEW_BYTES = 16 * 2**20
@@ -254,9 +252,9 @@ def apply_frame(
 
 
 def sum_checksums(m: Manifest) -> dict[str, str] | None:
-    """``m``'s tensor checksums when they are ``sum-128`` (a patch's check from them then costs
-    the words it writes), else None."""
-    if m.checksum_kind != SUM or m.shards:
+    """``m``'s tensor checksums (a patch's check from them then costs the words it writes),
+    None for a sharded ``m`` (whose tensor checksums are of its pieces)."""
+    if m.shards:
         return None
     return {name: e.checksum for name, e in m.tensors.items()}
 

@@ -12,38 +12,18 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
-from policies.codec.kinds import SUM, XXH3, Kind
 from policies.errors import BoardError
 
 MAX_VERSION = 2**63 - 1
 """The largest version a board holds (an int64: engines and logs carry versions as int64)."""
 
-BOARD_FORMAT = 2
-"""The oldest manifest format this sprawl reads (versions published by one process before
-patches were streamed; it writes :data:`STREAM_FORMAT` for those now). Format 2 seals the whole
-manifest (base files, patch names and sizes included); format 1 (manifests without a ``format``
-field, from earlier sprawl) covered only the tensors and is refused
-(:class:`policies.errors.BoardFormatError` says how to proceed)."""
-SHARDED_FORMAT = 6
-"""The manifest format of a sharded version (:class:`ShardEntry` per rank): format 2 plus
-``shards``, so a sprawl that reads only format 2 says it is too old instead of calling the
-version corrupt; its tensor and piece checksums are ``sum-128`` (format 3, with xxh3-128 ones,
-stays readable)."""
-STREAM_FORMAT = 5
-"""The manifest format of a version published by one process whose patches are stored in chunks
-(:attr:`PatchRef.chunks`, written as they are encoded, so replicas stage them while the rest is
-encoded): format 2 plus ``chunks``, its tensor checksums ``sum-128``
-(:mod:`policies.codec.digests`: a replica verifies a patch from the words it writes). Format 4,
-the same with xxh3-128 checksums, stays readable, as do formats 2 and 3."""
-SHARDED_FORMATS = (3, SHARDED_FORMAT)
-STREAM_FORMATS = (4, STREAM_FORMAT)
-FORMATS = (BOARD_FORMAT, *SHARDED_FORMATS, *STREAM_FORMATS)
-"""Every manifest format this sprawl reads."""
-
-
-def checksum_kind(fmt: int) -> Kind:
-    """The tensor checksum a manifest of format ``fmt`` records: ``sum-128`` from format 5 on."""
-    return SUM if fmt >= STREAM_FORMAT else XXH3
+FORMAT = 7
+"""The one manifest format this sprawl writes and reads: the whole manifest sealed (base files,
+patch names and sizes included), tensor and piece checksums ``sum-128``
+(:mod:`policies.codec.digests`: a replica verifies a patch from the words it writes), a sharded
+version's :attr:`Manifest.shards` and a streamed patch's :attr:`PatchRef.chunks` where they
+apply. A manifest of another format is refused (:class:`policies.errors.BoardFormatError` says
+how to proceed); the policy is in ``docs/board.md``."""
 
 
 BASE_FILES = (
@@ -114,7 +94,7 @@ class TensorEntry(BaseModel):
     dtype: str
     shape: list[int]
     checksum: str
-    """xxh3-128 of the tensor's bytes; in a sharded version, the checksum of its pieces' records
+    """``sum-128`` of the tensor's bytes; in a sharded version, the checksum of its pieces' records
     (:func:`policies.board.manifest.pieces_checksum`)."""
 
 
@@ -139,7 +119,7 @@ def patch_file(base: int) -> str:
 
 def chunk_file(base: int, index: int) -> str:
     """The name of chunk ``index`` of the patch ``base`` → v inside version v's directory (a
-    streamed patch, :data:`STREAM_FORMAT`): deterministic, so a replica can fetch chunk ``i``
+    streamed patch): deterministic, so a replica can fetch chunk ``i``
     before the manifest exists."""
     return f"from-{base:08d}/{index:05d}.patch"
 
@@ -168,7 +148,7 @@ class PatchRef(BaseModel):
     units: int
     base_digest: str
     chunks: list[ChunkRef] = Field(default_factory=list)
-    """A streamed patch (format :data:`STREAM_FORMAT`): its chunks, in order, in the files
+    """A streamed patch: its chunks, in order, in the files
     :func:`chunk_file` names (``file`` is then the patch's name, not a file); ``bytes`` is
     their sum. Empty: the patch is the one file ``file``."""
 
@@ -194,8 +174,7 @@ class PieceEntry(BaseModel):
     offset: list[int]
     shape: list[int]
     checksum: str
-    """The piece's checksum (the manifest's :attr:`Manifest.checksum_kind`) of its bytes
-    (contiguous, native order)."""
+    """The piece's ``sum-128`` checksum of its bytes (contiguous, native order)."""
 
 
 class ShardEntry(BaseModel):
@@ -263,14 +242,12 @@ class Manifest(BaseModel):
     full_bytes: int = 0
     """Bytes of the view's tensors (what an anchor of it stores)."""
     format: int = 1
-    """The manifest format (:data:`STREAM_FORMAT` for a version published by one process,
-    :data:`SHARDED_FORMAT` for a sharded one, :data:`BOARD_FORMAT` for one published before
-    streaming); absent in manifests of format 1."""
+    """The manifest format (:data:`FORMAT`); absent in manifests of format 1."""
     base_files: dict[str, FileEntry] = Field(default_factory=dict)
     """Every file in the run's ``base/`` when the version was published, by name."""
     shards: list[ShardEntry] = Field(default_factory=list)
-    """A sharded version's pieces, one entry per rank in rank order (format
-    :data:`SHARDED_FORMAT`); empty for a version published by one process. Each of ``patches``
+    """A sharded version's pieces, one entry per rank in rank order; empty for a version
+    published by one process. Each of ``patches``
     is then the sum of the ranks' patches from that base, and ``bytes`` the sum of theirs."""
     seal: str = ""
     """xxh3-128 of every other field (``policies.board.manifest.manifest_seal``): a changed patch
@@ -283,11 +260,6 @@ class Manifest(BaseModel):
         if unknown:
             raise ValueError(f"{unknown} are not base file names ({', '.join(BASE_FILES)})")
         return v
-
-    @property
-    def checksum_kind(self) -> Kind:
-        """The kind of :attr:`tensors`' checksums (and of its pieces', when sharded)."""
-        return checksum_kind(self.format)
 
     @property
     def density(self) -> float | None:

@@ -1,11 +1,11 @@
 """Applying a patch: :func:`apply_patch` (re-exported by :mod:`policies.codec`).
 
 Integrity is checked in this order: the frame checksum (:func:`parse_patch`), the base digest,
-then, with ``verify=True``, every written tensor against the target's checksum (of the patch's
-kind, :attr:`PatchHeader.checksum_kind`). A ``sum-128`` checksum is updated as the patch is
-written when the caller passes the base's checksums: the base tensor's, plus each written
-word's new term less its old one (:mod:`policies.codec.kernels_sum`), so verifying costs the
-words written instead of a pass over the tensor. What that leaves out: a word of the base that
+then, with ``verify=True``, every written tensor against the target's ``sum-128`` checksum. The
+checksum is updated as the patch is written when the caller passes the base's checksums: the
+base tensor's, plus each written word's new term less its old one
+(:mod:`policies.codec.kernels_sum`), so verifying costs the words written instead of a pass over
+the tensor. What that leaves out: a word of the base that
 was already wrong in memory and that the patch does not write (the caller vouched for the base,
 as with ``base_digest``). Inside :func:`policies.codec.written.recording`, the frame is kept once it
 applied. Tensors are decompressed, patched (compiled,
@@ -34,7 +34,6 @@ from policies.codec.digests import (
     tensor_checksum,
 )
 from policies.codec.format import TensorRecord, parse_patch
-from policies.codec.kinds import SUM, Kind
 from policies.codec.ops import apply_section, unit_view
 from policies.codec.workers import workers
 from policies.codec.written import Frame, current
@@ -87,24 +86,24 @@ def _build(
     section: memoryview,
     dst: torch.Tensor | None,
     chunk: int,
-    verify: Kind | None,
+    verify: bool,
     held: npt.NDArray[np.uint64] | None,
 ) -> torch.Tensor:
     """One target tensor: decompressed (``full``) or ``dst`` patched in place, then verified
-    against its ``verify`` checksum (None: not), updated from ``held`` (the base tensor's
-    ``sum-128`` lanes) when given."""
-    acc = np.zeros(2, dtype=np.uint64) if held is not None and verify == SUM else None
+    against its checksum when ``verify``, updated from ``held`` (the base tensor's ``sum-128``
+    lanes) when given."""
+    acc = np.zeros(2, dtype=np.uint64) if held is not None and verify else None
     if dst is None:
         out = _target_tensor(rec, _decompress(section, rec.name))
     else:
         if rec.length:
             _apply_section(dst, rec, _decompress(section, rec.name), chunk, acc)
         out = dst
-    if verify is not None and (dst is None or rec.length):
+    if verify and (dst is None or rec.length):
         if acc is not None and held is not None:
             got = lanes_hex(held + acc)
         else:
-            got = tensor_checksum(out, verify)
+            got = tensor_checksum(out)
         if got != rec.checksum:
             raise PatchChecksumMismatch(
                 f"{rec.name}: patched tensor checksum {got} != target {rec.checksum}"
@@ -157,8 +156,7 @@ def apply_patch(
     patched: reload it from a verified version.
     """
     header, body = parse_patch(patch)
-    kind = header.checksum_kind
-    bdig = base_digest if base_digest is not None else state_digest(base, kind=kind)
+    bdig = base_digest if base_digest is not None else state_digest(base)
     if bdig != header.base_digest:
         raise PatchBaseMismatch(
             f"patch expects base {header.base_digest}, got base {bdig}: apply the patch to the "
@@ -182,14 +180,12 @@ def apply_patch(
                 dst = _destination(rec, base, base_groups, target_group, in_place)
                 if (
                     base_checksums is not None
-                    and kind == SUM
                     and rec.name in base_checksums
                     and rec.changed <= rec.units * INCREMENTAL_DENSITY
                 ):
                     held = hex_lanes(base_checksums[rec.name])
             section = body[rec.offset : rec.offset + rec.length]
-            check = kind if verify else None
-            jobs[rec.name] = pool.submit(_build, rec, section, dst, header.chunk, check, held)
+            jobs[rec.name] = pool.submit(_build, rec, section, dst, header.chunk, verify, held)
         for rec in header.tensors:
             if rec.op != "alias":
                 out[rec.name] = jobs[rec.name].result()

@@ -4,9 +4,8 @@ checksums its base files and manifests with :func:`bytes_checksum`, xxh3-128).
 ``tensor_checksum`` sums a tensor's raw bytes in contiguous native order into a ``sum-128``
 checksum (:data:`SUM`, :mod:`policies.codec.kernels_sum`): a sum over its 64-bit words, so an
 apply that writes a few words updates the checksum of the tensor it held from those words alone
-(:mod:`policies.codec.apply`) instead of hashing the tensor again. Views published before it
-carry xxh3-128 checksums (:mod:`policies.codec.kinds`): every function here takes the ``kind``
-to compute.
+(:mod:`policies.codec.apply`) instead of hashing the tensor again. It is the one tensor checksum
+(patches and manifests alike); xxh3-128 checks bytes (files, frames, manifests), not tensors.
 ``state_digest`` hashes ``name|dtype|shape|checksum`` lines in name order, so a board
 manifest's digest and a patch's target digest are the same string for the same state. Names
 that alias one storage (tied embeddings) are hashed once.
@@ -22,7 +21,6 @@ import torch
 import xxhash
 
 from policies.codec.kernels_sum import add_words, finish_sum
-from policies.codec.kinds import SUM, XXH3, Kind
 
 
 def dtype_name(t: torch.Tensor) -> str:
@@ -66,12 +64,9 @@ def hex_lanes(checksum: str) -> npt.NDArray[np.uint64] | None:
         return None
 
 
-def tensor_checksum(t: torch.Tensor, kind: Kind = SUM) -> str:
-    """The ``kind`` checksum (hex) of the tensor's raw bytes in contiguous native order."""
-    raw = raw_bytes(t)
-    if kind == XXH3:
-        return bytes_checksum(raw.data)
-    return lanes_hex(_sum_lanes(raw))
+def tensor_checksum(t: torch.Tensor) -> str:
+    """The ``sum-128`` checksum (hex) of the tensor's raw bytes in contiguous native order."""
+    return lanes_hex(_sum_lanes(raw_bytes(t)))
 
 
 StorageKey = tuple[int, int, tuple[int, ...], tuple[int, ...], str]
@@ -88,14 +83,14 @@ def storage_key(t: torch.Tensor) -> StorageKey:
     )
 
 
-def checksums(tensors: Mapping[str, torch.Tensor], kind: Kind = SUM) -> dict[str, str]:
+def checksums(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """Per-tensor checksums; names aliasing one storage are hashed once."""
     seen: dict[StorageKey, str] = {}
     out: dict[str, str] = {}
     for name, t in tensors.items():
         key = storage_key(t)
         if key not in seen:
-            seen[key] = tensor_checksum(t, kind)
+            seen[key] = tensor_checksum(t)
         out[name] = seen[key]
     return out
 
@@ -112,10 +107,9 @@ def state_digest(
     tensors: Mapping[str, torch.Tensor],
     *,
     known: Mapping[str, str] | None = None,
-    kind: Kind = SUM,
 ) -> str:
     """Digest of a whole state; ``known`` supplies checksums already computed."""
-    sums = dict(known) if known is not None else checksums(tensors, kind)
+    sums = dict(known) if known is not None else checksums(tensors)
     missing = {k: v for k, v in tensors.items() if k not in sums}
-    sums.update(checksums(missing, kind))
+    sums.update(checksums(missing))
     return digest_of((k, dtype_name(t), list(t.shape), sums[k]) for k, t in tensors.items())

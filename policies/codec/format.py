@@ -14,15 +14,14 @@ from typing import Literal
 
 import xxhash
 
-from policies.codec.kinds import SUM, XXH3, Kind
 from policies.errors import PatchCorrupt
 
 MAGIC = b"SPRWLPT1"
 FORMAT = 2
+"""The one patch format this sprawl writes and reads: its tensor records carry ``sum-128``
+checksums (:mod:`policies.codec.digests`). Another format is refused (``docs/codec.md``)."""
 CODEC = f"sprawl-patch/{FORMAT}"
 """The codec's name and format version, as a board manifest records it."""
-CHECKSUM_KINDS: dict[int, Kind] = {1: XXH3, FORMAT: SUM}
-"""The tensor checksum a patch format's records carry (format 1: xxh3-128, still applied)."""
 CHUNK = 1 << 16
 U32 = struct.Struct("<I")
 
@@ -76,11 +75,6 @@ class PatchHeader:
         """The target's per-tensor checksums (what a manifest records)."""
         return {t.name: t.checksum for t in self.tensors}
 
-    @property
-    def checksum_kind(self) -> Kind:
-        """Which checksum :attr:`checksums` are (:data:`CHECKSUM_KINDS`)."""
-        return CHECKSUM_KINDS[self.format]
-
 
 def parse_patch(patch: bytes) -> tuple[PatchHeader, memoryview]:
     """The verified header and the body of ``patch`` (:class:`PatchCorrupt` if damaged)."""
@@ -124,10 +118,9 @@ def parse_patch(patch: bytes) -> tuple[PatchHeader, memoryview]:
         raise PatchCorrupt(f"bad chunk size {header.chunk}")
     if any(r.width not in (1, 2, 4, 8) or r.offset < 0 or r.length < 0 for r in recs):
         raise PatchCorrupt("bad tensor record")
-    if header.format not in CHECKSUM_KINDS:
+    if header.format != FORMAT:
         raise PatchCorrupt(
-            f"unsupported patch format {header.format} (this sprawl reads "
-            f"{', '.join(map(str, CHECKSUM_KINDS))})"
+            f"unsupported patch format {header.format} (this sprawl reads format {FORMAT})"
         )
     body = view[start:-16]
     if any(r.offset + r.length > len(body) for r in recs):

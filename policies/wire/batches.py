@@ -39,11 +39,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import NamedTuple
+from typing import Final, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
-SCHEMA = 1
+SCHEMA: Final = 1
+"""The one batch file schema this sprawl writes and reads (a file of another is refused)."""
 
 
 class SegmentSampling(NamedTuple):
@@ -73,7 +74,7 @@ class BatchSample(BaseModel):
 
 class BatchFile(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    schema_version: int = SCHEMA
+    schema_version: Literal[1] = SCHEMA
     version: int = Field(ge=0, description="trainer version this batch is for")
     group_size: int = Field(ge=1)
     samples: list[BatchSample]

@@ -10,6 +10,7 @@ import pytest
 
 from orchestrator.cli import main
 from orchestrator.record.events import EventLog
+from orchestrator.record.frames import FrameWriter, iter_records
 from orchestrator.record.trajlog import episode_records
 from tests.support.trajectories import write_synthetic_log
 
@@ -81,6 +82,21 @@ def test_inspect_names_a_log_of_another_schema(
     line = _one_line_error(capsys, ["inspect", str(other)])
     assert f"{other}: not a trajectory log this sprawl reads" in line
     assert "EpisodeRecord records" in line
+
+
+def test_inspect_names_a_log_of_an_older_schema_version(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    old = tmp_path / "old"
+    records = list(iter_records(run_dir / "trajectories", "episodes"))
+    for r in records:
+        r["schema_version"] = 1
+    writer = FrameWriter(old, "episodes")
+    writer.write(records)
+    writer.close()
+    line = _one_line_error(capsys, ["inspect", str(old)])
+    assert f"{old}: not a trajectory log this sprawl reads" in line
+    assert "schema 1; this sprawl reads schema 2" in line
 
 
 @pytest.mark.parametrize(

@@ -44,7 +44,6 @@ import torch
 
 from policies.board import Board, Manifest, anchor_payload
 from policies.codec.digests import state_digest
-from policies.codec.kinds import SUM
 from policies.errors import EngineError
 from policies.serve.backends.base import EngineUnavailable, HttpBackend, Sample
 from policies.serve.backends.shadow import Shadow
@@ -84,9 +83,9 @@ def write_view(view: dict[str, torch.Tensor], path: Path) -> None:
 def file_digest(manifest: Manifest, view: dict[str, torch.Tensor]) -> str:
     """The state digest the vLLM workers compute of ``view``'s file (``sum-128`` checksums): the
     manifest's, except for a sharded version, whose manifest digest covers its pieces
-    (``policies.board.sharded``), or one published with xxh3-128 checksums; those are computed
-    here from the whole tensors the shadow assembled and verified."""
-    if manifest.shards or manifest.checksum_kind != SUM:
+    (``policies.board.sharded``): that one is computed here from the whole tensors the shadow
+    assembled and verified."""
+    if manifest.shards:
         return state_digest(view)
     return manifest.digest
 

@@ -21,7 +21,6 @@ from policies.board.types import BoardOptions
 from policies.codec import digests
 from policies.codec import scan as device_scan
 from policies.codec.digests import checksums
-from policies.codec.kinds import SUM, Kind
 from policies.codec.scan import host_copy
 from tests.support.boards import adam_like_step
 
@@ -157,9 +156,9 @@ def test_a_device_view_publishes_the_same_versions_moving_only_its_changes(
     hashed: list[int] = []
     tensor_checksum = digests.tensor_checksum
 
-    def counting(t: torch.Tensor, kind: Kind = SUM) -> str:
+    def counting(t: torch.Tensor) -> str:
         hashed.append(t.nbytes)
-        return tensor_checksum(t, kind)
+        return tensor_checksum(t)
 
     monkeypatch.setattr(digests, "tensor_checksum", counting)
     device = Board(str(tmp_path / "device"), "run", options=opts)

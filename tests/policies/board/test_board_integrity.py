@@ -13,7 +13,7 @@ import torch
 
 from policies.board import WEIGHTS, Board, Manifest, PatchRef
 from policies.board.manifest import file_entries, manifest_seal
-from policies.board.types import FORMATS, ChunkRef
+from policies.board.types import FORMAT, ChunkRef
 from policies.errors import BoardError, BoardFormatError, VersionCorrupt
 
 MakeBoard = Callable[..., Board]
@@ -274,11 +274,26 @@ def test_a_board_of_a_newer_format_is_refused(make_board: MakeBoard, tmp_path: P
     board = _published(make_board, tmp_path)
 
     def newer(body: dict[str, Any]) -> None:
-        body["format"] = max(FORMATS) + 1
+        body["format"] = FORMAT + 1
         body["something_new"] = True
 
     _edit_manifest(board, MANIFEST_1, newer)
     with pytest.raises(BoardFormatError, match=r"written by a newer sprawl .*upgrade sprawl"):
+        make_board().manifest(1)
+
+
+def test_a_manifest_of_a_format_before_this_one_is_refused_not_misread(
+    make_board: MakeBoard, tmp_path: Path
+) -> None:
+    """Formats 2–6 (the unreleased week before one format) are not read: the version is named
+    as written by an older sprawl, even where its fields would parse."""
+    board = _published(make_board, tmp_path)
+
+    def format_5(body: dict[str, Any]) -> None:
+        body["format"] = 5
+
+    _edit_manifest(board, MANIFEST_1, format_5)
+    with pytest.raises(BoardFormatError, match=r"board format 5; this sprawl reads format 7"):
         make_board().manifest(1)
 
 

@@ -21,9 +21,8 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 
 from policies.board import WEIGHTS, Board, BoardOptions, BoardReader, ShardedPublisher
 from policies.board.manifest import manifest_seal
-from policies.board.types import SHARDED_FORMAT, Manifest
+from policies.board.types import FORMAT, Manifest
 from policies.codec import apply as codec_apply
-from policies.codec.kinds import SUM
 from policies.errors import BoardError, VersionCorrupt
 from policies.serve.backends.base import free_port
 from policies.serve.backends.reference import ReferenceBackend
@@ -86,7 +85,7 @@ def test_a_world_of_one_publishes_what_a_single_process_board_does(tmp_path: Pat
     for v, s in enumerate(states):
         m = pub.publish(v, s, view_name="bf16")
         ref.publish(v, _served(s), view_name="bf16")
-        assert (m.format, len(m.shards)) == (SHARDED_FORMAT, 1)
+        assert (m.format, len(m.shards)) == (FORMAT, 1)
     assert [pub.board.manifest(v).kind for v in range(6)] == ["anchor"] + ["delta"] * 5
     reader, single = (
         BoardReader(str(tmp_path / "s"), "run"),
@@ -231,9 +230,9 @@ def test_a_replica_checks_the_pieces_it_patches_from_the_words_written(
     hashed: list[torch.Size] = []
     whole = codec_apply.tensor_checksum
 
-    def spy(t: torch.Tensor, kind: Any = SUM) -> str:
+    def spy(t: torch.Tensor) -> str:
         hashed.append(t.shape)
-        return whole(t, kind)
+        return whole(t)
 
     monkeypatch.setattr(codec_apply, "tensor_checksum", spy)
     reader.advance(view, 1, 2)
@@ -241,7 +240,7 @@ def test_a_replica_checks_the_pieces_it_patches_from_the_words_written(
     expected = BoardReader(str(tmp_path / "r"), "run").load(2)[1]
     assert all(torch.equal(view[k], expected[k]) for k in expected)
     assert reader.manifest(2).shards[0].pieces["layers.0.weight"].checksum == (
-        whole(expected["layers.0.weight"], SUM)
+        whole(expected["layers.0.weight"])
     )  # the publisher summed it as it scanned
 
 

@@ -4,8 +4,6 @@ version before it is published (policies/board/stream.py)."""
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import threading
 import time
 from collections.abc import Callable
@@ -15,22 +13,13 @@ import pytest
 import torch
 
 from policies.board import Board
-from policies.board import publish as board_publish
 from policies.board import stream as board_stream
-from policies.board.manifest import manifest_digest, manifest_seal
 from policies.board.types import (
-    BOARD_FORMAT,
-    STREAM_FORMAT,
+    FORMAT,
     Manifest,
-    PatchRef,
-    Pointer,
     Stream,
-    TensorEntry,
     chunk_file,
 )
-from policies.codec import CODEC, encode_patch, read_patch_header
-from policies.codec import encode as codec_encode
-from policies.codec.digests import XXH3, checksums
 from policies.errors import BoardError, VersionCorrupt
 from tests.support.stream import AskedTogether, Gate
 
@@ -187,117 +176,6 @@ def test_a_stream_replaced_by_another_attempt_is_never_served(make_board: MakeBo
     assert _same(view, second)
 
 
-def _format_2_delta(board: Board, v0: State, v1: State) -> None:
-    """Version 1 as a sprawl before streaming wrote it: one patch file, manifest format 2."""
-    m0 = board.manifest(0)
-    sums = checksums(v1)
-    data = encode_patch(v0, v1, base_digest=m0.digest, target_checksums=sums)
-    hdr = read_patch_header(data)
-    entries = {
-        k: TensorEntry(dtype="bfloat16", shape=list(t.shape), checksum=sums[k])
-        for k, t in v1.items()
-    }
-    ref = PatchRef(
-        base=0,
-        file="from-00000000.patch",
-        bytes=len(data),
-        changed=hdr.changed,
-        units=hdr.units,
-        base_digest=m0.digest,
-    )
-    m = Manifest(
-        version=1,
-        kind="delta",
-        base=0,
-        view="bfloat16",
-        codec=CODEC,
-        tensors=entries,
-        digest=manifest_digest(entries),
-        bytes=len(data),
-        created_at=0.0,
-        patches=[ref],
-        anchor=0,
-        chain_bytes=len(data),
-        full_bytes=m0.full_bytes,
-        format=BOARD_FORMAT,
-        base_files=m0.base_files,
-    )
-    m = m.model_copy(update={"seal": manifest_seal(m)})
-    vdir = f"{board.root}/versions/00000001"
-    board.store.write(f"{vdir}/from-00000000.patch", data)
-    board.store.write(f"{vdir}/manifest.json", m.model_dump_json().encode())
-    board.store.write(
-        f"{board.root}/POINTER", Pointer(version=1, digest=m.digest).model_dump_json().encode()
-    )
-
-
-def test_a_version_of_the_single_file_format_still_reads(make_board: MakeBoard) -> None:
-    v0 = _view(0)
-    v1 = _step(v0, 1)
-    board = make_board()
-    board.publish(0, v0, view_name="bfloat16")
-    _format_2_delta(board, v0, v1)
-    reader = make_board()
-    assert reader.manifest(1).format == BOARD_FORMAT
-    held = reader.load(0)[1]
-    reader.advance(held, 0, 1)
-    assert _same(held, v1)
-    assert _same(make_board().load(1)[1], v1)
-
-
-def test_a_run_published_with_xxh3_checksums_still_reads_and_continues(
-    make_board: MakeBoard, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A board written by the sprawl before ``sum-128`` (manifest format 4, patch format 1,
-    xxh3-128 checksums) loads, advances and verifies; a new publisher continues the run."""
-    v0 = _view(0)
-    v1 = _step(v0, 1)
-    with monkeypatch.context() as old:
-        old.setattr(codec_encode, "FORMAT", 1)
-        old.setattr(board_publish, "STREAM_FORMAT", 4)
-        xxh3 = functools.partial(checksums, kind=XXH3)
-        old.setattr(board_publish, "checksums", xxh3)
-        encode = board_stream.encode_patch
-
-        def old_encode(base: State, target: State, **kw: object) -> bytes:
-            return encode(base, target, **{**kw, "target_checksums": xxh3(target)})  # type: ignore[arg-type]
-
-        old.setattr(board_stream, "encode_patch", old_encode)
-        board = make_board()
-        board.publish(0, v0, view_name="bfloat16")
-        board.publish(1, v1, view_name="bfloat16")
-    reader = make_board()
-    m1 = reader.manifest(1)
-    assert m1.format == 4
-    assert m1.checksum_kind == XXH3
-    assert m1.patches[0].chunks
-    held = reader.load(0)[1]
-    reader.advance(held, 0, 1)
-    assert _same(held, v1)
-    reader.advance(held, 1, 1, verify_base=True)  # hashes the view as the manifest says: xxh3
-    v2 = _step(v1, 2)
-    make_board().publish(2, v2, view_name="bfloat16")  # a new process: anchors, format 5
-    assert make_board().manifest(2).format == STREAM_FORMAT
-    reader.advance(held, 1, 2)
-    assert _same(held, v2)
-
-
-def test_chunked_patches_in_a_format_2_manifest_are_refused(make_board: MakeBoard) -> None:
-    v0 = _view(0)
-    board = make_board()
-    board.publish(0, v0, view_name="bfloat16")
-    board.publish(1, _step(v0, 1), view_name="bfloat16")
-    rel = f"{board.root}/versions/00000001/manifest.json"
-    body = json.loads(board.store.read(rel, 2**20))
-    body["format"] = BOARD_FORMAT
-    m = Manifest.model_validate(body)
-    board.store.write(
-        rel, m.model_copy(update={"seal": manifest_seal(m)}).model_dump_json().encode()
-    )
-    with pytest.raises(VersionCorrupt, match="version 1: a format 2 manifest has chunked patches"):
-        make_board().manifest(1)
-
-
 def test_the_stream_is_announced_and_recorded_chunk_by_chunk(
     make_board: MakeBoard, tmp_path: Path
 ) -> None:
@@ -306,7 +184,7 @@ def test_the_stream_is_announced_and_recorded_chunk_by_chunk(
     board.publish(0, v0, view_name="bfloat16")
     m = board.publish(1, _step(v0, 1), view_name="bfloat16")
     (ref,) = m.patches
-    assert m.format == STREAM_FORMAT
+    assert m.format == FORMAT
     assert len(ref.chunks) == len(NAMES)
     assert ref.bytes == sum(c.bytes for c in ref.chunks) == m.bytes
     stream = make_board().stream()
