@@ -50,7 +50,7 @@ from safetensors.torch import load_file
 from orchestrator.bench.sync import Link, ThrottledBoard, add_link_flags, parse_flags
 from orchestrator.bench.trainer import TrainerProcess
 from policies.board import Board, Manifest
-from policies.board.read import WEIGHTS
+from policies.board.types import WEIGHTS
 from policies.serve.backends.base import HttpBackend
 from policies.serve.backends.reference import ReferenceBackend
 from policies.serve.backends.vllm_launch import VLLMUpdate

@@ -7,7 +7,10 @@ publishes its shard), :class:`BoardReader`, :class:`BoardOptions`, :class:`Manif
 ``WEIGHTS``, ``MANIFEST``, :func:`anchor_payload`, :func:`redact`.
 
 Modules: :mod:`~policies.board.publish` (writing versions), :mod:`~policies.board.read`
-(reading, catch-up, materializing), :mod:`~policies.board.sharded` (sharded versions and their
+(views brought to versions: catch-up, materializing), :mod:`~policies.board.index` (the pointer,
+manifests and files as bytes), :mod:`~policies.board.anchors` (an anchor's bytes),
+:mod:`~policies.board.pieces` (a sharded version read into the full view),
+:mod:`~policies.board.sharded` (sharded versions and their
 commit protocol), :mod:`~policies.board.stream` (patches written and staged chunk by chunk),
 :mod:`~policies.board.plan` (which patches and anchors, pure), :mod:`~policies.board.manifest`
 (a manifest's digest, seal and base-file records), :mod:`~policies.board.store` (the fsspec

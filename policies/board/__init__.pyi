@@ -1,8 +1,19 @@
+from .anchors import anchor_payload
 from .publish import Board
-from .read import MANIFEST, WEIGHTS, BoardReader, anchor_payload
+from .read import BoardReader
 from .sharded import ShardedPublisher
 from .store import redact
-from .types import BASE_FILES, BoardOptions, CatchUp, Manifest, PatchRef, Step, TensorEntry
+from .types import (
+    BASE_FILES,
+    MANIFEST,
+    WEIGHTS,
+    BoardOptions,
+    CatchUp,
+    Manifest,
+    PatchRef,
+    Step,
+    TensorEntry,
+)
 
 __all__ = [
     "BASE_FILES",

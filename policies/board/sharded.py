@@ -68,13 +68,15 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from policies.board import plan as board_plan
+from policies.board.anchors import anchor_payload
 from policies.board.manifest import file_entries, manifest_digest, manifest_seal, pieces_checksum
 from policies.board.publish import Board, DeviceView, encode_patches, host_side
-from policies.board.read import MANIFEST, WEIGHTS, anchor_payload
 from policies.board.stream import ScanOn
 from policies.board.types import (
     FORMAT,
+    MANIFEST,
     MAX_VERSION,
+    WEIGHTS,
     BoardOptions,
     Manifest,
     PatchRef,

@@ -26,6 +26,12 @@ apply. A manifest of another format is refused (:class:`policies.errors.BoardFor
 how to proceed); the policy is in ``docs/board.md``."""
 
 
+WEIGHTS = "model.safetensors"
+"""An anchor's file in its version directory (a sharded anchor's, in each rank's)."""
+MANIFEST = "manifest.json"
+STREAM = "STREAM"
+"""The run's :class:`Stream` object: the version being streamed now."""
+
 BASE_FILES = (
     "config.json",
     "generation_config.json",
