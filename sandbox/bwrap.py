@@ -73,6 +73,7 @@ from sandbox.types import (
     Limits,
     SandboxConfig,
     bind_target,
+    checked_source,
 )
 
 log = structlog.get_logger(__name__)
@@ -126,6 +127,14 @@ class BwrapSandbox:
         self.cgroups = cgroups
         self.seccomp = seccomp
         """The compiled syscall filter every process of a run is under (`syscalls.py`)."""
+        self.bind_sources = {path: os.path.realpath(path) for path in config.ro_binds}
+        """Each `ro_binds` entry's source resolved through its symlinks, checked here and
+        mounted as resolved (a link changed afterwards is not followed)."""
+        for path, source in self.bind_sources.items():
+            try:
+                checked_source(path, source)
+            except ValueError as exc:
+                raise SandboxUnavailableError(str(exc)) from None
         self._work_binds = [
             str(PurePosixPath(target).relative_to(WORKDIR))
             for target in map(bind_target, config.ro_binds)
@@ -242,8 +251,8 @@ class BwrapSandbox:
                 fds.append(_memfd(data))
                 opts += ["--file", str(fds[-1]), f"{WORKDIR}/{relative}"]
             # After the work-dir tmpfs, so binds under /work and /tmp are not hidden by it.
-            for bind in self.config.ro_binds:
-                opts += ["--ro-bind", bind, bind_target(bind)]
+            for bind, source in self.bind_sources.items():
+                opts += ["--ro-bind", source, bind_target(bind)]
             # /proc read-only: /proc/1/mem of the namespace's init cannot be written.
             opts += ["--remount-ro", "/", "--remount-ro", "/dev", "--remount-ro", "/proc"]
             opts += ["--chdir", WORKDIR]

@@ -52,6 +52,9 @@ SANDBOX_MOUNTS = (
 )
 """What the bwrap backend itself mounts; a `ro_binds` entry may not replace or repeat these."""
 
+KERNEL_DIRS = ("/proc", "/dev", "/sys")
+"""The host kernel's interfaces: nothing in them is ever bound into the sandbox."""
+
 
 def bind_target(path: str) -> str:
     """Where the bwrap backend mounts the `ro_binds` entry `path`: the same place, with `/tmp/x`
@@ -85,10 +88,12 @@ def checked_binds(paths: Sequence[str]) -> None:
                     f"sandbox.ro_binds entry {path!r} would replace the sandbox's own {mount}"
                 )
             if mount not in (WORKDIR, "/tmp") and _within(target, mount):
-                where = "inside" if mount in ("/proc", "/dev") else "already visible inside"
+                where = "inside" if mount in KERNEL_DIRS else "already visible inside"
                 raise ValueError(
                     f"sandbox.ro_binds entry {path!r} is {where} the sandbox's own {mount}; drop it"
                 )
+        if _within(target, "/sys"):
+            raise ValueError(f"sandbox.ro_binds entry {path!r} is inside the host's /sys; drop it")
         for other_target, other in seen.items():
             if target == other_target:
                 kind = "twice" if path == other else f"in the same place as {other!r}"
@@ -99,6 +104,19 @@ def checked_binds(paths: Sequence[str]) -> None:
                     "the other); keep the outer one"
                 )
         seen[target] = path
+
+
+def checked_source(path: str, real: str) -> None:
+    """Raise `ValueError` naming `sandbox.ro_binds` when the entry `path`, resolved through its
+    symlinks to `real` (what the bind would show), shows what no entry may: a place the sandbox
+    mounts itself or one above it (the host's `/`, `/etc`, `/work`, …), or anything of the
+    kernel's `/proc`, `/dev` or `/sys`."""
+    for place in (*SANDBOX_MOUNTS, "/sys"):
+        if _within(place, real) or (place in KERNEL_DIRS and _within(real, place)):
+            raise ValueError(
+                f"sandbox.ro_binds entry {path!r} resolves to {real!r}, which would show the "
+                f"host's {place} inside the sandbox; bind the directory you mean directly"
+            )
 
 
 @dataclass(frozen=True)

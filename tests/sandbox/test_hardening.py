@@ -345,6 +345,7 @@ print(json.dumps(out))
         (("/work",), "replace"),
         (("/etc",), "replace"),
         (("/proc/self",), "inside"),
+        (("/sys/kernel",), "/sys"),
         (("/usr/lib",), "already"),
         (("/opt/../etc",), "normalized"),
         (("/opt/venv/",), "normalized"),
@@ -365,6 +366,33 @@ def test_missing_ro_bind_source_names_the_key() -> None:
         SandboxPool(TIGHT.model_copy(update={"ro_binds": (missing,)}))
     assert missing in str(caught.value)
     assert "user namespaces" not in str(caught.value)
+
+
+@pytest.mark.parametrize("place", ["/", "/proc", "/etc", "/sys/kernel", "/dev/shm", "/work"])
+def test_a_bind_through_a_symlink_to_a_forbidden_place_is_refused(
+    tmp_path: Path, place: str
+) -> None:
+    link = tmp_path / "data"
+    link.symlink_to(place)
+    with pytest.raises(SandboxUnavailableError, match=r"sandbox\.ro_binds") as caught:
+        SandboxPool(TIGHT.model_copy(update={"ro_binds": (str(link),)}))
+    assert f"resolves to {os.path.realpath(place)!r}" in str(caught.value)
+
+
+@pytest.mark.anyio
+async def test_a_bind_through_a_symlink_shows_what_it_resolves_to(
+    host_dirs: tuple[Path, Path],
+) -> None:
+    _, real = host_dirs
+    link = Path(tempfile.mkdtemp(prefix="sprawl-link-", dir="/tmp")) / "data"
+    link.parent.chmod(0o755)
+    link.symlink_to(real)
+    try:
+        pool = SandboxPool(TIGHT.model_copy(update={"ro_binds": (str(link),)}))
+        result = await pool.run(["cat", f"{link}/marker.txt"])
+    finally:
+        shutil.rmtree(link.parent)
+    assert (result.exit_code, result.stdout) == (0, real.name)
 
 
 @pytest.mark.anyio
