@@ -17,6 +17,11 @@ Guarantees:
   skipped, and every complete record before it is read. A damaged frame that is *not* a tail is
   corruption and raises :class:`~orchestrator.errors.TrajlogError`.
 - :func:`repair` truncates torn tails, after which every part loads with plain ``datasets``.
+- Hostile files are bounded: a part is read only if it is a regular file (a FIFO or device in its
+  place is refused, never waited on); a frame decompressing to more than
+  :data:`MAX_FRAME_BYTES` (a zstd bomb) and a line that is not a JSON object are
+  :class:`~orchestrator.errors.TrajlogError` naming the part. A writer never writes a frame over
+  that bound: a larger write is split into several frames at record boundaries.
 
 Not covered: durability across power loss (frames are flushed to the kernel, not fsync'ed unless
 ``fsync=True``); concurrent writers to one directory.
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -39,7 +45,11 @@ log = structlog.get_logger(__name__)
 
 Stream = Literal["episodes", "batches", "events"]
 PART_SUFFIX = ".jsonl.zst"
-_CHUNK = 1 << 16
+_CHUNK = 1 << 10
+"""Compressed bytes fed to the decoder at a time: a zstd block of 4 bytes may decode to 128 KiB,
+so one call yields at most ~32 MiB and a bomb is stopped near :data:`MAX_FRAME_BYTES`."""
+MAX_FRAME_BYTES = 512 << 20
+"""The most one frame decompresses to (a reader refuses more: a zstd bomb, not a log)."""
 
 
 def part_name(stream: str, index: int) -> str:
@@ -85,14 +95,24 @@ class FrameWriter:
         """Write ``records`` as one frame (all or none of them survive a crash)."""
         if not records:
             return
+        payload = b"".join(
+            json.dumps(r, separators=(",", ":"), allow_nan=False).encode() + b"\n" for r in records
+        )
+        if len(payload) > MAX_FRAME_BYTES:
+            if len(records) == 1:
+                raise TrajlogError(
+                    f"a {self.stream} record of {len(payload)} bytes is larger than a frame may "
+                    f"hold ({MAX_FRAME_BYTES})"
+                )
+            half = len(records) // 2
+            self.write(records[:half])
+            self.write(records[half:])
+            return
         if self._f is None or self._size >= self.rotate_bytes:
             self.close()
             self._open()
         f = self._f
         assert f is not None
-        payload = b"".join(
-            json.dumps(r, separators=(",", ":"), allow_nan=False).encode() + b"\n" for r in records
-        )
         frame = self._cctx.compress(payload)
         f.write(frame)
         f.flush()
@@ -118,12 +138,18 @@ def scan_frames(data: bytes) -> tuple[list[bytes], int]:
     while pos < len(data):
         d = dctx.decompressobj()
         chunks: list[bytes] = []
-        fed = pos
+        fed, held = pos, 0
         try:
             while not d.eof and fed < len(data):
                 chunk = data[fed : fed + _CHUNK]
                 fed += len(chunk)
                 chunks.append(d.decompress(chunk))
+                held += len(chunks[-1])
+                if held > MAX_FRAME_BYTES:
+                    raise TrajlogError(
+                        f"the frame at byte {pos} decompresses to more than {MAX_FRAME_BYTES} "
+                        "bytes: not a frame sprawl writes"
+                    )
         except zstandard.ZstdError as exc:
             raise TrajlogError(f"corrupt frame at byte {pos}: {exc}") from exc
         if not d.eof:
@@ -133,23 +159,53 @@ def scan_frames(data: bytes) -> tuple[list[bytes], int]:
     return payloads, pos
 
 
+def read_regular(path: Path) -> bytes:
+    """The bytes of ``path``, which must be a regular file (a FIFO, device or socket in its place
+    is :class:`TrajlogError`, never waited on: opened without blocking, checked on the open
+    descriptor)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise TrajlogError(f"{path}: {exc.strerror or exc}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise TrajlogError(f"{path} is not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
+def _record(path: Path, line: bytes) -> dict[str, Any]:
+    try:
+        record = json.loads(line)
+    except ValueError as exc:
+        raise TrajlogError(f"{path}: a line is not JSON ({exc})") from None
+    if not isinstance(record, dict):
+        raise TrajlogError(f"{path}: a line is not a JSON object")
+    return record
+
+
 def read_part(path: Path) -> Iterator[dict[str, Any]]:
     """Every record of one part (``.jsonl.zst`` or plain ``.jsonl``), skipping a torn tail."""
-    data = path.read_bytes()
+    data = read_regular(path)
     if path.suffix == ".jsonl":
         lines = data.split(b"\n")
         torn = lines.pop()
         if torn:
             log.warning("trajlog.torn_tail", part=str(path), bytes=len(torn))
         for line in lines:
-            yield json.loads(line)
+            yield _record(path, line)
         return
-    payloads, end = scan_frames(data)
+    try:
+        payloads, end = scan_frames(data)
+    except TrajlogError as exc:
+        raise TrajlogError(f"{path}: {exc}") from None
     if end < len(data):
         log.warning("trajlog.torn_tail", part=str(path), offset=end, bytes=len(data) - end)
     for payload in payloads:
         for line in payload.splitlines():
-            yield json.loads(line)
+            yield _record(path, line)
 
 
 def iter_records(path: Path, stream: Stream | None = None) -> Iterator[dict[str, Any]]:
@@ -174,7 +230,7 @@ def repair(directory: Path) -> list[Path]:
     """Truncate every part's torn tail so each is a valid ``.jsonl.zst``; returns parts changed."""
     changed = []
     for part in sorted(directory.glob(f"*{PART_SUFFIX}")):
-        data = part.read_bytes()
+        data = read_regular(part)
         _, end = scan_frames(data)
         if end < len(data):
             with part.open("r+b") as f:

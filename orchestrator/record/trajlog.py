@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import structlog
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from orchestrator.record.frames import FrameWriter, iter_records
+from orchestrator.errors import TrajlogError
+from orchestrator.record.frames import FrameWriter, iter_records, read_regular
 from orchestrator.types import NULL_EVENTS, Batch, Episode, EventSink, Group, GroupDecision
 
 if TYPE_CHECKING:
@@ -177,19 +178,43 @@ class TrajectoryLog:
         self.events.close()
 
 
+def _not_ours(path: Path, exc: ValidationError) -> TrajlogError:
+    """A record this sprawl's schema does not read, in one line naming the log and the field."""
+    first = exc.errors(include_url=False, include_input=False)[0]
+    where = ".".join(map(str, first["loc"])) or "record"
+    return TrajlogError(
+        f"{path}: not a trajectory log this sprawl reads ({exc.error_count()} problems in "
+        f"{exc.title} records, first {where}: {first['msg']})"
+    )
+
+
 def run_header(directory: Path) -> RunRecord | None:
+    """The log's ``run.json``, validated (None when there is none)."""
     path = directory / "run.json"
-    return RunRecord.model_validate_json(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        return RunRecord.model_validate_json(read_regular(path))
+    except ValidationError as exc:
+        raise _not_ours(path, exc) from None
 
 
 def episode_records(path: Path) -> list[EpisodeRecord]:
-    """Every complete episode record, validated against the schema."""
-    return [EpisodeRecord.model_validate(r) for r in iter_records(path, "episodes")]
+    """Every complete episode record, validated against the schema (:class:`TrajlogError` in
+    one line for a record it does not read)."""
+    try:
+        return [EpisodeRecord.model_validate(r) for r in iter_records(path, "episodes")]
+    except ValidationError as exc:
+        raise _not_ours(path, exc) from None
 
 
 def batch_records(path: Path) -> list[BatchRecord]:
-    """Every complete batch record, validated, in trainer-step order."""
-    return [BatchRecord.model_validate(r) for r in iter_records(path, "batches")]
+    """Every complete batch record, validated, in trainer-step order (errors as
+    :func:`episode_records`)."""
+    try:
+        return [BatchRecord.model_validate(r) for r in iter_records(path, "batches")]
+    except ValidationError as exc:
+        raise _not_ours(path, exc) from None
 
 
 def to_dataset(path: Path, stream: Literal["episodes", "batches"] = "episodes") -> Dataset:
