@@ -300,15 +300,18 @@ class BoardReader(BoardIndex):
         except OSError as exc:
             raise BoardError(f"cannot write {out}: {exc.strerror or exc}") from None
         try:
-            for name, data in self.base_files().items():
-                (tmp / name).write_bytes(data)
             _, tensors = self.load(version)  # refused unless it records these base files
-            (tmp / WEIGHTS).write_bytes(anchor_payload(tensors)[0])
-            if not out.exists():
-                tmp.rename(out)
-                return out
-            for f in tmp.iterdir():
-                f.replace(out / f.name)
+            files = {**self.base_files(), WEIGHTS: anchor_payload(tensors)[0]}
+            try:
+                for name, data in files.items():
+                    (tmp / name).write_bytes(data)
+                if not out.exists():
+                    tmp.rename(out)
+                    return out
+                for f in tmp.iterdir():
+                    f.replace(out / f.name)
+            except OSError as exc:  # a full disk, a quota: the write's error names no file
+                raise BoardError(f"cannot write {out}: {exc.strerror or exc}") from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return out

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -542,6 +544,29 @@ def test_a_failed_materialize_leaves_no_directory(
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt", WEIGHTS]
     assert (out / WEIGHTS).read_bytes() == anchor_payload(_chain(1)[0])[0]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["ckpt"]
+
+
+def test_materialize_on_a_full_disk_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from orchestrator.cli import main
+
+    board = Board(str(tmp_path / "b"), "run")
+    _publish_all(board, _chain(2))
+    write_bytes = Path.write_bytes
+
+    def full(path: Path, data: bytes) -> int:
+        if path.name == WEIGHTS:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as a write() raises it
+        return write_bytes(path, data)
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    out = tmp_path / "out" / "ckpt"
+    args = ["materialize", "--board", str(tmp_path / "b"), "--run", "run", "--version", "1"]
+    assert main([*args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"orchestrate: error: cannot write {out}: No space left on device"
+    assert list((tmp_path / "out").iterdir()) == []
 
 
 @pytest.mark.slow
