@@ -157,7 +157,8 @@ class BwrapSandbox:
                 'set sandbox.cgroups = "auto" to run with rlimits only'
             )
         try:
-            seccomp = compile_filter(denied(cgroup=cgroups is not None))
+            bounded = cgroups is not None
+            seccomp = compile_filter(denied(cgroup=bounded), cap_socket_buffers=not bounded)
         except SyscallFilterError as exc:
             raise SandboxUnavailableError(
                 f"the sandbox's syscall filter cannot be built: {exc}; install the Debian "

@@ -15,15 +15,19 @@ leave keys for the next run); and kernel interfaces with a record of exploits an
 
 Denied when the run has no cgroup: memory that no rlimit bounds — `memfd_create` and SysV shared
 memory (`shmget`) pages are not address space, so without a cgroup memory limit a run could hold
-gigabytes in them. With a cgroup they are charged to the run and stay allowed.
+gigabytes in them; and raising a socket's buffers (`setsockopt` of `SO_SNDBUF`, `SO_RCVBUF` and
+their `FORCE` forms at `SOL_SOCKET`, matched on those arguments), which let one process hold
+941 MiB of kernel memory at `memory_mb = 256`: each socket keeps the host's default buffers. With
+a cgroup all of it is charged to the run and stays allowed.
 
-Not covered: the filter matches syscall numbers only, never arguments; the architecture is the
-host's (a syscall of another ABI, e.g. 32-bit `int 0x80` on x86_64, kills the process).
+Not covered: every other rule matches the syscall number only, never arguments; the architecture
+is the host's (a syscall of another ABI, e.g. 32-bit `int 0x80` on x86_64, kills the process).
 """
 
 from __future__ import annotations
 
 import errno
+import socket
 import tempfile
 from typing import Final
 
@@ -43,6 +47,11 @@ ALWAYS_DENIED: Final = (
 UNBOUNDED_WITHOUT_CGROUP: Final = ("memfd_create", "shmget")
 """Syscalls whose memory only a cgroup bounds; denied to runs without one."""
 
+SO_SNDBUFFORCE: Final = 32
+SO_RCVBUFFORCE: Final = 33
+BUFFER_OPTIONS: Final = (socket.SO_SNDBUF, socket.SO_RCVBUF, SO_SNDBUFFORCE, SO_RCVBUFFORCE)
+"""`setsockopt` options at `SOL_SOCKET` that raise a socket's buffers; denied without a cgroup."""
+
 
 class SyscallFilterError(RuntimeError):
     """libseccomp is missing or cannot compile the filter (the message says which)."""
@@ -53,8 +62,9 @@ def denied(*, cgroup: bool) -> tuple[str, ...]:
     return ALWAYS_DENIED if cgroup else (*ALWAYS_DENIED, *UNBOUNDED_WITHOUT_CGROUP)
 
 
-def compile_filter(names: tuple[str, ...]) -> bytes:
-    """The BPF program denying `names` with EPERM for the host's architecture.
+def compile_filter(names: tuple[str, ...], *, cap_socket_buffers: bool = False) -> bytes:
+    """The BPF program denying `names` with EPERM for the host's architecture, and with
+    `cap_socket_buffers` each `setsockopt` of :data:`BUFFER_OPTIONS`.
 
     A name this libseccomp does not know raises, so a filter is never silently narrower than
     documented."""
@@ -70,6 +80,14 @@ def compile_filter(names: tuple[str, ...]) -> bytes:
     program.set_attr(pyseccomp.Attr.ACT_BADARCH, pyseccomp.KILL_PROCESS)
     for name in names:
         program.add_rule(pyseccomp.ERRNO(errno.EPERM), name)
+    for option in BUFFER_OPTIONS if cap_socket_buffers else ():
+        level = pyseccomp.Arg(1, pyseccomp.EQ, socket.SOL_SOCKET)
+        program.add_rule(
+            pyseccomp.ERRNO(errno.EPERM),
+            "setsockopt",
+            level,
+            pyseccomp.Arg(2, pyseccomp.EQ, option),
+        )
     with tempfile.TemporaryFile() as sink:
         program.export_bpf(sink)
         sink.seek(0)

@@ -261,6 +261,23 @@ print(json.dumps({"held_mb": held >> 20}))
 
 
 @pytest.mark.anyio
+async def test_socket_buffers_cannot_be_raised_without_cgroups(bare_pool: SandboxPool) -> None:
+    """The hoard that held 941 MiB at memory_mb = 256: its buffers stay the host's defaults."""
+    code = SOCKET_HOARD.replace(
+        "    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)\n",
+        "    try:\n"
+        "        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)\n"
+        "    except OSError as e:\n"
+        "        refused = e.strerror\n",
+    ).replace("held, socks = 0, []", "held, socks, refused = 0, [], None")
+    code = code.replace('{"held_mb": held >> 20}', '{"held_mb": held >> 20, "refused": refused}')
+    limits = dataclasses.replace(NO_CGROUPS.limits(), wall_seconds=10, cpu_seconds=8)
+    seen = verdict(await bare_pool.run_python(code, limits=limits))
+    assert seen["refused"] == "Operation not permitted"
+    assert seen["held_mb"] <= NO_CGROUPS.memory_mb // 2, seen
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("hoard", [MEMFD_HOARD, SOCKET_HOARD], ids=["memfd", "socket_buffers"])
 async def test_kernel_memory_is_charged_to_the_run_cgroup(pool: SandboxPool, hoard: str) -> None:
     """With a cgroup, memory outside the address space (memfd pages, socket buffers) is the
