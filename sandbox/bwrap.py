@@ -62,7 +62,7 @@ from sandbox.prepare import (
     parent_dirs,
     prlimit_args,
 )
-from sandbox.process import Launch, supervise
+from sandbox.process import Launch, reap_announced_init, supervise
 from sandbox.syscalls import SyscallFilterError, compile_filter, denied
 from sandbox.types import (
     ETC_ENTRIES,
@@ -179,7 +179,7 @@ class BwrapSandbox:
         return sandbox
 
     def _probe(self) -> None:
-        launch = self._launch(["true"], [], self.config.limits(), cgroup=None, status=False)
+        launch = self._launch(["true"], [], self.config.limits(), cgroup=None)
         try:
             done = subprocess.run(
                 launch.command(),
@@ -192,6 +192,8 @@ class BwrapSandbox:
         finally:
             for fd in launch.pass_fds:
                 os.close(fd)
+            if launch.status_fd is not None:
+                reap_announced_init(launch.status_fd, _PROBE_TIMEOUT_S)
         if done.returncode != 0:
             cause = (
                 "an entry of sandbox.ro_binds may not be readable by uid 65534, or user "
@@ -215,7 +217,6 @@ class BwrapSandbox:
         limits: Limits,
         *,
         cgroup: RunCgroup | None,
-        status: bool = True,
     ) -> Launch:
         """The launch spec; it owns every descriptor it opened (none is left on failure).
 
@@ -264,10 +265,9 @@ class BwrapSandbox:
                 opts += ["--disable-userns"]
             fds.append(_memfd(self.seccomp))
             opts += ["--seccomp", str(fds[-1])]
-            if status:
-                status_r, status_w = os.pipe()
-                fds.append(status_w)
-                opts += ["--json-status-fd", str(status_w)]
+            status_r, status_w = os.pipe()
+            fds.append(status_w)
+            opts += ["--json-status-fd", str(status_w)]
             fds.append(_memfd(b"".join(os.fsencode(opt) + b"\0" for opt in opts)))
             args = [feats.path, "--args", str(fds[-1]), "--"]
             args += [feats.prlimit, *prlimit_args(limits), "--", *argv]

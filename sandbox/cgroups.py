@@ -4,7 +4,9 @@ Guarantees, when `detect()` finds a writable hierarchy with the memory and pids 
 every run gets its own child cgroup (joined by the launcher before the backend starts, so no
 process of the run is ever outside it), `memory` caps the run's total memory including its
 tmpfs pages, `pids.max` caps its processes independently of uid mapping, `oom_killed()` tells
-whether the kernel OOM-killed inside it, and `close()` kills whatever is left and removes it.
+whether the kernel OOM-killed inside it, `cpu_seconds()` what CPU time its processes used (v2,
+or v1 with a writable `cpuacct` hierarchy; else None), and `close()` kills whatever is left and
+removes it.
 
 Not covered: CPU shares/quota and I/O bandwidth (the wall-time limit bounds both), hierarchies
 that need systemd delegation (v2 with processes in our own cgroup: `detect()` returns None and
@@ -38,6 +40,8 @@ class CgroupHost:
     version: Literal[1, 2]
     memory_parent: Path
     pids_parent: Path
+    cpu_parent: Path | None = None
+    """Where the run's CPU time is counted (v2: the same parent; v1: `cpuacct`, if writable)."""
 
 
 def _mounts() -> list[tuple[str, str, set[str]]]:
@@ -87,7 +91,9 @@ def detect() -> CgroupHost | None:
         mem = Path(v1["memory"] + own["memory"])
         pids = Path(v1["pids"] + own["pids"])
         if _usable(mem, ("memory.limit_in_bytes",)) and _usable(pids, ("pids.max",)):
-            return CgroupHost(1, mem, pids)
+            cpu = Path(v1["cpuacct"] + own["cpuacct"]) if "cpuacct" in v1.keys() & own else None
+            usable = cpu is not None and _usable(cpu, ("cpuacct.usage",))
+            return CgroupHost(1, mem, pids, cpu if usable else None)
     for point, fstype, _opts in mounts:
         if fstype != "cgroup2" or "" not in own:
             continue
@@ -95,7 +101,7 @@ def detect() -> CgroupHost | None:
         with contextlib.suppress(OSError):
             (parent / "cgroup.subtree_control").write_text("+memory +pids")
         if _usable(parent, ("memory.max", "pids.max")):
-            return CgroupHost(2, parent, parent)
+            return CgroupHost(2, parent, parent, parent)
     return None
 
 
@@ -107,7 +113,8 @@ class RunCgroup:
         name = f"{_PREFIX}{uuid.uuid4().hex}"
         self._mem = host.memory_parent / name
         self._pids = host.pids_parent / name
-        self._dirs = [self._mem] if self._mem == self._pids else [self._mem, self._pids]
+        self._cpu = None if host.cpu_parent is None else host.cpu_parent / name
+        self._dirs = list(dict.fromkeys(d for d in (self._mem, self._pids, self._cpu) if d))
         for directory in self._dirs:
             directory.mkdir()
         try:
@@ -150,6 +157,23 @@ class RunCgroup:
             if key == "oom_kill" and value.strip().isdigit():
                 return int(value) > 0
         return False
+
+    def cpu_seconds(self) -> float | None:
+        """CPU time the run's processes used (v2 ``cpu.stat``, v1 ``cpuacct.usage``), or None
+        where no hierarchy counts it."""
+        if self._cpu is None:
+            return None
+        try:
+            if self._host.version == 1:
+                return int((self._cpu / "cpuacct.usage").read_text()) / 1e9
+            text = (self._cpu / "cpu.stat").read_text()
+        except (OSError, ValueError):
+            return None
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "usage_usec" and value.strip().isdigit():
+                return int(value) / 1e6
+        return None
 
     def _pids_inside(self) -> list[int]:
         found: set[int] = set()

@@ -8,15 +8,18 @@ Guarantees for every run, whatever the command does:
 - when `supervise` returns, no process of the run is left: the outer process is reaped, the
   namespace's init (for bwrap, announced on `--json-status-fd`) has exited — and a pid
   namespace's init exits only after every other process in it — and the run's cgroup, if any,
-  is empty;
+  is empty; an init re-parented to this process (PID 1 of a container, or a subreaper) is
+  reaped too, so no zombie is left;
 - a run whose command never started because bwrap could not set it up or the launcher failed
   (for bwrap: it exited 1 or 125 and never wrote an `exit-code` on its status fd, which only
   bwrap writes, once the command was started) raises `SandboxRequestError` with their message
   instead of passing off their exit status as the command's.
 
 What it only attempts: telling *why* the kernel stopped a command. SIGXCPU and SIGXFSZ deaths
-map to `cpu_time` and `file_size`, a cgroup OOM kill to `memory`; a command that handles those
-signals itself, or dies of `MemoryError` under RLIMIT_AS, is reported by its exit status only.
+map to `cpu_time` and `file_size`, a cgroup OOM kill to `memory`, and with a cgroup v2 a SIGKILL
+after the run used its CPU seconds to `cpu_time` (a command that ignores SIGXCPU is killed at the
+hard limit a second later); a command that handles those signals itself without a cgroup v2, or
+dies of `MemoryError` under RLIMIT_AS, is reported by its exit status only.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -139,22 +143,47 @@ class _Init:
         if self.pidfd is not None:
             await anyio.wait_readable(self.pidfd)
 
+    def reap(self) -> None:
+        """Reap the init if it became this process's child: re-parented here when this process
+        is PID 1 or a subreaper, it would stay a zombie `bwrap`. Elsewhere it is not this
+        process's child and this does nothing."""
+        if self.pidfd is not None:
+            with contextlib.suppress(ChildProcessError):
+                os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED | os.WNOHANG)
+
     def close(self) -> None:
+        self.reap()
         for fd in (self.status_fd, self.pidfd):
             if fd is not None:
                 os.close(fd)
         self.status_fd = self.pidfd = None
 
 
+def reap_announced_init(status_fd: int, timeout_s: float) -> None:
+    """After a bwrap run started outside :func:`supervise` (the pool's probe) has returned: wait
+    up to ``timeout_s`` for the init it announced on ``status_fd`` to exit, reap it if it became
+    this process's child (:meth:`_Init.reap`), and close ``status_fd``."""
+    os.set_blocking(status_fd, False)
+    init = _Init(status_fd)
+    init.drain()
+    if init.pidfd is not None:
+        select.select([init.pidfd], [], [], timeout_s)
+    init.close()
+
+
 def _exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _reason_from_exit(status: int, oom_killed: bool) -> KilledReason | None:
+def _reason_from_exit(
+    status: int, oom_killed: bool, cpu_used: float | None, limits: Limits
+) -> KilledReason | None:
     if oom_killed:
         return "memory"
     if status == 128 + signal.SIGXCPU:
         return "cpu_time"
+    if status == 128 + signal.SIGKILL and cpu_used is not None and cpu_used >= limits.cpu_seconds:
+        return "cpu_time"  # SIGXCPU ignored: the hard limit's SIGKILL, a second later
     if status == 128 + signal.SIGXFSZ:
         return "file_size"
     return None
@@ -241,6 +270,7 @@ async def supervise(launch: Launch, limits: Limits, stdin: bytes | None) -> Exec
         with anyio.CancelScope(shield=True), anyio.move_on_after(_KILL_GRACE_S):
             await _kill_everything(process, init, launch.cgroup)
         oom_killed = launch.cgroup is not None and launch.cgroup.oom_killed()
+        cpu_used = launch.cgroup.cpu_seconds() if launch.cgroup is not None else None
         with anyio.CancelScope(shield=True):
             await process.aclose()
             if launch.cgroup is not None:
@@ -256,7 +286,7 @@ async def supervise(launch: Launch, limits: Limits, stdin: bytes | None) -> Exec
     if reason is None:
         assert process.returncode is not None
         exit_code = _exit_status(process.returncode)
-        reason = _reason_from_exit(exit_code, oom_killed)
+        reason = _reason_from_exit(exit_code, oom_killed, cpu_used, limits)
     return ExecResult(
         exit_code=exit_code,
         stdout=out.decode("utf-8", errors="replace"),

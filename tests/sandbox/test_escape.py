@@ -241,6 +241,18 @@ async def test_infinite_loop_hits_cpu_limit(pool: SandboxPool) -> None:
 
 
 @pytest.mark.anyio
+async def test_a_loop_that_ignores_sigxcpu_is_reported_as_cpu_time(pool: SandboxPool) -> None:
+    cgroups = getattr(pool.backend, "cgroups", None)
+    if cgroups is None or cgroups.cpu_parent is None:
+        pytest.skip("no writable cgroup hierarchy counts a run's CPU time here")
+    code = "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True: pass"
+    limits = dataclasses.replace(TIGHT.limits(), wall_seconds=10)
+    result = await pool.run_python(code, limits=limits)
+    assert result.exit_code == 128 + signal.SIGKILL, result
+    assert result.killed_reason == "cpu_time", result
+
+
+@pytest.mark.anyio
 async def test_sleep_past_wall_time(pool: SandboxPool) -> None:
     result = await pool.run(["sleep", "30"])
     assert result.timed_out
