@@ -8,12 +8,13 @@ publishes its shard), :class:`BoardReader`, :class:`BoardOptions`, :class:`Manif
 
 Modules: :mod:`~policies.board.publish` (writing versions), :mod:`~policies.board.read`
 (reading, catch-up, materializing), :mod:`~policies.board.sharded` (sharded versions and their
-commit protocol), :mod:`~policies.board.stream` (patches written and staged chunk by chunk),
-:mod:`~policies.board.plan` (which patches and anchors, pure), :mod:`~policies.board.manifest`
-(a manifest's digest, seal and base-file records), :mod:`~policies.board.store` (the fsspec
-store), :mod:`~policies.board.types` (manifests and options), :mod:`~policies.board.cli`
-(``orchestrate versions`` / ``materialize``), :mod:`~policies.board.failpoints` (fault injection
-for the chaos harness, inert by default).
+commit protocol), :mod:`~policies.board.stream_publish` (patches written chunk by chunk),
+:mod:`~policies.board.stream` (a replica staging them as they land), :mod:`~policies.board.plan`
+(which patches and anchors, pure), :mod:`~policies.board.manifest` (a manifest's digest, seal and
+base-file records), :mod:`~policies.board.store` (the fsspec store), :mod:`~policies.board.types`
+(manifests and options), :mod:`~policies.board.cli` (``orchestrate versions`` /
+``materialize``), :mod:`~policies.board.failpoints` (fault injection for the chaos harness, inert
+by default).
 """
 
 import lazy_loader

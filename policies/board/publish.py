@@ -80,7 +80,7 @@ import torch
 from policies.board import plan as board_plan
 from policies.board.manifest import file_entries, manifest_digest, manifest_seal
 from policies.board.read import MANIFEST, STREAM, WEIGHTS, BoardReader, anchor_payload
-from policies.board.stream import ScanOn, announce, write_chunks
+from policies.board.stream_publish import ScanOn, announce, write_chunks
 from policies.board.types import (
     BASE_FILES,
     FORMAT,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from policies.board import Board
+from policies.board import Board, stream_publish
 from policies.board import stream as board_stream
 from policies.board.types import (
     FORMAT,
@@ -31,7 +31,7 @@ NAMES = [f"layers.{i}.weight" for i in range(4)]
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """One tensor per chunk, and a stalled stream given up after 3 s."""
-    monkeypatch.setattr(board_stream, "CHUNK_VIEW_BYTES", 1)
+    monkeypatch.setattr(stream_publish, "CHUNK_VIEW_BYTES", 1)
     monkeypatch.setattr(board_stream, "STALL_S", 3.0)
 
 
