@@ -81,7 +81,7 @@ from policies.board import plan as board_plan
 from policies.board.anchors import anchor_payload
 from policies.board.manifest import file_entries, manifest_digest, manifest_seal
 from policies.board.read import BoardReader
-from policies.board.stream import ScanOn, announce, write_chunks
+from policies.board.stream_publish import ScanOn, announce, write_chunks
 from policies.board.types import (
     BASE_FILES,
     FORMAT,

@@ -71,7 +71,7 @@ from policies.board import plan as board_plan
 from policies.board.anchors import anchor_payload
 from policies.board.manifest import file_entries, manifest_digest, manifest_seal, pieces_checksum
 from policies.board.publish import Board, DeviceView, encode_patches, host_side
-from policies.board.stream import ScanOn
+from policies.board.stream_publish import ScanOn
 from policies.board.types import (
     FORMAT,
     MANIFEST,

@@ -1,10 +1,15 @@
-"""A publisher held mid-stream, for tests of streamed publish (policies/board/stream.py)."""
+"""A publisher held mid-stream and a replica's staging watched, for tests of streamed publish
+(policies/board/stream_publish.py, policies/board/stream.py)."""
 
 from __future__ import annotations
 
 import threading
+from typing import Any
+
+import pytest
 
 from policies.board import Board, BoardReader
+from policies.board import stream as board_stream
 from policies.errors import BoardError
 
 
@@ -48,3 +53,30 @@ class AskedTogether:
             if first_pair and not self.both.wait(10):
                 raise AssertionError(f"{path} was asked for alone")
         return self._read(path, limit)
+
+
+class Staging:
+    """Records what a replica following a stream applies: it wraps
+    ``policies.board.stream.apply_frame`` (what :class:`~policies.board.stream.Follower` applies
+    each chunk with) for the test's duration, and wakes whoever waits for a tensor to be
+    staged."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self._applied = threading.Condition()
+        self.written: set[str] = set()
+        """The tensors the chunks applied so far wrote."""
+        apply = board_stream.apply_frame
+
+        def recording(*args: Any, **kwargs: Any) -> board_stream.StagedChunk:
+            staged = apply(*args, **kwargs)
+            with self._applied:
+                self.written |= set(staged.sums)
+                self._applied.notify_all()
+            return staged
+
+        monkeypatch.setattr(board_stream, "apply_frame", recording)
+
+    def wait_for(self, name: str, timeout_s: float = 30.0) -> bool:
+        """Whether a chunk writing ``name`` was applied (now, or within ``timeout_s``)."""
+        with self._applied:
+            return self._applied.wait_for(lambda: name in self.written, timeout_s)

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from policies.board import Board, failpoints
-from policies.board import stream as board_stream
+from policies.board import Board, failpoints, stream_publish
 from policies.errors import BoardError, VersionCorrupt
 
 
@@ -76,7 +75,7 @@ def test_a_bad_rule_names_the_variable(faults: pytest.MonkeyPatch) -> None:
 def test_a_damaged_chunk_of_a_streamed_patch_is_never_served(
     faults: pytest.MonkeyPatch, tmp_path: Path, action: str
 ) -> None:
-    faults.setattr(board_stream, "CHUNK_VIEW_BYTES", 1)  # one tensor per chunk
+    faults.setattr(stream_publish, "CHUNK_VIEW_BYTES", 1)  # one tensor per chunk
     gen = torch.Generator().manual_seed(0)
     v0 = {f"t{i}": torch.randn(64, 64, generator=gen) for i in range(3)}
     v1 = {k: t.clone() for k, t in v0.items()}

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from policies.board import Board
 from tests.support.boards import engine, publish_scaled, tiny_board
+from tests.support.logs import Logged
 
 pytestmark = pytest.mark.anyio
 
@@ -108,8 +109,10 @@ async def test_corrupted_version_is_never_served(board: Board, tiny_model_dir: P
             raw = bytearray(f.read_bytes())
             raw[len(raw) // 2] ^= 0x01
             f.write_bytes(bytes(raw))
-        await _post(s, f"{url}/v1/policy/notify", {})
-        await anyio.sleep(0.5)
+        logged = Logged()
+        with capture_logs(processors=[logged]):
+            await _post(s, f"{url}/v1/policy/notify", {})
+            await logged.until("version_refused", version=1)  # the sidecar's verdict
         async with s.get(f"{url}/v1/policy") as r:
             assert (await r.json())["applied_version"] == 0
         async with s.get(f"{url}/metrics") as r:
@@ -123,19 +126,16 @@ async def test_a_dangling_pointer_is_not_refused_for_good(
 ) -> None:
     async with engine(board) as url, aiohttp.ClientSession() as s:
         board.store.write(f"{board.root}/POINTER", b'{"version": 2}')  # names a missing version
-        await _post(s, f"{url}/v1/policy/notify", {})
-        await anyio.sleep(0.5)
+        logged = Logged()
+        with capture_logs(processors=[logged]):
+            await _post(s, f"{url}/v1/policy/notify", {})
+            await logged.until("version_unavailable", version=2)  # tried, to be tried again
         async with s.get(f"{url}/v1/policy") as r:
             assert (await r.json())["applied_version"] == 0
         publish_scaled(Board(board.url, board.run), 1, tiny_model_dir, scale=0.5)
         publish_scaled(Board(board.url, board.run), 2, tiny_model_dir, scale=0.25)
         await _post(s, f"{url}/v1/policy/notify", {})
-        with anyio.fail_after(10):
-            while True:  # version 2 exists now and is applied, though it was missing before
-                async with s.get(f"{url}/v1/policy") as r:
-                    if (await r.json())["applied_version"] == 2:
-                        break
-                await anyio.sleep(0.1)
+        await _wait_version(s, url, 2)  # it exists now and is applied, though it was missing
         async with s.get(f"{url}/metrics") as r:
             assert "sprawl_version_failures_total 0.0" in await r.text()
 
@@ -145,10 +145,11 @@ async def test_a_malformed_pointer_is_logged_and_the_replica_keeps_serving(
     board: Board, tiny_model_dir: Path, pointer: bytes
 ) -> None:
     async with engine(board) as url, aiohttp.ClientSession() as s:
-        with capture_logs() as logs:
+        logged = Logged()
+        with capture_logs(processors=[logged]) as logs:
             board.store.write(f"{board.root}/POINTER", pointer)
             await _post(s, f"{url}/v1/policy/notify", {})
-            await anyio.sleep(0.5)  # ten polls
+            await logged.until("board_unreadable")  # the sidecar read it
             async with s.get(f"{url}/v1/policy") as r:
                 assert (await r.json())["applied_version"] == 0
             status, body, _ = await _post(s, f"{url}/v1/generate", bounded_request())

@@ -12,8 +12,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from policies.board import Board
-from policies.board import stream as board_stream
+from policies.board import Board, stream_publish
 from policies.serve.backends.reference import ReferenceBackend
 from policies.serve.engine import Engine
 from policies.serve.sidecar import Sidecar
@@ -50,10 +49,10 @@ async def _serving_v0(
 async def test_a_sidecar_stages_a_streamed_version_and_activates_it_once_published(
     tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(board_stream, "CHUNK_VIEW_BYTES", 1)  # one tensor per chunk
+    monkeypatch.setattr(stream_publish, "CHUNK_VIEW_BYTES", 1)  # one tensor per chunk
     async with _serving_v0(tmp_path, tiny_model_dir) as (pub, board, sidecar, engine):
         v1 = adam_like_step(pub.load(0)[1], seed=1, density=0.05)
-        last = len(board_stream.plan_chunks(v1)) - 1
+        last = len(stream_publish.plan_chunks(v1)) - 1
         gate = Gate(pub, at=last)
         publish = threading.Thread(target=pub.publish, args=(1, v1), kwargs={"view_name": "bf16"})
         publish.start()
