@@ -21,6 +21,12 @@ missing, wrong or undecodable token (401 ``unauthorized``), a body that is not u
 UTF-8, nested too deep, an integer of more than 64 digits, a lone surrogate in a string) or a bad
 field (400).
 
+Connections are bounded as the lane's are (:mod:`policies.serve.connections`, its defaults): a
+header, idle and body deadline, at most 512 connections and 256 from one client address, so a
+flood of slow or silent sockets is refused (``408``/``503``) and counted
+(``sprawl_admin_connections``, ``sprawl_admin_connections_refused_total{reason}``), never left to
+exhaust the run's file descriptors.
+
 Once it listens, :func:`serve_admin` writes ``admin.json`` (``{"url", "token"}``) into the run
 directory, readable by its owner only (mode 0600, replaced atomically): that file is how
 ``orchestrate fleet add|remove|list|up|scale|down --orchestrator RUN_DIR`` (the client,
@@ -41,12 +47,14 @@ import anyio
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 from anyio.abc import TaskStatus
+from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from orchestrator.loop.pool import Pool
 from orchestrator.types import Endpoint, EndpointRef
 from policies.errors import BadRequest
+from policies.serve.connections import ConnectionLimiter, LaneLimits, LaneSite
 from policies.serve.http_body import bearer_matches, read_json
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -55,6 +63,8 @@ M = TypeVar("M", bound=BaseModel)
 
 class Exposition(Protocol):
     """What ``GET /metrics`` serves: the run's :class:`~orchestrator.observe.metrics.RunMetrics`."""
+
+    registry: CollectorRegistry
 
     def exposition(self) -> bytes: ...
 
@@ -221,10 +231,12 @@ async def serve_admin(
     admin_file: Path,
     metrics: Exposition | None = None,
     islands: Islands | None = None,
+    limits: LaneLimits | None = None,
     task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the admin API until cancelled; ``started`` with its base URL once ``admin_file``
-    names it and its token (``token``, or a random one when None)."""
+    names it and its token (``token``, or a random one when None). ``limits``: its connection
+    bounds (:class:`LaneLimits`' defaults if None)."""
     token = token or secrets.token_urlsafe(32)
     await serve_app(
         AdminApp(pool, token, metrics, islands).app,
@@ -232,6 +244,9 @@ async def serve_admin(
         port=port,
         token=token,
         address_file=admin_file,
+        server="admin",
+        registry=metrics.registry if metrics is not None else None,
+        limits=limits,
         task_status=task_status,
     )
 
@@ -243,14 +258,25 @@ async def serve_app(
     port: int,
     token: str,
     address_file: Path,
+    server: str,
+    registry: CollectorRegistry | None = None,
+    limits: LaneLimits | None = None,
     task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``app`` until cancelled; ``started`` with its base URL once ``address_file``
-    (:func:`write_admin_file`) names it and ``token``."""
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+    """Serve ``app`` until cancelled, its connections bounded by ``limits`` (module docstring;
+    :class:`LaneLimits`' defaults if None), counted in ``registry`` as ``server``'s; ``started``
+    with its base URL once ``address_file`` (:func:`write_admin_file`) names it and ``token``."""
+    limits = limits or LaneLimits()
+    limiter = ConnectionLimiter(
+        limits, registry or CollectorRegistry(), server, setting=lambda key: f"the {server} {key}"
+    )
+    app.middlewares[:0] = [limiter.middleware, limiter.body_deadline]
+    runner = web.AppRunner(
+        app, access_log=None, shutdown_timeout=1.0, keepalive_timeout=limits.idle_timeout_s
+    )
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        site = LaneSite(runner, host, port, limiter)
         await site.start()
         url = f"http://{host}:{runner.addresses[0][1]}"
         await anyio.to_thread.run_sync(write_admin_file, address_file, url, token)

@@ -272,5 +272,6 @@ async def serve_feed(
         port=port,
         token=token,
         address_file=feed_file,
+        server="feed",
         task_status=task_status,
     )

@@ -1,4 +1,5 @@
-"""Connection limits of the lane's HTTP server: a header deadline, an idle deadline, a cap.
+"""Connection limits of sprawl's HTTP servers (the lane, the admin API, the batch feed): a header
+deadline, an idle deadline, a cap, and a share of it per client.
 
 aiohttp, which serves the lane, waits for a request's headers as long as a client likes and
 accepts every connection the kernel hands it, so a few hundred idle or slow sockets hold the
@@ -14,18 +15,22 @@ Guarantees, with the flags that set each limit (:func:`add_limit_flags`):
 - a keep-alive connection with no request in progress for ``idle_timeout_s``
   (``--idle-timeout``) is closed (aiohttp's keep-alive timer, which starts when a response has
   been sent, so it also bounds how long the headers of a later request on the connection take);
-- at most ``max_connections`` (``--max-connections``) connections are open at once: one more is
-  answered ``503`` ``too_many_connections`` with ``Retry-After`` and closed, never served;
-- the server exports ``sprawl_lane_connections`` (open now) and
-  ``sprawl_lane_connections_refused_total{reason}`` (``header_timeout``, ``max_connections``), and
-  logs ``lane_connection_refused`` for every header timeout and for the first connection refused
-  at the cap (the rest of a flood is counted, not logged, until a connection is admitted again).
+- at most ``max_connections`` (``--max-connections``) connections are open at once, and at most
+  ``max_connections_per_client`` (``--max-connections-per-client``) from one client address: one
+  more is answered ``503`` ``too_many_connections`` with ``Retry-After`` and closed, never served
+  (so one client's flood leaves the rest of the cap to the others);
+- the server exports ``sprawl_<server>_connections`` (open now) and
+  ``sprawl_<server>_connections_refused_total{reason}`` (``header_timeout``, ``max_connections``,
+  ``max_connections_per_client``), ``<server>`` being ``lane`` or ``admin``, and logs
+  ``<server>_connection_refused`` for every header timeout and for the first connection refused at
+  a cap (the rest of a flood is counted, not logged, until a connection is admitted again).
 
-The request body's deadline (``body_timeout_s``, ``--body-timeout``) is the route's to keep
-(:mod:`policies.serve.server` answers ``408`` when it passes).
+The request body's deadline (``body_timeout_s``, ``--body-timeout``) is the route's to keep on the
+lane (:mod:`policies.serve.server` answers ``408`` when it passes); other servers take
+:meth:`ConnectionLimiter.body_deadline`, which reads every body within it first.
 
-Not covered: limits per client address (a proxy's job), a client that is slow to *read* a
-response (the kernel's send buffer and TCP keep-alive bound it).
+Not covered: a client spread over many addresses (a proxy's or firewall's job), a client that is
+slow to *read* a response (the kernel's send buffer and TCP keep-alive bound it).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 log = structlog.get_logger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-Refusal = Literal["header_timeout", "max_connections"]
+Refusal = Literal["header_timeout", "max_connections", "max_connections_per_client"]
 LINGER_S = 2.0
 """How long a refused connection stays open to drop what its client sends (so that closing it
 does not reset the connection before the client has read the answer)."""
@@ -64,6 +69,8 @@ class LaneLimits(BaseModel):
     """Seconds a request's body may take to arrive once its headers have."""
     max_connections: int = Field(default=512, ge=1)
     """Connections open at once; one more is answered 503."""
+    max_connections_per_client: int = Field(default=256, ge=1)
+    """Connections open at once from one client address; one more is answered 503."""
 
 
 FLAGS = {
@@ -71,6 +78,7 @@ FLAGS = {
     "idle_timeout_s": "--idle-timeout",
     "body_timeout_s": "--body-timeout",
     "max_connections": "--max-connections",
+    "max_connections_per_client": "--max-connections-per-client",
 }
 """The command-line flag of each :class:`LaneLimits` field (``orchestrate serve``, ``sidecar``)."""
 
@@ -80,7 +88,7 @@ def add_limit_flags(parser: argparse.ArgumentParser) -> None:
     defaults = LaneLimits()
     for key, flag in FLAGS.items():
         info = LaneLimits.model_fields[key]
-        whole = key == "max_connections"
+        whole = key.startswith("max_connections")
         parser.add_argument(
             flag,
             dest=key,
@@ -121,17 +129,33 @@ def _send_and_close(transport: asyncio.Transport, answer: bytes) -> None:
 
 
 class ConnectionLimiter:
-    """Counts the lane's connections and keeps each one's header deadline (module docstring)."""
+    """Counts a server's connections and keeps each one's header deadline (module docstring);
+    ``server`` names it in metrics and logs (``lane``, ``admin``), ``setting`` names the setting
+    of a :class:`LaneLimits` field in a refusal (the lane's: its flag)."""
 
-    def __init__(self, limits: LaneLimits, registry: CollectorRegistry) -> None:
+    def __init__(
+        self,
+        limits: LaneLimits,
+        registry: CollectorRegistry,
+        server: str = "lane",
+        setting: Callable[[str], str] = FLAGS.__getitem__,
+    ) -> None:
         self.limits = limits
+        self.server = server
+        self.setting = setting
         self._open: dict[object, _Guarded] = {}  # by aiohttp's protocol (``request.protocol``)
-        self._full = False  # refusing at the cap since the last connection admitted
-        gauge = Gauge("sprawl_lane_connections", "Lane connections open now", registry=registry)
+        self._per_client: dict[str, int] = {}
+        self._full = False  # refusing at a cap since the last connection admitted
+        gauge = Gauge(
+            f"sprawl_{server}_connections",
+            f"{server.capitalize()} connections open now",
+            registry=registry,
+        )
         gauge.set_function(lambda: len(self._open))
         self._refused = Counter(
-            "sprawl_lane_connections_refused",
-            "Lane connections closed unserved, by reason (header_timeout, max_connections)",
+            f"sprawl_{server}_connections_refused",
+            f"{server.capitalize()} connections closed unserved, by reason (header_timeout, "
+            "max_connections, max_connections_per_client)",
             ["reason"],
             registry=registry,
         )
@@ -153,21 +177,55 @@ class ConnectionLimiter:
             guarded.request_arrived()
         return await handler(request)
 
+    def full(self, client: str) -> Refusal | None:
+        """Which cap a new connection from ``client`` would pass, or None."""
+        if self.open >= self.limits.max_connections:
+            return "max_connections"
+        if self._per_client.get(client, 0) >= self.limits.max_connections_per_client:
+            return "max_connections_per_client"
+        return None
+
+    @web.middleware
+    async def body_deadline(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Reads the request's body within ``body_timeout_s`` before the route sees it (aiohttp
+        keeps it for the route's own read); ``408`` and no keep-alive when it is late."""
+        if request.body_exists:
+            try:
+                await asyncio.wait_for(request.read(), self.limits.body_timeout_s)
+            except TimeoutError:
+                message = (
+                    f"request body not received within {self.limits.body_timeout_s} s "
+                    f"({self.setting('body_timeout_s')})"
+                )
+                late = web.json_response(
+                    {"error": {"type": "request_timeout", "message": message}}, status=408
+                )
+                late.force_close()
+                return late
+        return await handler(request)
+
     def admit(self, guarded: _Guarded, inner: object) -> None:
         self._open[inner] = guarded
+        self._per_client[guarded.client] = self._per_client.get(guarded.client, 0) + 1
         self._full = False
 
     def release(self, inner: object) -> None:
-        self._open.pop(inner, None)
+        guarded = self._open.pop(inner, None)
+        if guarded is not None:
+            left = self._per_client[guarded.client] - 1
+            if left:
+                self._per_client[guarded.client] = left
+            else:
+                del self._per_client[guarded.client]
 
     def refuse(self, reason: Refusal, transport: asyncio.Transport) -> None:
         self._refused.labels(reason).inc()
-        if reason == "max_connections":
-            if self._full:  # logged when the cap was reached; a flood is counted, not logged
+        if reason != "header_timeout":
+            if self._full:  # logged when a cap was reached; a flood is counted, not logged
                 return
             self._full = True
         log.warning(
-            "lane_connection_refused",
+            f"{self.server}_connection_refused",
             reason=reason,
             peer=transport.get_extra_info("peername"),
             open=self.open,
@@ -183,18 +241,25 @@ class _Guarded(asyncio.Protocol):
         self.server = server
         self.inner: asyncio.Protocol | None = None
         self.transport: asyncio.Transport | None = None
+        self.client = ""
         self._deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.client = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         limits = self.limiter.limits
-        if self.limiter.open >= limits.max_connections:
-            self.limiter.refuse("max_connections", transport)
-            message = (
-                f"the server already holds {limits.max_connections} connections "
-                "(--max-connections); retry later"
+        full = self.limiter.full(self.client)
+        if full is not None:
+            self.limiter.refuse(full, transport)
+            held = (
+                f"{limits.max_connections} connections ({self.limiter.setting(full)})"
+                if full == "max_connections"
+                else f"{limits.max_connections_per_client} connections from {self.client} "
+                f"({self.limiter.setting(full)})"
             )
+            message = f"the server already holds {held}; retry later"
             _send_and_close(
                 transport, _answer(503, "Service Unavailable", "too_many_connections", message)
             )
@@ -217,7 +282,7 @@ class _Guarded(asyncio.Protocol):
         self.limiter.refuse("header_timeout", self.transport)
         message = (
             f"request headers not received within {self.limiter.limits.header_timeout_s} s "
-            "(--header-timeout)"
+            f"({self.limiter.setting('header_timeout_s')})"
         )
         self.transport.write(_answer(408, "Request Timeout", "request_timeout", message))
         self._detach(TimeoutError(message))

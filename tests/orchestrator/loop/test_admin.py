@@ -18,6 +18,7 @@ from orchestrator.fleet_cli import AdminAddress, _call, admin_address
 from orchestrator.loop.admin import serve_admin
 from orchestrator.loop.pool import Pool
 from orchestrator.types import EndpointRef
+from policies.serve.connections import LaneLimits
 from policies.wire.lane import GenerateRequest, VersionBounds
 from tests.support.fakes import ScriptedTransport
 
@@ -25,7 +26,9 @@ pytestmark = pytest.mark.anyio
 
 
 @asynccontextmanager
-async def admin(pool: Pool, run_dir: Path, token: str | None = None) -> AsyncIterator[str]:
+async def admin(
+    pool: Pool, run_dir: Path, token: str | None = None, limits: LaneLimits | None = None
+) -> AsyncIterator[str]:
     """The admin API, its ``admin.json`` in ``run_dir``; its URL."""
     async with anyio.create_task_group() as tg:
         url = await tg.start(
@@ -35,6 +38,7 @@ async def admin(pool: Pool, run_dir: Path, token: str | None = None) -> AsyncIte
                 port=0,
                 token=token,
                 admin_file=run_dir / "admin.json",
+                limits=limits,
                 task_status=task_status,
             )
         )
@@ -148,3 +152,36 @@ async def test_hostile_bodies_and_headers_get_4xx_json_errors(tmp_path: Path) ->
             got.append((status, kind, error.get("param")))
     assert got == [(s, "application/json", param) for _, _, s, param in hostile]
     assert pool.live() == []
+
+
+async def _answer(sock: anyio.abc.SocketStream) -> bytes:
+    data = b""
+    with anyio.fail_after(10):
+        while True:
+            try:
+                data += await sock.receive()
+            except (anyio.EndOfStream, anyio.BrokenResourceError):
+                return data
+
+
+async def test_a_flood_of_silent_connections_is_refused_not_held(tmp_path: Path) -> None:
+    """The admin API is bounded like the lane: a header deadline, a cap, a share per client. A
+    client flooding it from one address leaves room for another; silent sockets are closed."""
+    pool = Pool(ScriptedTransport({}), version_wait_s=5.0, poll_interval_s=1.0)
+    limits = LaneLimits(header_timeout_s=1.0, max_connections=6, max_connections_per_client=3)
+    async with admin(pool, tmp_path, token="tok", limits=limits) as url:
+        host, port = url.removeprefix("http://").split(":")
+        silent = [await anyio.connect_tcp(host, int(port)) for _ in range(3)]
+        flood = [await anyio.connect_tcp(host, int(port)) for _ in range(20)]
+        refused = [await _answer(sock) for sock in flood]
+        assert all(a.startswith(b"HTTP/1.1 503 ") for a in refused)
+        assert b"3 connections from 127.0.0.1 (the admin max_connections_per_client)" in refused[0]
+        async with await anyio.connect_tcp(host, int(port), local_host="127.0.0.2") as other:
+            await other.send(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert (await _answer(other)).startswith(b"HTTP/1.1 200 ")
+        for sock in silent:  # past the header deadline: 408, closed
+            assert (await _answer(sock)).startswith(b"HTTP/1.1 408 ")
+        async with aiohttp.ClientSession() as s, s.get(f"{url}/health") as r:
+            assert r.status == 200
+        for sock in [*silent, *flood]:
+            await sock.aclose()
