@@ -1,6 +1,7 @@
 """Benchmarks (``orchestrate bench …``; results in ``docs/benchmarks.md``) and the simulator.
 
-:mod:`~orchestrator.bench.codec`, :mod:`~orchestrator.bench.sparsity`,
+:mod:`~orchestrator.bench.codec` (its ``--churn``: :mod:`~orchestrator.bench.churn`),
+:mod:`~orchestrator.bench.sparsity`,
 :mod:`~orchestrator.bench.engine`, :mod:`~orchestrator.bench.sync`,
 :mod:`~orchestrator.bench.publish`, :mod:`~orchestrator.bench.fleet`,
 :mod:`~orchestrator.bench.scheduler`,
