@@ -9,9 +9,9 @@
 # `bash scripts/gpu-wheels.sh` (fills .whl/, ~28 MiB), then one `run` with
 #   carry: [".whl"], timeout_s: 570,
 #   command: SPRAWL_COMMIT=<git rev-parse --short HEAD> bash scripts/gpu-check.sh --out "$OUT"
-# It lasts about 5-6 minutes (each part's limit below, the parts before the summary at most
-# BUDGET_S=500 s together, the summary 30 s more), and
-# brings back 7 files: device.json (machine, versions, sizes, each part's status, the targets),
+# Estimated at 5-6 minutes there (not yet run on one); each part has a limit (LIMIT_S below), the
+# parts before the summary BUDGET_S=500 s together, the summary 30 s more. It brings back 7
+# files: device.json (machine, versions, sizes, each part's status, the targets),
 # tests.json, codec.json, publish.json, trainer.json, engine.json and gpu-check.log. Figures go
 # to docs/benchmarks.md ("On an H200") with the commit and this command.
 #
@@ -51,7 +51,7 @@ fi
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 exec > >(tee -a "$OUT/gpu-check.log") 2>&1
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1  # nothing to reach there
 START=$SECONDS
 BUDGET_S="${BUDGET_S:-500}"
 

@@ -67,7 +67,7 @@ def model_dir(work: Path, name: str, seed: int = 0) -> Path:
         bars_were_on = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
         try:
-            model.save_pretrained(out)
+            model.save_pretrained(out, max_shard_size="100GB")  # one model.safetensors
         finally:
             if bars_were_on:
                 hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]

@@ -89,6 +89,7 @@ def _run(scale: Scale, device: Device, root: Path, report: Report) -> None:
         to_host_bytes=crossed,
         to_host_vs_patch=crossed / delta.bytes,
     )
+    del board, view  # the publisher's host copies (two views) are not the replica's memory
     replica = BoardReader(str(root), RUN)
     t0 = time.perf_counter()
     _, held = replica.load(0)
