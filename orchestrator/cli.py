@@ -8,7 +8,8 @@
                       [--body-timeout S] [--max-connections N]
     orchestrate versions --board URL [--run NAME] [--json]
     orchestrate materialize --board URL [--run NAME] --version N --out DIR
-    orchestrate bench codec|engine|sync|publish|fleet|sparsity|router-replay|scheduler|async [...]
+    orchestrate bench codec|engine|sync|publish|fleet|sparsity|router-replay|scheduler|async|device
+                      [...]
     orchestrate fleet list|add|remove|up|scale|down --orchestrator URL|RUN_DIR [...]
     orchestrate train --config X.toml [--section.key V …]   (an external reference trainer)
     orchestrate sidecar --engine-url URL --engine-kind vllm|sglang|openai --board URL [--port P]
@@ -236,6 +237,7 @@ def _bench(argv: list[str]) -> int:
         "router-replay": "orchestrator.bench.router_replay",
         "async": "orchestrator.bench.async_rl",
         "scheduler": "orchestrator.bench.scheduler",
+        "device": "orchestrator.bench.device",
     }
     if not argv or argv[0] not in benches:
         sys.stderr.write(f"usage: orchestrate bench {{{','.join(benches)}}} [args]\n")

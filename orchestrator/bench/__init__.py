@@ -1,10 +1,13 @@
 """Benchmarks (``orchestrate bench …``; results in ``docs/benchmarks.md``) and the simulator.
 
-:mod:`~orchestrator.bench.codec`, :mod:`~orchestrator.bench.sparsity`,
+:mod:`~orchestrator.bench.codec` (its ``--churn``: :mod:`~orchestrator.bench.churn`),
+:mod:`~orchestrator.bench.sparsity`,
 :mod:`~orchestrator.bench.engine`, :mod:`~orchestrator.bench.sync`,
 :mod:`~orchestrator.bench.publish`, :mod:`~orchestrator.bench.fleet`,
 :mod:`~orchestrator.bench.scheduler`,
-:mod:`~orchestrator.bench.async_rl`; and
+:mod:`~orchestrator.bench.async_rl`,
+:mod:`~orchestrator.bench.device` (the device path in one run, ``scripts/gpu-check.sh``; its
+parts ``device_codec``, ``device_publish``, ``device_trainer``, ``device_engine``); and
 :mod:`~orchestrator.bench.simulate`, a simulated heterogeneous fleet. Each prints its baseline
 measured in the same run. Nothing at run time imports this package.
 """

@@ -40,7 +40,6 @@ import zstandard
 
 from policies.codec import apply_patch, checksums, encode_patch, read_patch_header, state_digest
 from policies.codec.kernels import jit
-from policies.codec.views import ViewSpec, build_view
 from policies.wire.logs import quiet_logs
 
 DENSITIES = (0.001, 0.01, 0.03, 0.1)
@@ -55,7 +54,7 @@ loops) and took a core from the timed run: on the 2-core dev VM a thread of the 
 2.5–5 ms late, and the timed encode was ~10 ms slower (45–49 ms against 36)."""
 
 
-class _Timer:
+class Timer:
     """Best-of-``repeats`` timings, each run paired with a copy of the whole view just before it.
 
     On a shared machine the memory bandwidth swings from second to second; a ratio between a
@@ -71,7 +70,7 @@ class _Timer:
         start = time.perf_counter()
         for k, v in self._view.items():
             self._dst[k].copy_(v)
-        _sync(self._view)
+        sync(self._view)
         return time.perf_counter() - start
 
     def best(
@@ -90,23 +89,24 @@ class _Timer:
         return best, copy
 
 
-def _sync(view: State) -> None:
+def sync(view: State) -> None:
     """Wait for the device work queued on ``view``'s tensors (a no-op on CPU)."""
     devices = {t.device for t in view.values() if t.device.type == "cuda"}
     for device in devices:
         torch.cuda.synchronize(device)
 
 
-def make_view(size_mb: int, seed: int) -> State:
-    """A bf16 view of about ``size_mb`` MiB in tensors of at most 32 MiB."""
-    gen = torch.Generator().manual_seed(seed)
+def make_view(size_mb: int, seed: int, device: str = "cpu") -> State:
+    """A bf16 view of about ``size_mb`` MiB in tensors of at most 32 MiB, drawn on ``device``
+    (a device's generator draws other values than the CPU's for one seed)."""
+    gen = torch.Generator(device).manual_seed(seed)
     total = size_mb * (1 << 20) // 2
     out: State = {}
     i = 0
     while total > 0:
         n = min(total, _TENSOR_ELEMS)
         cols = 4096 if n % 4096 == 0 else 1
-        w = torch.randn(n // cols, cols, generator=gen, dtype=torch.float32) * 0.02
+        w = torch.randn(n // cols, cols, generator=gen, dtype=torch.float32, device=device) * 0.02
         out[f"layers.{i}.weight"] = w.to(torch.bfloat16)
         total -= n
         i += 1
@@ -133,13 +133,13 @@ def _copy(state: State) -> State:
     return {k: v.clone() for k, v in state.items()}
 
 
-def _equal(a: State, b: State) -> bool:
+def same_bits(a: State, b: State) -> bool:
     return a.keys() == b.keys() and all(
         torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a
     )
 
 
-def _gbps(nbytes: int, seconds: float) -> float:
+def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
@@ -152,22 +152,22 @@ def _row(
     app: tuple[float, float],
     exact: bool,
 ) -> dict[str, Any]:
-    """A report row; ``enc``/``app`` are (codec, paired copy) seconds from :meth:`_Timer.best`."""
+    """A report row; ``enc``/``app`` are (codec, paired copy) seconds from :meth:`Timer.best`."""
     return {
         "codec": name,
         "patch_bytes": patch_bytes,
         "bits_per_changed_element": 8 * patch_bytes / max(changed, 1),
         "full_bytes": full,
-        "encode_gbps": _gbps(full, enc[0]),
+        "encode_gbps": gbps(full, enc[0]),
         "encode_vs_memcpy": enc[1] / enc[0],
-        "apply_gbps": _gbps(full, app[0]),
+        "apply_gbps": gbps(full, app[0]),
         "apply_time_vs_copy": app[0] / app[1],
         "exact": exact,
     }
 
 
 def _bench_sprawl(
-    base: State, target: State, full: int, timer: _Timer, device: str
+    base: State, target: State, full: int, timer: Timer, device: str
 ) -> dict[str, Any]:
     """The codec's row; encoding scans the copies of ``base``/``target`` on ``device`` (its
     ``encode_vs_memcpy`` pairs with a copy of the view there), applying works on the host."""
@@ -175,7 +175,7 @@ def _bench_sprawl(
     bdig = state_digest(base, known=bsums)
     patch = encode_patch(base, target, base_digest=bdig, target_checksums=tsums)
     db, dt = ({k: v.to(device) for k, v in s.items()} for s in (base, target))
-    on_device = timer if device == "cpu" else _Timer(db, timer.repeats)
+    on_device = timer if device == "cpu" else Timer(db, timer.repeats)
     same = encode_patch(db, dt, base_digest=bdig, target_checksums=tsums) == patch
     enc = on_device.best(lambda _: encode_patch(db, dt, base_digest=bdig, target_checksums=tsums))
     cold = on_device.best(lambda _: encode_patch(db, dt))
@@ -187,16 +187,16 @@ def _bench_sprawl(
     )
     result = apply_patch(_copy(base), patch, base_digest=bdig)
     changed = read_patch_header(patch).changed
-    row = _row("sprawl", len(patch), changed, full, enc, app, same and _equal(result, target))
+    row = _row("sprawl", len(patch), changed, full, enc, app, same and same_bits(result, target))
     row.update(
         scan_device=device,
         changed=changed,
-        encode_cold_gbps=_gbps(full, cold[0]),
-        apply_unverified_gbps=_gbps(full, raw[0]),
+        encode_cold_gbps=gbps(full, cold[0]),
+        apply_unverified_gbps=gbps(full, raw[0]),
         apply_unverified_time_vs_copy=raw[0] / raw[1],
     )
     if device != "cpu":
-        row["device_memcpy_gbps"] = _gbps(full, min(on_device.copies))
+        row["device_memcpy_gbps"] = gbps(full, min(on_device.copies))
     return row
 
 
@@ -228,14 +228,14 @@ def _apply_index_raw(state: State, p: dict[str, tuple[np.ndarray, np.ndarray]]) 
         job.result()
 
 
-def _bench_index_raw(base: State, target: State, full: int, timer: _Timer) -> dict[str, Any]:
+def _bench_index_raw(base: State, target: State, full: int, timer: Timer) -> dict[str, Any]:
     patch = _index_raw(base, target)
     enc = timer.best(lambda _: _index_raw(base, target))
     app = timer.best(lambda s: _apply_index_raw(s, patch), lambda: _copy(base))
     state = _copy(base)
     _apply_index_raw(state, patch)
     changed = sum(i.size for i, _ in patch.values())
-    return _row("int32_index_raw", 6 * changed, changed, full, enc, app, _equal(state, target))
+    return _row("int32_index_raw", 6 * changed, changed, full, enc, app, same_bits(state, target))
 
 
 def _xor_zstd(base: State, target: State) -> dict[str, bytes]:
@@ -253,7 +253,7 @@ def _apply_xor_zstd(state: State, p: dict[str, bytes]) -> None:
         flat ^= torch.frombuffer(bytearray(d.decompress(blob)), dtype=torch.int16)
 
 
-def _bench_xor_zstd(base: State, target: State, full: int, timer: _Timer) -> dict[str, Any]:
+def _bench_xor_zstd(base: State, target: State, full: int, timer: Timer) -> dict[str, Any]:
     patch = _xor_zstd(base, target)
     enc = timer.best(lambda _: _xor_zstd(base, target))
     app = timer.best(lambda s: _apply_xor_zstd(s, patch), lambda: _copy(base))
@@ -263,7 +263,7 @@ def _bench_xor_zstd(base: State, target: State, full: int, timer: _Timer) -> dic
         int((base[k].view(torch.int16) != target[k].view(torch.int16)).sum()) for k in base
     )
     size = sum(len(b) for b in patch.values())
-    return _row("dense_xor_zstd1", size, changed, full, enc, app, _equal(state, target))
+    return _row("dense_xor_zstd1", size, changed, full, enc, app, same_bits(state, target))
 
 
 def run(
@@ -271,7 +271,7 @@ def run(
 ) -> dict[str, Any]:
     """Run the whole benchmark and return its report (the codec's scan on ``device``).
 
-    Every codec timing is paired with a memcpy timed just before it (:class:`_Timer`); a row's
+    Every codec timing is paired with a memcpy timed just before it (:class:`Timer`); a row's
     ratios use those pairs and its ``memcpy_gbps`` is the best of its pairs, the report's the
     best of all. The codec's row also compares its unverified apply with the int32 scatter of
     the same changes (``apply_unverified_vs_int32_scatter``, a ratio of times).
@@ -281,14 +281,14 @@ def run(
     rows = []
     for i, density in enumerate(densities):
         target = adam_like(base, density, seed=i + 1)
-        timer = _Timer(base, repeats)
+        timer = Timer(base, repeats)
         sprawl = _bench_sprawl(base, target, full, timer, device)
-        sprawl.update(density=density, memcpy_gbps=_gbps(full, min(timer.copies)))
+        sprawl.update(density=density, memcpy_gbps=gbps(full, min(timer.copies)))
         rows.append(sprawl)
         for bench in (_bench_index_raw, _bench_xor_zstd):
-            timer = _Timer(base, repeats)
+            timer = Timer(base, repeats)
             row = bench(base, target, full, timer)
-            row.update(density=density, memcpy_gbps=_gbps(full, min(timer.copies)))
+            row.update(density=density, memcpy_gbps=gbps(full, min(timer.copies)))
             rows.append(row)
         scatter_gbps = rows[-2]["apply_gbps"]  # the int32 baseline of this density
         sprawl["apply_unverified_vs_int32_scatter"] = scatter_gbps / sprawl["apply_unverified_gbps"]
@@ -300,50 +300,6 @@ def run(
         "scan_device": device,
         "rows": rows,
     }
-
-
-def _as_ints(t: torch.Tensor) -> torch.Tensor:
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    return t.reshape(-1).view(ints[t.element_size()])
-
-
-def scale_churn(rows: int, cols: int, lr: float, seed: int = 0) -> list[dict[str, Any]]:
-    """Changed fraction of each view's elements and scales after one Adam-like step.
-
-    fp32 masters ~ N(0, 0.02) with a few outliers move by ``lr`` in a random direction (Adam's
-    normalized update); each (view, scale policy) is built before and after the step.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    w0 = torch.randn(rows, cols, generator=gen) * 0.02
-    w0.view(-1)[torch.randint(0, w0.numel(), (rows // 8,), generator=gen)] *= 8
-    w1 = w0 + lr * torch.sign(torch.randn(rows, cols, generator=gen))
-    out = []
-    for kind in ("bf16", "fp8_e4m3", "fp8_block", "int4_group", "nvfp4"):
-        policies = ("fresh",) if kind == "bf16" else ("fresh", "pow2", "fixed_between_anchors")
-        for policy in policies:
-            spec = ViewSpec(kind=kind, scale_policy=policy)  # type: ignore[arg-type]
-            v0 = build_view({"w.weight": w0}, spec)
-            v1 = build_view({"w.weight": w1}, spec, anchor=v0)
-            codes = scales = changed_codes = changed_scales = 0
-            for name, t in v0.items():
-                a, b = _as_ints(t), _as_ints(v1[name])
-                diff = int((a != b).sum())
-                if name.endswith(("_scale", "_scale_inv", "_scale_2")):
-                    scales, changed_scales = scales + a.numel(), changed_scales + diff
-                elif not name.endswith("_shape"):
-                    codes, changed_codes = codes + a.numel(), changed_codes + diff
-            patch = encode_patch(v0, v1)
-            out.append(
-                {
-                    "view": kind,
-                    "scale_policy": policy,
-                    "changed_codes": changed_codes / codes,
-                    "changed_scales": changed_scales / max(scales, 1),
-                    "patch_bytes": len(patch),
-                    "full_bytes": sum(t.numel() * t.element_size() for t in v1.values()),
-                }
-            )
-    return out
 
 
 def _table(report: dict[str, Any]) -> None:
@@ -388,24 +344,6 @@ def _table(report: dict[str, Any]) -> None:
     Console().print(table)
 
 
-def _churn_table(rows: list[dict[str, Any]], lr: float) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"scale churn: one Adam-like step (lr {lr:g}) on a 2048×4096 fp32 weight")
-    for col in ("view", "scale policy", "codes changed", "scales changed", "patch / full"):
-        table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(
-            r["view"],
-            r["scale_policy"],
-            f"{r['changed_codes']:.3%}",
-            f"{r['changed_scales']:.2%}",
-            f"{r['patch_bytes'] / r['full_bytes']:.3%}",
-        )
-    Console().print(table)
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="orchestrate bench codec", description=__doc__)
     parser.add_argument("--size-mb", type=int, default=256, help="size of the bf16 view in MiB")
@@ -427,12 +365,14 @@ def main(argv: list[str]) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("orchestrate bench codec: --device cuda: no CUDA GPU is available here")
     if args.churn:
+        from orchestrator.bench.churn import churn_table, scale_churn
+
         with quiet_logs():
             rows = scale_churn(2048, 4096, args.lr)
         if args.json:
             print(json.dumps(rows, indent=1))
         else:
-            _churn_table(rows, args.lr)
+            churn_table(rows, args.lr)
         return 0
     with quiet_logs():
         report = run(args.size_mb, args.repeats, device=args.device)

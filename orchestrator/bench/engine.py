@@ -39,7 +39,7 @@ from policies.wire.logs import configure
 PROMPT = list(range(3, 35))
 
 
-def _requests(k: int, max_tokens: int, round_: int) -> list[GenerateRequest]:
+def bench_requests(k: int, max_tokens: int, round_: int) -> list[GenerateRequest]:
     return [
         GenerateRequest(
             prompt_token_ids=PROMPT, max_tokens=max_tokens, seed=1000 * round_ + i, temperature=1.0
@@ -52,7 +52,7 @@ def throughput(engine: Engine, k: int, max_tokens: int, rounds: int) -> dict[str
     """Tokens/s with ``k`` requests in flight together, best of ``rounds``."""
     best = 0.0
     for r in range(rounds):
-        reqs = _requests(k, max_tokens, r)
+        reqs = bench_requests(k, max_tokens, r)
         t0 = time.perf_counter()
         futs = [engine.batcher.submit(q, *engine.validate(q)) for q in reqs]
         tokens = sum(len(c.token_ids) for f in futs for c in f.result().choices)
@@ -60,7 +60,7 @@ def throughput(engine: Engine, k: int, max_tokens: int, rounds: int) -> dict[str
     return {"concurrency": k, "tokens_per_s": round(best, 1)}
 
 
-def _bumped(view: dict[str, torch.Tensor], density: float, gen: torch.Generator) -> dict[str, Any]:
+def bumped(view: dict[str, torch.Tensor], density: float, gen: torch.Generator) -> dict[str, Any]:
     """A copy of ``view`` with ``density`` of its values moved by one unit in the last place."""
     out = {}
     for name, t in view.items():
@@ -84,7 +84,7 @@ def pause_trials(
         while not stop.is_set():
             futs = [
                 engine.batcher.submit(q, *engine.validate(q))
-                for q in _requests(load, max_tokens, round_)
+                for q in bench_requests(load, max_tokens, round_)
             ]
             for f in futs:
                 f.result()
@@ -100,7 +100,7 @@ def pause_trials(
         time.sleep(0.2)
         for v in range(1, 2 * trials + 1):
             base = {k: t.detach().clone() for k, t in engine.live_tensors().items()}
-            patch = encode_patch(base, _bumped(base, density, gen))
+            patch = encode_patch(base, bumped(base, density, gen))
             patch_bytes = len(patch)
             if v % 2:
                 # the sidecar's path: decode + verify into a staged view while serving, then
@@ -118,7 +118,9 @@ def pause_trials(
         stop.set()
         worker.join()
     steps0, t0 = engine.batcher.steps, time.perf_counter()
-    futs = [engine.batcher.submit(q, *engine.validate(q)) for q in _requests(load, max_tokens, 99)]
+    futs = [
+        engine.batcher.submit(q, *engine.validate(q)) for q in bench_requests(load, max_tokens, 99)
+    ]
     for f in futs:
         f.result()
     step_ms = (time.perf_counter() - t0) * 1e3 / max(1, engine.batcher.steps - steps0)
@@ -127,18 +129,18 @@ def pause_trials(
         "load_requests": load,
         "density": density,
         "patch_bytes": patch_bytes,
-        "p50_ms": _pct(pauses, 0.5),
-        "p99_ms": _pct(pauses, 0.99),
-        "max_ms": _pct(pauses, 1.0),
-        "patch_in_pause_p50_ms": _pct(in_pause_patch, 0.5),
-        "patch_in_pause_p99_ms": _pct(in_pause_patch, 0.99),
-        "to_step_boundary_p50_ms": _pct(waits, 0.5),
-        "to_step_boundary_p99_ms": _pct(waits, 0.99),
+        "p50_ms": percentile(pauses, 0.5),
+        "p99_ms": percentile(pauses, 0.99),
+        "max_ms": percentile(pauses, 1.0),
+        "patch_in_pause_p50_ms": percentile(in_pause_patch, 0.5),
+        "patch_in_pause_p99_ms": percentile(in_pause_patch, 0.99),
+        "to_step_boundary_p50_ms": percentile(waits, 0.5),
+        "to_step_boundary_p99_ms": percentile(waits, 0.99),
         "step_ms": round(step_ms, 3),
     }
 
 
-def _pct(xs: list[float], q: float) -> float:
+def percentile(xs: list[float], q: float) -> float:
     ordered = sorted(xs)
     return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
 
