@@ -11,7 +11,9 @@ Guarantees, with the flags that set each limit (:func:`add_limit_flags`):
 
 - a connection that has not delivered the headers of its first request within
   ``header_timeout_s`` (``--header-timeout``) of being opened gets ``408`` with a JSON error and
-  is closed; a TLS handshake, before that, must finish within the same time;
+  is closed; a TLS handshake, before that, must finish within the same time; on a keep-alive
+  connection, every later request's headers must arrive within ``header_timeout_s`` of its
+  first byte;
 - a keep-alive connection with no request in progress for ``idle_timeout_s``
   (``--idle-timeout``) is closed (aiohttp's keep-alive timer, which starts when a response has
   been sent, so it also bounds how long the headers of a later request on the connection take);
@@ -171,11 +173,16 @@ class ConnectionLimiter:
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """Marks the connection's first request as arrived (its header deadline is met)."""
+        """Marks the connection's request as arrived (its header deadline is met) and, once it
+        is answered, the connection as waiting for the next one's headers."""
         guarded = self._open.get(request.protocol)
         if guarded is not None:
             guarded.request_arrived()
-        return await handler(request)
+        try:
+            return await handler(request)
+        finally:
+            if guarded is not None:
+                guarded.awaiting_headers = True
 
     def full(self, client: str) -> Refusal | None:
         """Which cap a new connection from ``client`` would pass, or None."""
@@ -242,6 +249,9 @@ class _Guarded(asyncio.Protocol):
         self.inner: asyncio.Protocol | None = None
         self.transport: asyncio.Transport | None = None
         self.client = ""
+        self.awaiting_headers = True
+        """No request in progress: the next bytes start a request whose headers are due within
+        the header deadline (the first from the connection's opening)."""
         self._deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -272,6 +282,7 @@ class _Guarded(asyncio.Protocol):
         )
 
     def request_arrived(self) -> None:
+        self.awaiting_headers = False
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
@@ -296,8 +307,13 @@ class _Guarded(asyncio.Protocol):
             inner.connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self.inner is not None:
-            self.inner.data_received(data)
+        if self.inner is None:
+            return
+        if self.awaiting_headers and self._deadline is None:  # a later request has begun
+            self._deadline = asyncio.get_running_loop().call_later(
+                self.limiter.limits.header_timeout_s, self._headers_late
+            )
+        self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
         return self.inner.eof_received() if self.inner is not None else None

@@ -197,6 +197,27 @@ async def test_a_client_slow_to_send_its_headers_is_disconnected(board: Board) -
         assert await metric(url, refused) == 2
 
 
+async def test_a_later_request_slow_to_send_its_headers_is_disconnected(board: Board) -> None:
+    """On a keep-alive connection the header deadline holds for every request, not the first."""
+    async with engine(board, limits=LaneLimits(header_timeout_s=0.5, idle_timeout_s=60)) as url:
+        host, port = url.removeprefix("http://").split(":")
+        async with await anyio.connect_tcp(host, int(port)) as sock:
+            await sock.send(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            first = b""
+            with anyio.fail_after(10):
+                while not first.endswith(b"}"):
+                    first += await sock.receive()
+            assert first.startswith(b"HTTP/1.1 200 ")
+            await sock.send(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and the rest never comes
+            answer = b""
+            with anyio.fail_after(10):
+                while b"}}" not in answer:
+                    answer += await sock.receive()
+        assert answer.startswith(b"HTTP/1.1 408 ")
+        refused = 'sprawl_lane_connections_refused_total{reason="header_timeout"}'
+        assert await metric(url, refused) == 1
+
+
 async def test_an_idle_keep_alive_connection_is_closed(board: Board) -> None:
     async with engine(board, limits=LaneLimits(idle_timeout_s=0.3)) as url:
         # one keep-alive request answered, then nothing: the server closes the connection
@@ -257,8 +278,12 @@ def test_limit_flags_have_documented_defaults_and_refuse_bad_values(
     parser = argparse.ArgumentParser(prog="orchestrate serve")
     add_limit_flags(parser)
     assert limits_from(parser, parser.parse_args([])) == LaneLimits()
-    given = parser.parse_args(["--header-timeout", "2", "--max-connections", "64"])
-    assert limits_from(parser, given) == LaneLimits(header_timeout_s=2.0, max_connections=64)
+    given = parser.parse_args(
+        ["--header-timeout", "2", "--max-connections", "64", "--max-connections-per-client", "8"]
+    )
+    assert limits_from(parser, given) == LaneLimits(
+        header_timeout_s=2.0, max_connections=64, max_connections_per_client=8
+    )
     with pytest.raises(SystemExit) as exit_:
         limits_from(parser, parser.parse_args(["--max-connections", "0"]))
     assert exit_.value.code == 2
