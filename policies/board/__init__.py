@@ -6,7 +6,8 @@ publishes its shard), :class:`BoardReader`, :class:`BoardOptions`, :class:`Manif
 :class:`CatchUp`, :class:`PatchRef`, :class:`Step`, :class:`TensorEntry`, ``BASE_FILES``,
 ``WEIGHTS``, ``MANIFEST``, :func:`anchor_payload`, :func:`redact`.
 
-Modules: :mod:`~policies.board.publish` (writing versions), :mod:`~policies.board.read`
+Modules: :mod:`~policies.board.publish` (writing versions), :mod:`~policies.board.host` (the
+host copy a publisher writes from, and its patches), :mod:`~policies.board.read`
 (reading, catch-up, materializing), :mod:`~policies.board.sharded` (sharded versions and their
 commit protocol), :mod:`~policies.board.stream` (patches written and staged chunk by chunk),
 :mod:`~policies.board.plan` (which patches and anchors, pure), :mod:`~policies.board.manifest`

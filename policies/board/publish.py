@@ -51,14 +51,14 @@ Guarantees:
 
 A view on a device (a GPU trainer's) is never copied to the host whole when the publisher holds the
 previous version: the changes are found on the device and only they cross
-(:func:`policies.codec.scan.host_copy` builds the host copy the catch-up patches and the next
-publish need from the previous host copy, and its checksums from the previous version's and the
-changes: nothing of it is hashed), and the delta from the previous version is scanned on the device
-too; the publisher then also keeps a reference to the device view (one more served view of device
-memory; the caller must not modify it after publishing). ``board.published`` logs the bytes that
-crossed to the host as ``to_host_bytes``. A publisher's first version, and a view whose tensors are
-the previous one's storage (live parameters the optimizer changed in place: pass a copy, as the
-trainers do), are copied whole.
+(:func:`policies.board.host.host_side`, through :func:`policies.codec.scan.host_copy`, builds the
+host copy the catch-up patches and the next publish need from the previous host copy, and its
+checksums from the previous version's and the changes: nothing of it is hashed), and the delta from
+the previous version is scanned on the device too; the publisher then also keeps a reference to the
+device view (one more served view of device memory; the caller must not modify it after
+publishing). ``board.published`` logs the bytes that crossed to the host as ``to_host_bytes``. A
+publisher's first version, and a view whose tensors are the previous one's storage (live parameters
+the optimizer changed in place: pass a copy, as the trainers do), are copied whole.
 
 Not covered: concurrent publishers to one run (one trainer publishes; the forward-only check is
 not atomic against another writer); a reader racing :meth:`gc` below ``keep_from``.
@@ -72,15 +72,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import NamedTuple
 
 import structlog
 import torch
 
 from policies.board import plan as board_plan
+from policies.board.host import DeviceView, host_side
 from policies.board.manifest import file_entries, manifest_digest, manifest_seal
 from policies.board.read import MANIFEST, STREAM, WEIGHTS, BoardReader, anchor_payload
-from policies.board.stream import ScanOn, announce, write_chunks
+from policies.board.stream import announce, write_chunks
 from policies.board.types import (
     BASE_FILES,
     FORMAT,
@@ -90,53 +90,13 @@ from policies.board.types import (
     PatchRef,
     Pointer,
     TensorEntry,
-    patch_file,
 )
-from policies.codec import CODEC, encode_patch, read_patch_header
+from policies.codec import CODEC
 from policies.codec import scan as device_scan
-from policies.codec.digests import StorageKey, checksums, storage_key
+from policies.codec.digests import checksums, storage_key
 from policies.errors import BoardError, BoardFormatError, PointerMalformed, VersionCorrupt
 
 log = structlog.get_logger(__name__)
-
-
-def encode_patches(
-    bases: Mapping[int, tuple[Mapping[str, torch.Tensor], str]],
-    target: Mapping[str, torch.Tensor],
-    opts: BoardOptions,
-    *,
-    scan_on: ScanOn | None = None,
-    known: Mapping[str, str] | None = None,
-) -> tuple[dict[str, str], dict[int, tuple[bytes, PatchRef]]]:
-    """``target``'s tensor checksums, and the patch from each base version (its view and
-    digest) to ``target`` with the manifest's record of it, by base; ``scan_on`` has one base's
-    patch scanned on a device. The checksums are ``known`` when given (a device view's host
-    copy, :func:`host_side`), else summed by the first base's scan as it reads ``target``
-    (:func:`policies.codec.encode_patch`), else (no base, or a scan on a device) hashed."""
-    sums = (
-        dict(known)
-        if known is not None
-        else checksums(target)
-        if scan_on is not None or not bases
-        else None
-    )
-    patches: dict[int, tuple[bytes, PatchRef]] = {}
-    for b, (view, digest) in bases.items():
-        scanned = target
-        if scan_on is not None and scan_on[0] == b:
-            view, scanned = scan_on[1], scan_on[2]
-        data = encode_patch(
-            view, scanned, level=opts.zstd_level, base_digest=digest, target_checksums=sums
-        )
-        hdr = read_patch_header(data)
-        if sums is None:  # the first patch's, summed by its scan
-            sums = {n: c for n, c in hdr.checksums.items() if n in target}
-        ref = PatchRef(
-            base=b, file=patch_file(b), bytes=len(data), changed=hdr.changed,
-            units=hdr.units, base_digest=hdr.base_digest,
-        )  # fmt: skip
-        patches[b] = (data, ref)
-    return sums or {}, patches
 
 
 @dataclass
@@ -146,70 +106,6 @@ class _Held:
     checksums: dict[str, str]
     """The view's ``sum-128`` tensor checksums (a device view's next host copy is summed from
     them and its changes)."""
-
-
-def _on_device(view: Mapping[str, torch.Tensor]) -> bool:
-    """Whether any tensor of ``view`` lives off the host (a publisher then scans it there)."""
-    return any(t.device.type != "cpu" for t in view.values())
-
-
-def _follows(prev: Mapping[str, torch.Tensor], view: Mapping[str, torch.Tensor]) -> bool:
-    """Whether ``view`` can be scanned against ``prev``, the device view published before: no
-    tensor of it is ``prev``'s own storage (a caller publishing its live parameters, which the
-    optimizer changed in place, leaves nothing to compare them with)."""
-    return not any(
-        name in prev and prev[name].untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-        for name, t in view.items()
-    )
-
-
-def host_view(view: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``view`` on the host, contiguous, each storage copied once (tied names stay tied)."""
-    made: dict[StorageKey, torch.Tensor] = {}
-    out: dict[str, torch.Tensor] = {}
-    for name, t in view.items():
-        key = storage_key(t)
-        if key not in made:
-            made[key] = device_scan.to_host(t.detach()).contiguous()
-        out[name] = made[key]
-    return out
-
-
-DeviceView = tuple[int, dict[str, torch.Tensor]]
-"""A published version and its view on the device it lives on."""
-
-
-class HostSide(NamedTuple):
-    """What a publisher of a view works from (:func:`host_side`)."""
-
-    view: dict[str, torch.Tensor]
-    """The view on the host."""
-    device: dict[str, torch.Tensor] | None
-    """Its tensors on their device (None: the view is on the host)."""
-    scan_on: ScanOn | None
-    """The delta to scan on the device (None: scan on the host)."""
-    checksums: dict[str, str] | None
-    """The host copy's checksums, when they came from the previous version's and the changes."""
-
-
-def host_side(
-    view: Mapping[str, torch.Tensor],
-    latest: int | None,
-    prev: DeviceView | None,
-    prev_host: Mapping[str, torch.Tensor] | None,
-    prev_checksums: Mapping[str, str] | None = None,
-) -> HostSide:
-    """What a publisher of ``view`` works from. With the previous version ``latest`` held on
-    the device (``prev``) and on the host (``prev_host``, whose ``sum-128`` checksums are
-    ``prev_checksums``), only the changes cross and the host copy's checksums are summed from
-    them (module docstring); otherwise the view is copied whole."""
-    if not _on_device(view):
-        return HostSide(host_view(view), None, None, None)
-    device = {k: v.detach() for k, v in view.items()}
-    if prev is None or prev_host is None or prev[0] != latest or not _follows(prev[1], device):
-        return HostSide(host_view(device), device, None, None)
-    host, sums = device_scan.host_copy(prev_host, prev[1], device, prev_checksums)
-    return HostSide(host, device, (prev[0], prev[1], device), sums)
 
 
 class Board(BoardReader):

@@ -68,8 +68,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from policies.board import plan as board_plan
+from policies.board.host import DeviceView, encode_patches, host_side
 from policies.board.manifest import file_entries, manifest_digest, manifest_seal, pieces_checksum
-from policies.board.publish import Board, DeviceView, encode_patches, host_side
+from policies.board.publish import Board
 from policies.board.read import MANIFEST, WEIGHTS, anchor_payload
 from policies.board.stream import ScanOn
 from policies.board.types import (
@@ -323,7 +324,7 @@ class ShardedPublisher:
         known: Mapping[str, str] | None,
     ) -> tuple[dict[str, str], dict[int, tuple[bytes, PatchRef]]]:
         """Step 2: the checksums of this rank's pieces and its patches into ``version``, by base
-        (as :meth:`Board.publish`; :func:`policies.board.publish.encode_patches`)."""
+        (as :meth:`Board.publish`; :func:`policies.board.host.encode_patches`)."""
         bases = board_plan.patch_bases(version, latest, held, self.options.catchup_levels)
         pieces = {b: (held[b].pieces, held[b].digest) for b in bases}
         return encode_patches(pieces, view, self.options, scan_on=scan_on, known=known)
