@@ -77,7 +77,7 @@ import structlog
 import torch
 
 from policies.board import plan as board_plan
-from policies.board.host import DeviceView, host_side
+from policies.board.host import DeviceView, HostSide, host_side
 from policies.board.manifest import file_entries, manifest_digest, manifest_seal
 from policies.board.read import MANIFEST, STREAM, WEIGHTS, BoardReader, anchor_payload
 from policies.board.stream import announce, write_chunks
@@ -158,52 +158,93 @@ class Board(BoardReader):
     def publish(
         self, version: int, view: Mapping[str, torch.Tensor], *, view_name: str
     ) -> Manifest:
-        """Write ``version`` (a delta, or an anchor when due), then move the pointer to it."""
-        if type(version) is not int or not 0 <= version <= MAX_VERSION:
-            raise BoardError(f"version {version!r} is not an integer in 0..{MAX_VERSION}")
-        latest = self._durable_latest()
-        if latest is not None and version <= latest:
-            raise BoardError(f"pointer only moves forward: version {version} <= current {latest}")
-        opts = self.options
+        """Write ``version`` (a delta, or an anchor when due), then move the pointer to it: the
+        delta's chunks (and an anchor's file), the manifest, the pointer, then the catch-up
+        patches and the manifest again, with them (module docstring)."""
+        latest = self._forward_to(version)
         head = self._head if self._head is not None and self._head.version == latest else None
         held = self._held if head is not None else {}
         before = device_scan.host_bytes.total
         prev = held.get(latest) if latest is not None else None
-        tensors, device, scan_on, known = host_side(
+        side = host_side(
             view,
             latest,
             self._device,
             prev.view if prev else None,
             prev.checksums if prev else None,
         )
-        full_bytes = sum(t.nbytes for t in {storage_key(t): t for t in tensors.values()}.values())
-        bases = board_plan.patch_bases(version, latest, held, opts.catchup_levels)
-        vdir = self._vdir(version)
-        patches: dict[int, PatchRef] = {}
-        order = sorted(bases, key=lambda b: (b != latest, -b))
-        write = partial(self._write_in, vdir)
-        if order:  # the previous version's patch, streamed: replicas holding it stage it
-            first = order[0]
-            stream = announce(version, tensors, {first: held[first].digest}, uuid.uuid4().hex)
-            self._write(f"{self.root}/{STREAM}", stream.model_dump_json().encode())
-            sums, patches = write_chunks(
-                stream,
-                {first: held[first].view},
-                tensors,
-                opts,
-                write,
-                scan_on=scan_on,
-                known=known,
-            )
-        else:
-            sums = checksums(tensors)
+        bases = board_plan.patch_bases(version, latest, held, self.options.catchup_levels)
+        order = sorted(bases, key=lambda b: (b != latest, -b))  # the previous version first
+        stream_id = uuid.uuid4().hex
+        previous = {b: held[b] for b in order[:1]}
+        sums, patches = self._stream_delta(version, side, previous, stream_id)
+        manifest = self._write_version(version, latest, view_name, head, side.view, sums, patches)
+        self._move_pointer(manifest)
+        if len(order) > 1:  # served already; then the patches for replicas further behind
+            later = {b: held[b] for b in order[1:]}
+            manifest = self._write_catch_up(manifest, side.view, sums, later, stream_id)
+        self._keep(manifest, held, side, sums)
+        crossed = {"to_host_bytes": device_scan.host_bytes.total - before} if side.device else {}
+        anchor_file = manifest.bytes if manifest.kind == "anchor" else 0
+        log.info(
+            "board.published", board=self.safe_url, run=self.run, version=version,
+            kind=manifest.kind, bytes=manifest.bytes, patches=len(manifest.patches),
+            stored=anchor_file + sum(r.bytes for r in manifest.patches), **crossed,
+        )  # fmt: skip
+        if self.options.retain_versions is not None:
+            self.gc(version - self.options.retain_versions + 1)
+        return manifest
+
+    def _forward_to(self, version: int) -> int | None:
+        """The version the pointer names now (:meth:`_durable_latest`), once ``version`` is a
+        version number past it."""
+        if type(version) is not int or not 0 <= version <= MAX_VERSION:
+            raise BoardError(f"version {version!r} is not an integer in 0..{MAX_VERSION}")
+        latest = self._durable_latest()
+        if latest is not None and version <= latest:
+            raise BoardError(f"pointer only moves forward: version {version} <= current {latest}")
+        return latest
+
+    def _stream_delta(
+        self, version: int, side: HostSide, base: Mapping[int, _Held], stream_id: str
+    ) -> tuple[dict[str, str], dict[int, PatchRef]]:
+        """Step 1: the checksums of the version's tensors, and the delta from ``base`` (the
+        previous version, when held) streamed: ``STREAM`` announced, then each chunk written
+        as soon as it is encoded (:mod:`policies.board.stream`)."""
+        if not base:
+            return checksums(side.view), {}
+        stream = announce(version, side.view, {b: h.digest for b, h in base.items()}, stream_id)
+        self._write(f"{self.root}/{STREAM}", stream.model_dump_json().encode())
+        return write_chunks(
+            stream,
+            {b: h.view for b, h in base.items()},
+            side.view,
+            self.options,
+            partial(self._write_in, self._vdir(version)),
+            scan_on=side.scan_on,
+            known=side.checksums,
+        )
+
+    def _write_version(
+        self,
+        version: int,
+        latest: int | None,
+        view_name: str,
+        head: Manifest | None,
+        tensors: Mapping[str, torch.Tensor],
+        sums: Mapping[str, str],
+        patches: Mapping[int, PatchRef],
+    ) -> Manifest:
+        """Step 2: an anchor's file, when one is due, then the version's manifest (written
+        sealed; returned as built)."""
+        opts = self.options
         entries = {
             k: TensorEntry(
                 dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), checksum=sums[k]
             )
             for k, t in tensors.items()
         }
-        digest = manifest_digest(entries)
+        full_bytes = sum(t.nbytes for t in {storage_key(t): t for t in tensors.values()}.values())
         delta = patches.get(latest) if latest is not None else None
         is_anchor = (
             head is None
@@ -212,6 +253,7 @@ class Board(BoardReader):
             or version - head.anchor >= opts.anchor_every
             or head.chain_bytes + delta.bytes > opts.anchor_fraction * full_bytes
         )
+        vdir = self._vdir(version)
         aliases: dict[str, str] = {}
         payload = b""
         if is_anchor:
@@ -224,7 +266,7 @@ class Board(BoardReader):
             view=view_name,
             codec="safetensors" if is_anchor else CODEC,
             tensors=entries,
-            digest=digest,
+            digest=manifest_digest(entries),
             bytes=len(payload) if is_anchor else delta.bytes if delta else 0,
             created_at=time.time(),
             patches=list(patches.values()),
@@ -238,29 +280,43 @@ class Board(BoardReader):
             base_files=file_entries(self.base_files()),
         )
         self._write_manifest(vdir, manifest)
-        pointer = Pointer(version=version, digest=digest)
-        self._write(f"{self.root}/POINTER", pointer.model_dump_json().encode())
-        if len(order) > 1:  # served already; then the patches for replicas further behind
-            later = announce(version, tensors, {b: held[b].digest for b in order[1:]}, stream.id)
-            views = {b: held[b].view for b in order[1:]}
-            _, more = write_chunks(later, views, tensors, opts, write, known=sums)
-            patches.update(more)
-            manifest = self._write_manifest(
-                vdir, manifest.model_copy(update={"patches": list(patches.values())})
-            )
-        held = {**held, version: _Held(tensors, digest, sums)}
-        self._held = {v: held[v] for v in board_plan.keep_views(version, held, opts.catchup_levels)}
-        self._head = manifest
-        self._device = (version, device) if device is not None else None
-        crossed = {"to_host_bytes": device_scan.host_bytes.total - before} if device else {}
-        log.info(
-            "board.published", board=self.safe_url, run=self.run, version=version,
-            kind=manifest.kind, bytes=manifest.bytes, patches=len(patches),
-            stored=len(payload) + sum(r.bytes for r in patches.values()), **crossed,
-        )  # fmt: skip
-        if opts.retain_versions is not None:
-            self.gc(version - opts.retain_versions + 1)
         return manifest
+
+    def _move_pointer(self, manifest: Manifest) -> None:
+        """Step 3: the pointer names the version (its manifest is durable): it is served."""
+        pointer = Pointer(version=manifest.version, digest=manifest.digest)
+        self._write(f"{self.root}/POINTER", pointer.model_dump_json().encode())
+
+    def _write_catch_up(
+        self,
+        manifest: Manifest,
+        tensors: Mapping[str, torch.Tensor],
+        sums: Mapping[str, str],
+        bases: Mapping[int, _Held],
+        stream_id: str,
+    ) -> Manifest:
+        """Step 4: the squashed catch-up patches from ``bases``, chunk by chunk, then the
+        manifest again with them; that manifest, sealed."""
+        version = manifest.version
+        later = announce(version, tensors, {b: h.digest for b, h in bases.items()}, stream_id)
+        views = {b: h.view for b, h in bases.items()}
+        write = partial(self._write_in, self._vdir(version))
+        _, more = write_chunks(later, views, tensors, self.options, write, known=sums)
+        patches = [*manifest.patches, *more.values()]
+        return self._write_manifest(
+            self._vdir(version), manifest.model_copy(update={"patches": patches})
+        )
+
+    def _keep(
+        self, manifest: Manifest, held: Mapping[int, _Held], side: HostSide, sums: dict[str, str]
+    ) -> None:
+        """Step 5: keep the views later versions patch from, and the version's device view."""
+        version = manifest.version
+        views = {**held, version: _Held(side.view, manifest.digest, sums)}
+        kept = board_plan.keep_views(version, views, self.options.catchup_levels)
+        self._held = {v: views[v] for v in kept}
+        self._head = manifest
+        self._device = (version, side.device) if side.device is not None else None
 
     def _durable_latest(self) -> int | None:
         """The pointer's version; if the pointer is malformed or names a version without a
