@@ -6,15 +6,16 @@ publishes its shard), :class:`BoardReader`, :class:`BoardOptions`, :class:`Manif
 :class:`CatchUp`, :class:`PatchRef`, :class:`Step`, :class:`TensorEntry`, ``BASE_FILES``,
 ``WEIGHTS``, ``MANIFEST``, :func:`anchor_payload`, :func:`redact`.
 
-Modules: :mod:`~policies.board.publish` (writing versions), :mod:`~policies.board.host` (the
-host copy a publisher writes from, and its patches), :mod:`~policies.board.read`
-(reading, catch-up, materializing), :mod:`~policies.board.sharded` (sharded versions and their
-commit protocol), :mod:`~policies.board.stream` (patches written and staged chunk by chunk),
-:mod:`~policies.board.plan` (which patches and anchors, pure), :mod:`~policies.board.manifest`
-(a manifest's digest, seal and base-file records), :mod:`~policies.board.store` (the fsspec
-store), :mod:`~policies.board.types` (manifests and options), :mod:`~policies.board.cli`
-(``orchestrate versions`` / ``materialize``), :mod:`~policies.board.failpoints` (fault injection
-for the chaos harness, inert by default).
+Modules: :mod:`~policies.board.publish` (writing versions), :mod:`~policies.board.host` (the host
+copy a publisher writes from, and its patches), :mod:`~policies.board.read` (reading, catch-up,
+materializing), :mod:`~policies.board.sharded` (sharded versions and their commit protocol),
+:mod:`~policies.board.pieces` (a rank's pieces of a sharded version and the manifest assembled from
+every rank's), :mod:`~policies.board.stream` (patches written and staged chunk by chunk),
+:mod:`~policies.board.plan` (which patches and anchors, pure), :mod:`~policies.board.manifest` (a
+manifest's digest, seal and base-file records), :mod:`~policies.board.store` (the fsspec store),
+:mod:`~policies.board.types` (manifests and options), :mod:`~policies.board.cli` (``orchestrate
+versions`` / ``materialize``), :mod:`~policies.board.failpoints` (fault injection for the chaos
+harness, inert by default).
 """
 
 import lazy_loader
