@@ -5,7 +5,7 @@ aliases) and is bit-identical for the same view; :func:`read_anchor` returns a v
 view only if its file holds the manifest's byte count, loads, names exactly the manifest's
 tensors (aliases restored) and every tensor matches its ``sum-128`` checksum — else
 :class:`VersionCorrupt` naming the version. A sharded anchor is assembled from its pieces
-(:func:`policies.board.pieces.read_sharded_anchor`).
+(:func:`policies.board.sharded_read.read_sharded_anchor`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from policies.board.index import BoardIndex
-from policies.board.pieces import read_sharded_anchor
+from policies.board.sharded_read import read_sharded_anchor
 from policies.board.types import WEIGHTS, Manifest
 from policies.codec.digests import storage_key, tensor_checksum
 from policies.errors import VersionCorrupt

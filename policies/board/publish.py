@@ -51,14 +51,14 @@ Guarantees:
 
 A view on a device (a GPU trainer's) is never copied to the host whole when the publisher holds the
 previous version: the changes are found on the device and only they cross
-(:func:`policies.codec.scan.host_copy` builds the host copy the catch-up patches and the next
-publish need from the previous host copy, and its checksums from the previous version's and the
-changes: nothing of it is hashed), and the delta from the previous version is scanned on the device
-too; the publisher then also keeps a reference to the device view (one more served view of device
-memory; the caller must not modify it after publishing). ``board.published`` logs the bytes that
-crossed to the host as ``to_host_bytes``. A publisher's first version, and a view whose tensors are
-the previous one's storage (live parameters the optimizer changed in place: pass a copy, as the
-trainers do), are copied whole.
+(:func:`policies.board.host.host_side`, through :func:`policies.codec.scan.host_copy`, builds the
+host copy the catch-up patches and the next publish need from the previous host copy, and its
+checksums from the previous version's and the changes: nothing of it is hashed), and the delta from
+the previous version is scanned on the device too; the publisher then also keeps a reference to the
+device view (one more served view of device memory; the caller must not modify it after
+publishing). ``board.published`` logs the bytes that crossed to the host as ``to_host_bytes``. A
+publisher's first version, and a view whose tensors are the previous one's storage (live parameters
+the optimizer changed in place: pass a copy, as the trainers do), are copied whole.
 
 Not covered: concurrent publishers to one run (one trainer publishes; the forward-only check is
 not atomic against another writer); a reader racing :meth:`gc` below ``keep_from``.
@@ -72,16 +72,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import NamedTuple
 
 import structlog
 import torch
 
 from policies.board import plan as board_plan
 from policies.board.anchors import anchor_payload
+from policies.board.host import DeviceView, HostSide, host_side
 from policies.board.manifest import file_entries, manifest_digest, manifest_seal
 from policies.board.read import BoardReader
-from policies.board.stream_publish import ScanOn, announce, write_chunks
+from policies.board.stream_publish import announce, write_chunks
 from policies.board.types import (
     BASE_FILES,
     FORMAT,
@@ -94,53 +94,13 @@ from policies.board.types import (
     PatchRef,
     Pointer,
     TensorEntry,
-    patch_file,
 )
-from policies.codec import CODEC, encode_patch, read_patch_header
+from policies.codec import CODEC
 from policies.codec import scan as device_scan
-from policies.codec.digests import StorageKey, checksums, storage_key
+from policies.codec.digests import checksums, storage_key
 from policies.errors import BoardError, BoardFormatError, PointerMalformed, VersionCorrupt
 
 log = structlog.get_logger(__name__)
-
-
-def encode_patches(
-    bases: Mapping[int, tuple[Mapping[str, torch.Tensor], str]],
-    target: Mapping[str, torch.Tensor],
-    opts: BoardOptions,
-    *,
-    scan_on: ScanOn | None = None,
-    known: Mapping[str, str] | None = None,
-) -> tuple[dict[str, str], dict[int, tuple[bytes, PatchRef]]]:
-    """``target``'s tensor checksums, and the patch from each base version (its view and
-    digest) to ``target`` with the manifest's record of it, by base; ``scan_on`` has one base's
-    patch scanned on a device. The checksums are ``known`` when given (a device view's host
-    copy, :func:`host_side`), else summed by the first base's scan as it reads ``target``
-    (:func:`policies.codec.encode_patch`), else (no base, or a scan on a device) hashed."""
-    sums = (
-        dict(known)
-        if known is not None
-        else checksums(target)
-        if scan_on is not None or not bases
-        else None
-    )
-    patches: dict[int, tuple[bytes, PatchRef]] = {}
-    for b, (view, digest) in bases.items():
-        scanned = target
-        if scan_on is not None and scan_on[0] == b:
-            view, scanned = scan_on[1], scan_on[2]
-        data = encode_patch(
-            view, scanned, level=opts.zstd_level, base_digest=digest, target_checksums=sums
-        )
-        hdr = read_patch_header(data)
-        if sums is None:  # the first patch's, summed by its scan
-            sums = {n: c for n, c in hdr.checksums.items() if n in target}
-        ref = PatchRef(
-            base=b, file=patch_file(b), bytes=len(data), changed=hdr.changed,
-            units=hdr.units, base_digest=hdr.base_digest,
-        )  # fmt: skip
-        patches[b] = (data, ref)
-    return sums or {}, patches
 
 
 @dataclass
@@ -150,70 +110,6 @@ class _Held:
     checksums: dict[str, str]
     """The view's ``sum-128`` tensor checksums (a device view's next host copy is summed from
     them and its changes)."""
-
-
-def _on_device(view: Mapping[str, torch.Tensor]) -> bool:
-    """Whether any tensor of ``view`` lives off the host (a publisher then scans it there)."""
-    return any(t.device.type != "cpu" for t in view.values())
-
-
-def _follows(prev: Mapping[str, torch.Tensor], view: Mapping[str, torch.Tensor]) -> bool:
-    """Whether ``view`` can be scanned against ``prev``, the device view published before: no
-    tensor of it is ``prev``'s own storage (a caller publishing its live parameters, which the
-    optimizer changed in place, leaves nothing to compare them with)."""
-    return not any(
-        name in prev and prev[name].untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-        for name, t in view.items()
-    )
-
-
-def host_view(view: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``view`` on the host, contiguous, each storage copied once (tied names stay tied)."""
-    made: dict[StorageKey, torch.Tensor] = {}
-    out: dict[str, torch.Tensor] = {}
-    for name, t in view.items():
-        key = storage_key(t)
-        if key not in made:
-            made[key] = device_scan.to_host(t.detach()).contiguous()
-        out[name] = made[key]
-    return out
-
-
-DeviceView = tuple[int, dict[str, torch.Tensor]]
-"""A published version and its view on the device it lives on."""
-
-
-class HostSide(NamedTuple):
-    """What a publisher of a view works from (:func:`host_side`)."""
-
-    view: dict[str, torch.Tensor]
-    """The view on the host."""
-    device: dict[str, torch.Tensor] | None
-    """Its tensors on their device (None: the view is on the host)."""
-    scan_on: ScanOn | None
-    """The delta to scan on the device (None: scan on the host)."""
-    checksums: dict[str, str] | None
-    """The host copy's checksums, when they came from the previous version's and the changes."""
-
-
-def host_side(
-    view: Mapping[str, torch.Tensor],
-    latest: int | None,
-    prev: DeviceView | None,
-    prev_host: Mapping[str, torch.Tensor] | None,
-    prev_checksums: Mapping[str, str] | None = None,
-) -> HostSide:
-    """What a publisher of ``view`` works from. With the previous version ``latest`` held on
-    the device (``prev``) and on the host (``prev_host``, whose ``sum-128`` checksums are
-    ``prev_checksums``), only the changes cross and the host copy's checksums are summed from
-    them (module docstring); otherwise the view is copied whole."""
-    if not _on_device(view):
-        return HostSide(host_view(view), None, None, None)
-    device = {k: v.detach() for k, v in view.items()}
-    if prev is None or prev_host is None or prev[0] != latest or not _follows(prev[1], device):
-        return HostSide(host_view(device), device, None, None)
-    host, sums = device_scan.host_copy(prev_host, prev[1], device, prev_checksums)
-    return HostSide(host, device, (prev[0], prev[1], device), sums)
 
 
 class Board(BoardReader):
@@ -266,52 +162,93 @@ class Board(BoardReader):
     def publish(
         self, version: int, view: Mapping[str, torch.Tensor], *, view_name: str
     ) -> Manifest:
-        """Write ``version`` (a delta, or an anchor when due), then move the pointer to it."""
-        if type(version) is not int or not 0 <= version <= MAX_VERSION:
-            raise BoardError(f"version {version!r} is not an integer in 0..{MAX_VERSION}")
-        latest = self._durable_latest()
-        if latest is not None and version <= latest:
-            raise BoardError(f"pointer only moves forward: version {version} <= current {latest}")
-        opts = self.options
+        """Write ``version`` (a delta, or an anchor when due), then move the pointer to it: the
+        delta's chunks (and an anchor's file), the manifest, the pointer, then the catch-up
+        patches and the manifest again, with them (module docstring)."""
+        latest = self._forward_to(version)
         head = self._head if self._head is not None and self._head.version == latest else None
         held = self._held if head is not None else {}
         before = device_scan.host_bytes.total
         prev = held.get(latest) if latest is not None else None
-        tensors, device, scan_on, known = host_side(
+        side = host_side(
             view,
             latest,
             self._device,
             prev.view if prev else None,
             prev.checksums if prev else None,
         )
-        full_bytes = sum(t.nbytes for t in {storage_key(t): t for t in tensors.values()}.values())
-        bases = board_plan.patch_bases(version, latest, held, opts.catchup_levels)
-        vdir = self._vdir(version)
-        patches: dict[int, PatchRef] = {}
-        order = sorted(bases, key=lambda b: (b != latest, -b))
-        write = partial(self._write_in, vdir)
-        if order:  # the previous version's patch, streamed: replicas holding it stage it
-            first = order[0]
-            stream = announce(version, tensors, {first: held[first].digest}, uuid.uuid4().hex)
-            self._write(f"{self.root}/{STREAM}", stream.model_dump_json().encode())
-            sums, patches = write_chunks(
-                stream,
-                {first: held[first].view},
-                tensors,
-                opts,
-                write,
-                scan_on=scan_on,
-                known=known,
-            )
-        else:
-            sums = checksums(tensors)
+        bases = board_plan.patch_bases(version, latest, held, self.options.catchup_levels)
+        order = sorted(bases, key=lambda b: (b != latest, -b))  # the previous version first
+        stream_id = uuid.uuid4().hex
+        previous = {b: held[b] for b in order[:1]}
+        sums, patches = self._stream_delta(version, side, previous, stream_id)
+        manifest = self._write_version(version, latest, view_name, head, side.view, sums, patches)
+        self._move_pointer(manifest)
+        if len(order) > 1:  # served already; then the patches for replicas further behind
+            later = {b: held[b] for b in order[1:]}
+            manifest = self._write_catch_up(manifest, side.view, sums, later, stream_id)
+        self._keep(manifest, held, side, sums)
+        crossed = {"to_host_bytes": device_scan.host_bytes.total - before} if side.device else {}
+        anchor_file = manifest.bytes if manifest.kind == "anchor" else 0
+        log.info(
+            "board.published", board=self.safe_url, run=self.run, version=version,
+            kind=manifest.kind, bytes=manifest.bytes, patches=len(manifest.patches),
+            stored=anchor_file + sum(r.bytes for r in manifest.patches), **crossed,
+        )  # fmt: skip
+        if self.options.retain_versions is not None:
+            self.gc(version - self.options.retain_versions + 1)
+        return manifest
+
+    def _forward_to(self, version: int) -> int | None:
+        """The version the pointer names now (:meth:`_durable_latest`), once ``version`` is a
+        version number past it."""
+        if type(version) is not int or not 0 <= version <= MAX_VERSION:
+            raise BoardError(f"version {version!r} is not an integer in 0..{MAX_VERSION}")
+        latest = self._durable_latest()
+        if latest is not None and version <= latest:
+            raise BoardError(f"pointer only moves forward: version {version} <= current {latest}")
+        return latest
+
+    def _stream_delta(
+        self, version: int, side: HostSide, base: Mapping[int, _Held], stream_id: str
+    ) -> tuple[dict[str, str], dict[int, PatchRef]]:
+        """Step 1: the checksums of the version's tensors, and the delta from ``base`` (the
+        previous version, when held) streamed: ``STREAM`` announced, then each chunk written
+        as soon as it is encoded (:mod:`policies.board.stream`)."""
+        if not base:
+            return checksums(side.view), {}
+        stream = announce(version, side.view, {b: h.digest for b, h in base.items()}, stream_id)
+        self._write(f"{self.root}/{STREAM}", stream.model_dump_json().encode())
+        return write_chunks(
+            stream,
+            {b: h.view for b, h in base.items()},
+            side.view,
+            self.options,
+            partial(self._write_in, self._vdir(version)),
+            scan_on=side.scan_on,
+            known=side.checksums,
+        )
+
+    def _write_version(
+        self,
+        version: int,
+        latest: int | None,
+        view_name: str,
+        head: Manifest | None,
+        tensors: Mapping[str, torch.Tensor],
+        sums: Mapping[str, str],
+        patches: Mapping[int, PatchRef],
+    ) -> Manifest:
+        """Step 2: an anchor's file, when one is due, then the version's manifest (written
+        sealed; returned as built)."""
+        opts = self.options
         entries = {
             k: TensorEntry(
                 dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), checksum=sums[k]
             )
             for k, t in tensors.items()
         }
-        digest = manifest_digest(entries)
+        full_bytes = sum(t.nbytes for t in {storage_key(t): t for t in tensors.values()}.values())
         delta = patches.get(latest) if latest is not None else None
         is_anchor = (
             head is None
@@ -320,6 +257,7 @@ class Board(BoardReader):
             or version - head.anchor >= opts.anchor_every
             or head.chain_bytes + delta.bytes > opts.anchor_fraction * full_bytes
         )
+        vdir = self._vdir(version)
         aliases: dict[str, str] = {}
         payload = b""
         if is_anchor:
@@ -332,7 +270,7 @@ class Board(BoardReader):
             view=view_name,
             codec="safetensors" if is_anchor else CODEC,
             tensors=entries,
-            digest=digest,
+            digest=manifest_digest(entries),
             bytes=len(payload) if is_anchor else delta.bytes if delta else 0,
             created_at=time.time(),
             patches=list(patches.values()),
@@ -346,29 +284,43 @@ class Board(BoardReader):
             base_files=file_entries(self.base_files()),
         )
         self._write_manifest(vdir, manifest)
-        pointer = Pointer(version=version, digest=digest)
-        self._write(f"{self.root}/POINTER", pointer.model_dump_json().encode())
-        if len(order) > 1:  # served already; then the patches for replicas further behind
-            later = announce(version, tensors, {b: held[b].digest for b in order[1:]}, stream.id)
-            views = {b: held[b].view for b in order[1:]}
-            _, more = write_chunks(later, views, tensors, opts, write, known=sums)
-            patches.update(more)
-            manifest = self._write_manifest(
-                vdir, manifest.model_copy(update={"patches": list(patches.values())})
-            )
-        held = {**held, version: _Held(tensors, digest, sums)}
-        self._held = {v: held[v] for v in board_plan.keep_views(version, held, opts.catchup_levels)}
-        self._head = manifest
-        self._device = (version, device) if device is not None else None
-        crossed = {"to_host_bytes": device_scan.host_bytes.total - before} if device else {}
-        log.info(
-            "board.published", board=self.safe_url, run=self.run, version=version,
-            kind=manifest.kind, bytes=manifest.bytes, patches=len(patches),
-            stored=len(payload) + sum(r.bytes for r in patches.values()), **crossed,
-        )  # fmt: skip
-        if opts.retain_versions is not None:
-            self.gc(version - opts.retain_versions + 1)
         return manifest
+
+    def _move_pointer(self, manifest: Manifest) -> None:
+        """Step 3: the pointer names the version (its manifest is durable): it is served."""
+        pointer = Pointer(version=manifest.version, digest=manifest.digest)
+        self._write(f"{self.root}/POINTER", pointer.model_dump_json().encode())
+
+    def _write_catch_up(
+        self,
+        manifest: Manifest,
+        tensors: Mapping[str, torch.Tensor],
+        sums: Mapping[str, str],
+        bases: Mapping[int, _Held],
+        stream_id: str,
+    ) -> Manifest:
+        """Step 4: the squashed catch-up patches from ``bases``, chunk by chunk, then the
+        manifest again with them; that manifest, sealed."""
+        version = manifest.version
+        later = announce(version, tensors, {b: h.digest for b, h in bases.items()}, stream_id)
+        views = {b: h.view for b, h in bases.items()}
+        write = partial(self._write_in, self._vdir(version))
+        _, more = write_chunks(later, views, tensors, self.options, write, known=sums)
+        patches = [*manifest.patches, *more.values()]
+        return self._write_manifest(
+            self._vdir(version), manifest.model_copy(update={"patches": patches})
+        )
+
+    def _keep(
+        self, manifest: Manifest, held: Mapping[int, _Held], side: HostSide, sums: dict[str, str]
+    ) -> None:
+        """Step 5: keep the views later versions patch from, and the version's device view."""
+        version = manifest.version
+        views = {**held, version: _Held(side.view, manifest.digest, sums)}
+        kept = board_plan.keep_views(version, views, self.options.catchup_levels)
+        self._held = {v: views[v] for v in kept}
+        self._head = manifest
+        self._device = (version, side.device) if side.device is not None else None
 
     def _durable_latest(self) -> int | None:
         """The pointer's version; if the pointer is malformed or names a version without a

@@ -5,8 +5,8 @@ sharded version's per rank) and anchors, every step verified.
 ``materialize``) does with a board; it reads through :class:`~policies.board.index.BoardIndex`,
 and :class:`policies.board.Board` adds publishing and retention. The layout and the guarantees
 are in :mod:`policies.board`; sharded versions are read into the same full view
-(:mod:`policies.board.pieces`). A patch that fails verification here is remembered and routed
-around by this reader's later plans (a squashed patch or an anchor).
+(:mod:`policies.board.sharded_read`). A patch that fails verification here is remembered and
+routed around by this reader's later plans (a squashed patch or an anchor).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from policies.board import plan as board_plan
 from policies.board.anchors import anchor_payload, read_anchor
 from policies.board.index import BoardIndex
-from policies.board.pieces import apply_sharded, view_checksums
+from policies.board.sharded_read import apply_sharded, view_checksums
 from policies.board.stream import (
     StagedChunk,
     StreamSource,
@@ -300,8 +300,9 @@ class BoardReader(BoardIndex):
         except OSError as exc:
             raise BoardError(f"cannot write {out}: {exc.strerror or exc}") from None
         try:
-            _, tensors = self.load(version)  # refused unless it records these base files
-            files = {**self.base_files(), WEIGHTS: anchor_payload(tensors)[0]}
+            base = self.base_files()  # read first: the version is refused unless it records them
+            _, tensors = self.load(version)
+            files = {**base, WEIGHTS: anchor_payload(tensors)[0]}
             try:
                 for name, data in files.items():
                     (tmp / name).write_bytes(data)

@@ -36,7 +36,10 @@ Commit protocol (every step a collective over the process group, so all ranks ag
 
 A rank whose shard lives on a GPU casts it there and, holding its previous version, moves only
 the changes to the host (as :meth:`policies.board.Board.publish` does for a device view; the rank
-then also keeps its previous shard view on the device).
+then also keeps its previous shard view on the device). A rank's pieces, the view it serves of
+them and the manifest assembled from every rank's entry are
+:mod:`policies.board.sharded_layout`; this module is the protocol (the collectives and the
+writes).
 
 Guarantees: a version is visible (a manifest at or below the pointer) only after every rank's
 files are durable; a failure on any rank (an error, which every rank then raises as
@@ -55,7 +58,6 @@ the process group's timeout).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,16 +66,23 @@ from typing import Any
 import structlog
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from policies.board import plan as board_plan
 from policies.board.anchors import anchor_payload
-from policies.board.manifest import file_entries, manifest_digest, manifest_seal, pieces_checksum
-from policies.board.publish import Board, DeviceView, encode_patches, host_side
+from policies.board.host import DeviceView, encode_patches, host_side
+from policies.board.manifest import file_entries
+from policies.board.publish import Board
+from policies.board.sharded_layout import (
+    CAST_VIEWS,
+    Piece,
+    rank_piece,
+    served_view,
+    sharded_manifest,
+    tensor_meta,
+    tied_names,
+)
 from policies.board.stream_publish import ScanOn
 from policies.board.types import (
-    FORMAT,
     MANIFEST,
     MAX_VERSION,
     WEIGHTS,
@@ -83,29 +92,12 @@ from policies.board.types import (
     PieceEntry,
     Pointer,
     ShardEntry,
-    TensorEntry,
     shard_dir,
 )
-from policies.codec import CODEC
-from policies.codec.digests import bytes_checksum, state_digest, storage_key
+from policies.codec.digests import bytes_checksum, state_digest
 from policies.errors import BoardError
 
 log = structlog.get_logger(__name__)
-
-CAST_VIEWS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-"""The views a sharded publish serves: every floating tensor cast to this dtype (round to
-nearest even, as :func:`policies.codec.views.build_view`); other tensors unchanged."""
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """This rank's piece of one tensor: its box in the full tensor, and the local tensor."""
-
-    offset: list[int]
-    local: torch.Tensor
-    full_shape: list[int]
-    publish: bool
-    """Whether this rank writes it (replicas other than the first do not)."""
 
 
 @dataclass
@@ -171,7 +163,7 @@ class ShardedPublisher:
         try:
             prev = held.get(latest) if latest is not None else None
             view, device, scan_on, known = host_side(
-                _view(pieces, aliases, dtype),
+                served_view(pieces, aliases, dtype),
                 latest,
                 self._device,
                 prev.pieces if prev else None,
@@ -198,7 +190,7 @@ class ShardedPublisher:
         try:
             if self.rank == 0:
                 m = self._manifest(
-                    version, latest, view_name, _tensor_meta(pieces, dtype), aliases, entries,
+                    version, latest, view_name, tensor_meta(pieces, dtype), aliases, entries,
                     held, is_anchor, total,
                 )  # fmt: skip
                 self._commit(m)
@@ -245,12 +237,12 @@ class ShardedPublisher:
     # -- the steps -------------------------------------------------------------------------------
     def _start(
         self, version: int, state: Mapping[str, torch.Tensor], view_name: str
-    ) -> tuple[int | None, dict[str, _Piece], dict[str, str]]:
+    ) -> tuple[int | None, dict[str, Piece], dict[str, str]]:
         """Step 1: the pointer's version (rank 0 reads it), this rank's pieces and the tied
         names, once every rank asks for the same version and publishes the same tensors."""
         err: BaseException | None = None
         latest: int | None = None
-        pieces: dict[str, _Piece] = {}
+        pieces: dict[str, Piece] = {}
         ties: dict[str, str] = {}
         meta = ""
         try:
@@ -268,9 +260,9 @@ class ShardedPublisher:
                     raise BoardError(
                         f"pointer only moves forward: version {version} <= current {latest}"
                     )
-            pieces = {name: self._piece(name, t) for name, t in state.items()}
-            ties = _ties(pieces)
-            tensors = sorted(_tensor_meta(pieces, CAST_VIEWS[view_name]).items())
+            pieces = {name: rank_piece(name, t, self.rank) for name, t in state.items()}
+            ties = tied_names(pieces)
+            tensors = sorted(tensor_meta(pieces, CAST_VIEWS[view_name]).items())
             meta = bytes_checksum(repr(tensors).encode())
         except Exception as exc:  # sent to the other ranks, then raised here unchanged
             err = exc
@@ -292,29 +284,6 @@ class ShardedPublisher:
         latest0: int | None = got[0][1]
         return latest0, pieces, aliases
 
-    def _piece(self, name: str, t: torch.Tensor) -> _Piece:
-        """This rank's piece of ``t``: its box in the full tensor, and whether it writes it."""
-        if not isinstance(t, DTensor):
-            return _Piece([0] * t.dim(), t.detach(), list(t.shape), self.rank == 0)
-        for p in t.placements:
-            if type(p) is not Shard and not isinstance(p, Replicate):
-                raise BoardError(
-                    f"{name}: DTensor placement {p} cannot be published sharded: use Shard or "
-                    "Replicate placements (reduce a Partial tensor first)"
-                )
-        local = t.to_local().detach()
-        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        if tuple(local.shape) != tuple(shape):
-            raise BoardError(
-                f"{name}: the local shard is {list(local.shape)}, its placements give "
-                f"{list(shape)}: publish the DTensor as the trainer holds it"
-            )
-        coord = t.device_mesh.get_coordinate()
-        first = coord is not None and all(
-            c == 0 for c, p in zip(coord, t.placements, strict=True) if isinstance(p, Replicate)
-        )
-        return _Piece(list(offset), local, list(t.shape), first)
-
     def _encode(
         self,
         version: int,
@@ -325,7 +294,7 @@ class ShardedPublisher:
         known: Mapping[str, str] | None,
     ) -> tuple[dict[str, str], dict[int, tuple[bytes, PatchRef]]]:
         """Step 2: the checksums of this rank's pieces and its patches into ``version``, by base
-        (as :meth:`Board.publish`; :func:`policies.board.publish.encode_patches`)."""
+        (as :meth:`Board.publish`; :func:`policies.board.host.encode_patches`)."""
         bases = board_plan.patch_bases(version, latest, held, self.options.catchup_levels)
         pieces = {b: (held[b].pieces, held[b].digest) for b in bases}
         return encode_patches(pieces, view, self.options, scan_on=scan_on, known=known)
@@ -348,7 +317,7 @@ class ShardedPublisher:
     def _write(
         self,
         version: int,
-        pieces: Mapping[str, _Piece],
+        pieces: Mapping[str, Piece],
         view: Mapping[str, torch.Tensor],
         sums: Mapping[str, str],
         digest: str,
@@ -388,54 +357,14 @@ class ShardedPublisher:
         is_anchor: bool,
         full_bytes: int,
     ) -> Manifest:
-        """Step 4 (rank 0): the version's manifest from every rank's entry, sealed."""
-        by_tensor: dict[str, dict[int, PieceEntry]] = {}
-        for e in entries:
-            for name, p in e.pieces.items():
-                by_tensor.setdefault(name, {})[e.rank] = p
-        tensors = {
-            name: TensorEntry(
-                dtype=dtype,
-                shape=shape,
-                checksum=pieces_checksum(by_tensor.get(aliases.get(name, name), {})),
-            )
-            for name, (dtype, shape) in meta.items()
-        }
-        patches = []
-        for ref in entries[0].patches:
-            refs = [p for e in entries for p in e.patches if p.base == ref.base]
-            patches.append(
-                PatchRef(
-                    base=ref.base,
-                    file=ref.file,
-                    bytes=sum(p.bytes for p in refs),
-                    changed=sum(p.changed for p in refs),
-                    units=sum(p.units for p in refs),
-                    base_digest=held[ref.base].version_digest,
-                )
-            )
-        delta = next((p.bytes for p in patches if p.base == latest), 0)
+        """Step 4 (rank 0): the version's manifest from every rank's entry, sealed
+        (:func:`policies.board.sharded_layout.sharded_manifest`)."""
         head = self._head if self._head is not None and self._head.version == latest else None
-        m = Manifest(
-            version=version,
-            kind="anchor" if is_anchor else "delta",
-            base=None if is_anchor else latest,
-            view=view_name,
-            codec="safetensors" if is_anchor else CODEC,
-            tensors=tensors,
-            digest=manifest_digest(tensors),
-            bytes=sum(e.bytes for e in entries) if is_anchor else delta,
-            created_at=time.time(),
-            patches=patches,
-            aliases=dict(aliases),
-            anchor=version if is_anchor else head.anchor if head else None,
-            chain_bytes=0 if is_anchor or head is None else head.chain_bytes + delta,
-            full_bytes=full_bytes,
-            format=FORMAT,
-            base_files=file_entries(self.board.base_files()),
-            shards=entries,
-        )
-        return m.model_copy(update={"seal": manifest_seal(m)})
+        return sharded_manifest(
+            version, view_name, meta, aliases, entries, latest=latest, head=head,
+            base_digests={b: h.version_digest for b, h in held.items()}, is_anchor=is_anchor,
+            full_bytes=full_bytes, base_files=file_entries(self.board.base_files()),
+        )  # fmt: skip
 
     def _commit(self, m: Manifest) -> None:
         """The manifest, then the pointer (every rank's files are durable by now)."""
@@ -449,47 +378,3 @@ class ShardedPublisher:
             "board.published", board=self.board.safe_url, run=self.board.run, version=m.version,
             kind=m.kind, bytes=m.bytes, patches=len(m.patches), ranks=len(m.shards),
         )  # fmt: skip
-
-
-def _ties(pieces: Mapping[str, _Piece]) -> dict[str, str]:
-    """Tied names → their primary (the first in name order), as this rank sees them: two names
-    whose non-empty local tensors share one storage (an empty shard shows no tie)."""
-    first: dict[object, str] = {}
-    ties: dict[str, str] = {}
-    for name in sorted(pieces):
-        p = pieces[name]
-        if p.local.numel() == 0:
-            continue
-        key = (storage_key(p.local), tuple(p.full_shape))
-        if key in first:
-            ties[name] = first[key]
-        else:
-            first[key] = name
-    return ties
-
-
-def _tensor_meta(
-    pieces: Mapping[str, _Piece], dtype: torch.dtype
-) -> dict[str, tuple[str, list[int]]]:
-    """Every tensor's served dtype and full shape."""
-    return {
-        name: (
-            str(dtype if p.local.is_floating_point() else p.local.dtype).removeprefix("torch."),
-            p.full_shape,
-        )
-        for name, p in pieces.items()
-    }
-
-
-def _view(
-    pieces: Mapping[str, _Piece], aliases: Mapping[str, str], dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    """The served view of this rank's pieces, on their device (copies): tied names and pieces
-    other ranks write left out; every floating tensor cast to ``dtype``."""
-    view: dict[str, torch.Tensor] = {}
-    for name, p in pieces.items():
-        if name in aliases or not p.publish or p.local.numel() == 0:
-            continue
-        to = dtype if p.local.is_floating_point() else p.local.dtype
-        view[name] = p.local.to(dtype=to, copy=True).contiguous()
-    return view

@@ -71,7 +71,7 @@ import json
 from collections import deque
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 import torch
@@ -200,6 +200,118 @@ def _start(
     return pool.then(jobs, lambda parts: _section(bu, tu, assemble(parts), floating, level, chunk))
 
 
+Record = dict[str, Any]
+"""A tensor's header record (the wire format's ``tensors`` entry), filled in as it is encoded."""
+
+
+class _Plan(NamedTuple):
+    """What encoding a target takes, tensor by tensor in name order (:func:`_plan`)."""
+
+    records: list[Record]
+    sections: list[Future[Section] | None]
+    """Each record's section, once queued (None: no section, or its scan is not queued yet)."""
+    scans: list[tuple[int, torch.Tensor, torch.Tensor]]
+    """The tensors to scan against their base: (record index, base, target)."""
+
+
+def _plan(
+    base: Mapping[str, torch.Tensor],
+    target: Mapping[str, torch.Tensor],
+    sums: Mapping[str, str],
+    pool: Pool,
+    level: int,
+) -> _Plan:
+    """Every target tensor's record and how it is stored: an alias of the first name sharing its
+    storage, whole (added, or its dtype or shape changed: queued on ``pool`` at once), or a
+    patch against its base (a scan, queued by :func:`_queue_scans`)."""
+    plan = _Plan([], [], [])
+    primary: dict[StorageKey, str] = {}
+    for name in sorted(target):
+        t = target[name]
+        rec: Record = {
+            "name": name,
+            "dtype": dtype_name(t),
+            "shape": list(t.shape),
+            "checksum": sums.get(name),
+            "width": _width(t),
+            "alias_of": None,
+            "changed": 0,
+        }
+        rec["units"] = t.numel() * t.element_size() // rec["width"]
+        key = storage_key(t)
+        b = base.get(name)
+        section: Future[Section] | None = None
+        if key in primary:
+            rec.update(op="alias", alias_of=primary[key])
+        elif b is None or dtype_name(b) != rec["dtype"] or tuple(b.shape) != tuple(t.shape):
+            section = pool.submit(_whole, raw_bytes(t).data, rec["units"], level)
+            rec.update(op="full")
+        else:
+            plan.scans.append((len(plan.records), b, t))
+            rec.update(op="patch")
+        primary.setdefault(key, name)
+        plan.records.append(rec)
+        plan.sections.append(section)
+    return plan
+
+
+def _queue_scans(pool: Pool, plan: _Plan, level: int, chunk: int) -> None:
+    """Queue the plan's scans, each followed by its section, into ``plan.sections``.
+
+    Tensors are queued while those in flight hold fewer than :data:`_WINDOW_UNITS` units (two at
+    least), so the pool never idles between tensors and the scanned changes held in memory stay
+    bounded; each tensor's section is queued by the thread that finishes its scan.
+    """
+    in_flight: deque[tuple[int, Future[Section]]] = deque()
+    held = 0
+    for i, b, t in plan.scans:
+        units = plan.records[i]["units"]
+        while len(in_flight) >= 2 and held + units > _WINDOW_UNITS:
+            done, oldest = in_flight.popleft()
+            oldest.result()
+            held -= done
+        summing = plan.records[i]["checksum"] is None
+        plan.sections[i] = started = _start(pool, b, t, units, level, chunk, summing)
+        in_flight.append((units, started))
+        held += units
+
+
+def _body(plan: _Plan) -> list[bytes]:
+    """The sections in record order, each record given its changes, place in the body and (when
+    the scan summed it) checksum."""
+    body: list[bytes] = []
+    offset = 0
+    for rec, section in zip(plan.records, plan.sections, strict=True):
+        changed, data, summed = section.result() if section is not None else (0, b"", None)
+        rec.update(changed=changed, offset=offset, length=len(data))
+        if rec["checksum"] is None:
+            rec["checksum"] = summed
+        body.append(data)
+        offset += len(data)
+    return body
+
+
+def _fill_checksums(records: list[Record], target: Mapping[str, torch.Tensor]) -> None:
+    """The checksums no scan summed: an alias's is its primary's; tensors shipped whole or
+    scanned off the host are summed here."""
+    by_name = {r["name"]: r for r in records}
+    for rec in records:
+        if rec["checksum"] is None and rec["alias_of"] is not None:
+            rec["checksum"] = by_name[rec["alias_of"]]["checksum"]
+    left = {r["name"]: target[r["name"]] for r in records if r["checksum"] is None}
+    summed_now = checksums(left)
+    for rec in records:
+        if rec["checksum"] is None:
+            rec["checksum"] = summed_now[rec["name"]]
+
+
+def _frame(header: Mapping[str, Any], body: list[bytes]) -> bytes:
+    """The patch frame: magic, header length, header (canonical JSON), body, xxh3-128 of it all."""
+    hbytes = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    frame = b"".join([MAGIC, U32.pack(len(hbytes)), hbytes, *body])
+    return frame + xxhash.xxh3_128_digest(frame)
+
+
 def encode_patch(
     base: Mapping[str, torch.Tensor],
     target: Mapping[str, torch.Tensor],
@@ -221,71 +333,12 @@ def encode_patch(
         raise ValueError(f"chunk must be a multiple of 8 in [8, 2**21], got {chunk}")
     sums = dict(target_checksums) if target_checksums is not None else {}
     bdig = base_digest if base_digest is not None else state_digest(base)
-    records: list[dict[str, Any]] = []
-    sections: list[Future[Section] | None] = []
-    scans: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (record index, base, target)
-    primary: dict[StorageKey, str] = {}
     pool = workers("encode")
-    for name in sorted(target):
-        t = target[name]
-        rec: dict[str, Any] = {
-            "name": name,
-            "dtype": dtype_name(t),
-            "shape": list(t.shape),
-            "checksum": sums.get(name),
-            "width": _width(t),
-            "alias_of": None,
-            "changed": 0,
-        }
-        rec["units"] = t.numel() * t.element_size() // rec["width"]
-        key = storage_key(t)
-        b = base.get(name)
-        section: Future[Section] | None = None
-        if key in primary:
-            rec.update(op="alias", alias_of=primary[key])
-        elif b is None or dtype_name(b) != rec["dtype"] or tuple(b.shape) != tuple(t.shape):
-            section = pool.submit(_whole, raw_bytes(t).data, rec["units"], level)
-            rec.update(op="full")
-        else:
-            scans.append((len(records), b, t))
-            rec.update(op="patch")
-        primary.setdefault(key, name)
-        records.append(rec)
-        sections.append(section)
-
-    # Tensors are queued while those in flight hold fewer than _WINDOW_UNITS units (two at
-    # least), so the pool never idles between tensors and the scanned changes held in memory
-    # stay bounded; each tensor's section is queued by the thread that finishes its scan.
-    in_flight: deque[tuple[int, Future[Section]]] = deque()
-    held = 0
-    for i, b, t in scans:
-        units = records[i]["units"]
-        while len(in_flight) >= 2 and held + units > _WINDOW_UNITS:
-            done, oldest = in_flight.popleft()
-            oldest.result()
-            held -= done
-        summing = records[i]["checksum"] is None
-        sections[i] = started = _start(pool, b, t, units, level, chunk, summing)
-        in_flight.append((units, started))
-        held += units
-    body: list[bytes] = []
-    offset = 0
-    for rec, section in zip(records, sections, strict=True):
-        changed, data, summed = section.result() if section is not None else (0, b"", None)
-        rec.update(changed=changed, offset=offset, length=len(data))
-        if rec["checksum"] is None:
-            rec["checksum"] = summed
-        body.append(data)
-        offset += len(data)
-    by_name = {r["name"]: r for r in records}
-    for rec in records:  # aliases: their primary's; tensors shipped whole or scanned off the host
-        if rec["checksum"] is None and rec["alias_of"] is not None:
-            rec["checksum"] = by_name[rec["alias_of"]]["checksum"]
-    left = {r["name"]: target[r["name"]] for r in records if r["checksum"] is None}
-    summed_now = checksums(left)
-    for rec in records:
-        if rec["checksum"] is None:
-            rec["checksum"] = summed_now[rec["name"]]
+    plan = _plan(base, target, sums, pool, level)
+    _queue_scans(pool, plan, level, chunk)
+    body = _body(plan)
+    records = plan.records
+    _fill_checksums(records, target)
     tdig = digest_of((r["name"], r["dtype"], r["shape"], r["checksum"]) for r in records)
     header = {
         "format": FORMAT,
@@ -295,17 +348,16 @@ def encode_patch(
         "removed": sorted(set(base) - set(target)),
         "tensors": records,
     }
-    hbytes = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
-    frame = b"".join([MAGIC, U32.pack(len(hbytes)), hbytes, *body])
+    patch = _frame(header, body)
     log.debug(
         "patch.encoded",
         base=bdig,
         target=tdig,
         tensors=len(records),
-        bytes=len(frame) + 16,
+        bytes=len(patch),
         changed=sum(r["changed"] for r in records if r["op"] != "alias"),
     )
-    return frame + xxhash.xxh3_128_digest(frame)
+    return patch
 
 
 def squash(base: Mapping[str, torch.Tensor], patches: Iterable[bytes], *, level: int = 1) -> bytes:

@@ -1,6 +1,6 @@
 """A view on a device (a GPU trainer's) is published without copying it to the host whole: the
 changes are found where the view lives and only they cross (policies/codec/scan.py
-``host_copy``, policies/board/publish.py).
+``host_copy``, policies/board/host.py).
 
 Without a GPU the device path is driven with CPU tensors (``_on_device`` patched to say yes, and
 every move to the host counted, wherever it comes from); the CUDA tests run where a GPU is.
@@ -15,7 +15,7 @@ import torch
 from structlog.testing import capture_logs
 
 from policies.board import Board, BoardReader
-from policies.board import publish as board_publish
+from policies.board import host as board_host
 from policies.board.sharded import ShardedPublisher
 from policies.board.types import BoardOptions
 from policies.codec import digests
@@ -152,7 +152,7 @@ def test_a_device_view_publishes_the_same_versions_moving_only_its_changes(
     opts = BoardOptions(anchor_every=4, anchor_fraction=5)
     _publish_chain(Board(str(tmp_path / "host"), "run", options=opts), states)
 
-    monkeypatch.setattr(board_publish, "_on_device", lambda view: True)
+    monkeypatch.setattr(board_host, "_on_device", lambda view: True)
     hashed: list[int] = []
     tensor_checksum = digests.tensor_checksum
 
@@ -193,7 +193,7 @@ def test_a_device_view_publishes_the_same_versions_moving_only_its_changes(
 def test_a_restarted_device_publisher_copies_its_first_view_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, moved: list[int]
 ) -> None:
-    monkeypatch.setattr(board_publish, "_on_device", lambda view: True)
+    monkeypatch.setattr(board_host, "_on_device", lambda view: True)
     states = _chain(3)
     url = str(tmp_path / "b")
     Board(url, "run").publish(0, states[0], view_name="bfloat16")
@@ -209,7 +209,7 @@ def test_a_restarted_device_publisher_copies_its_first_view_whole(
 def test_live_parameters_changed_in_place_are_copied_whole_not_scanned_against_themselves(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, moved: list[int]
 ) -> None:
-    monkeypatch.setattr(board_publish, "_on_device", lambda view: True)
+    monkeypatch.setattr(board_host, "_on_device", lambda view: True)
     live = _state()
     board = Board(str(tmp_path / "b"), "run")
     board.publish(0, live, view_name="bfloat16")
@@ -231,7 +231,7 @@ def test_a_sharded_publisher_on_a_device_writes_what_it_writes_from_the_host(
     host = ShardedPublisher(str(tmp_path / "host"), "run", options=opts)
     for v, s in enumerate(states):
         host.publish(v, s, view_name="bf16")
-    monkeypatch.setattr(board_publish, "_on_device", lambda view: True)
+    monkeypatch.setattr(board_host, "_on_device", lambda view: True)
     device = ShardedPublisher(str(tmp_path / "device"), "run", options=opts)
     for v, s in enumerate(states):
         moved.clear()
