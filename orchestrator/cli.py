@@ -31,6 +31,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 import structlog
@@ -40,6 +41,11 @@ from orchestrator.config import load_config, parse_overrides
 from orchestrator.errors import SprawlError
 from policies.wire.lifetime import cancel_on_signal, stdin_closed
 from policies.wire.logs import configure
+
+if TYPE_CHECKING:
+    import ssl
+
+    from policies.serve.connections import LaneLimits
 
 log = structlog.get_logger("orchestrate")
 
@@ -121,6 +127,22 @@ def _init_model(argv: list[str]) -> int:
 
 
 def _serve(argv: list[str]) -> int:
+    from policies.serve.connections import limits_from
+
+    parser = _serve_parser()
+    args = parser.parse_args(argv)
+    limits = limits_from(parser, args)
+    _check_serve_args(parser, args)
+    configure(args.log_format)
+    from policies.serve.server import tls_context
+
+    tls = tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
+    anyio.run(_serve_until_stopped, args, limits, tls)
+    return 0
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    """``orchestrate serve``'s flags, the lane's connection limits included."""
     parser = argparse.ArgumentParser(
         prog="orchestrate serve",
         description="Serve a model dir (fixed version 0) or the board's newest version with the "
@@ -164,11 +186,14 @@ def _serve(argv: list[str]) -> int:
         help="exit when stdin closes (used by the local fleet)",
     )
     parser.add_argument("--log-format", choices=["auto", "pretty", "json"], default="auto")
-    from policies.serve.connections import add_limit_flags, limits_from
+    from policies.serve.connections import add_limit_flags
 
     add_limit_flags(parser)
-    args = parser.parse_args(argv)
-    limits = limits_from(parser, args)
+    return parser
+
+
+def _check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A bad value of ``orchestrate serve`` exits through ``parser.error``, naming its flag."""
     if not 0 <= args.port <= 65535:
         parser.error(f"argument --port: {args.port} is not a port (0-65535; 0 picks a free one)")
     if not 0 < args.poll_interval < float("inf"):
@@ -179,10 +204,14 @@ def _serve(argv: list[str]) -> int:
         parser.error(
             f"argument --base-model: {args.base_model} is not a model dir (no config.json)"
         )
-    configure(args.log_format)
-    from policies.serve.server import serve_board, serve_model, tls_context
 
-    tls = tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
+
+async def _serve_until_stopped(
+    args: argparse.Namespace, limits: LaneLimits, tls: ssl.SSLContext | None
+) -> None:
+    """Serve the model or the board; print ``{"url": …}`` once serving; stop on SIGINT or
+    SIGTERM, or (``--parent-stdin``) when stdin closes."""
+    from policies.serve.server import serve_board, serve_model
 
     async def serve(task_status: TaskStatus[int]) -> None:
         if args.model is not None:
@@ -198,20 +227,16 @@ def _serve(argv: list[str]) -> int:
                 max_adapters=args.max_adapters, task_status=task_status,
             )  # fmt: skip
 
-    async def main() -> None:
-        async with anyio.create_task_group() as tg:
-            port = await tg.start(serve)
-            scheme = "https" if args.tls_cert else "http"
-            sys.stdout.write(json.dumps({"url": f"{scheme}://{args.host}:{port}"}) + "\n")
-            sys.stdout.flush()
-            tg.start_soon(cancel_on_signal, tg.cancel_scope)
-            if args.parent_stdin:
-                await stdin_closed()
-                log.info("parent_gone")
-                tg.cancel_scope.cancel()
-
-    anyio.run(main)
-    return 0
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(serve)
+        scheme = "https" if args.tls_cert else "http"
+        sys.stdout.write(json.dumps({"url": f"{scheme}://{args.host}:{port}"}) + "\n")
+        sys.stdout.flush()
+        tg.start_soon(cancel_on_signal, tg.cancel_scope)
+        if args.parent_stdin:
+            await stdin_closed()
+            log.info("parent_gone")
+            tg.cancel_scope.cancel()
 
 
 def _versions(argv: list[str]) -> int:

@@ -6,7 +6,7 @@ One run: sprawl's ``--model-size`` model (``small`` by default, ``medium`` ~100 
 and served by the engine (the reference engine in process, a live vLLM CPU server, or the
 sidecar's own llama-server); the engine's sidecar reads the board through a serial link of
 ``--link-mbit`` Mbit/s, each read a round trip of ``--link-rtt-ms`` away (default 0;
-:class:`~orchestrator.bench.sync.ThrottledBoard`). Then ``--versions`` versions are published,
+:class:`~orchestrator.bench.link.ThrottledBoard`). Then ``--versions`` versions are published,
 each moving ``--density`` of the bf16 values by ±1 ulp (an Adam step). Per version: ``sync_s``
 (from the start of ``Board.publish`` to the sidecar serving it, which may come before the
 publish returns: the patches for replicas further behind are written after the commit),
@@ -47,7 +47,7 @@ import torch
 from prometheus_client import CollectorRegistry
 from safetensors.torch import load_file
 
-from orchestrator.bench.sync import Link, ThrottledBoard, add_link_flags, parse_flags
+from orchestrator.bench.link import Link, ThrottledBoard, add_link_flags, parse_flags
 from orchestrator.bench.trainer import TrainerProcess
 from policies.board import Board, Manifest
 from policies.board.types import WEIGHTS

@@ -2,10 +2,10 @@
 
 For each world size in ``--ranks`` (default ``1,2``) it starts that many processes on one
 machine (a gloo process group on loopback). Together they hold a ``--size-mb`` bf16 view (default
-1024; the tensors of :func:`orchestrator.bench.sync.synthetic_view`'s shapes, each sharded by
+1024; the tensors of :func:`orchestrator.bench.synthetic.synthetic_view`'s shapes, each sharded by
 rows as FSDP2 ``Shard(0)`` ``DTensor``s, every rank generating only its own rows), publish it as
 version 0 (an anchor) with :class:`policies.board.ShardedPublisher`, move ``--density`` of the
-values by ±1 ulp (:func:`orchestrator.bench.sync.adam_step`, on each rank's rows) and publish
+values by ±1 ulp (:func:`orchestrator.bench.synthetic.adam_step`, on each rank's rows) and publish
 version 1 (a delta). Per rank it reports ``publish_s`` (version 1, from a barrier until
 ``publish`` returns on that rank, the commit included), ``anchor_s`` (version 0) and
 ``peak_rss_bytes`` (the process's peak resident set, the interpreter and torch included; also
@@ -52,7 +52,7 @@ def worker(board: str, size_mb: int, density: float, cores: list[int]) -> dict[s
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from orchestrator.bench.sync import adam_step, synthetic_shapes
+    from orchestrator.bench.synthetic import adam_step, synthetic_shapes
     from policies.board import BoardOptions, ShardedPublisher
     from policies.wire.logs import configure
 

@@ -1,10 +1,10 @@
 """``orchestrate bench sync``: how fast a new version reaches every replica over a slow link.
 
-Every replica reads the board through its own :class:`Link`, a serial link of ``--link-mbit``
-Mbit/s: a read is delivered once the link has carried its bytes after every earlier read of that
-replica (a token bucket on the board's read path, so the time follows the bytes actually
-fetched), and each read, found or not, first takes a round trip of ``--link-rtt-ms`` (default 0;
-reads in flight together overlap theirs). Two views, one run each:
+Every replica reads the board through its own :class:`~orchestrator.bench.link.Link`, a serial
+link of ``--link-mbit`` Mbit/s: a read is delivered once the link has carried its bytes after
+every earlier read of that replica (a token bucket on the board's read path, so the time follows
+the bytes actually fetched), and each read, found or not, first takes a round trip of
+``--link-rtt-ms`` (default 0; reads in flight together overlap theirs). Two views, one run each:
 
 - **demo**: sprawl's tiny model (bf16), each replica a real reference :class:`Engine` behind a
   :class:`Sidecar` (``activation="pause"``), reconciling from its own throttled board;
@@ -39,9 +39,7 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -52,101 +50,13 @@ from prometheus_client import CollectorRegistry
 from safetensors.torch import load_file
 
 from orchestrator.bench.engine import pause_trials
+from orchestrator.bench.link import Link, ThrottledBoard, add_link_flags, parse_flags
+from orchestrator.bench.synthetic import View, adam_step, same_bits, synthetic_view
 from policies.board import Board
 from policies.serve.backends.reference import ReferenceBackend
 from policies.serve.engine import Engine
 from policies.serve.sidecar import Sidecar
 from policies.wire.logs import configure
-
-View = dict[str, torch.Tensor]
-
-
-class Link:
-    """A serial link of ``mbit_s`` Mbit/s with a round trip of ``rtt_ms``: a read's bytes start
-    crossing one round trip after it was asked for, and only once the link has carried every
-    earlier read's; reads asked for together overlap their round trips (as requests in flight to
-    an object store do). A read of nothing there costs its round trip."""
-
-    def __init__(self, mbit_s: float, rtt_ms: float = 0.0) -> None:
-        self.rate = mbit_s * 1e6 / 8
-        self.rtt = rtt_ms / 1e3
-        self.bytes = 0
-        self._lock = threading.Lock()
-        self._free_at = 0.0
-
-    def carry(self, nbytes: int | None, asked: float | None = None) -> None:
-        """Return once ``nbytes`` (None: an answer that the object is not there), asked for at
-        ``asked`` (a ``time.perf_counter()``; default now), have crossed the link."""
-        with self._lock:
-            answer = (time.perf_counter() if asked is None else asked) + self.rtt
-            done = answer
-            if nbytes is not None:
-                self._free_at = done = max(answer, self._free_at) + nbytes / self.rate
-                self.bytes += nbytes
-        time.sleep(max(0.0, done - time.perf_counter()))
-
-
-class ThrottledBoard(Board):
-    """A reader's board whose every read crosses ``link``."""
-
-    def __init__(self, url: str, run: str, link: Link) -> None:
-        super().__init__(url, run)
-        self.link = link
-
-    def _read(self, path: str, limit: int) -> bytes:
-        asked = time.perf_counter()
-        try:
-            data = super()._read(path, limit)
-        except FileNotFoundError:
-            self.link.carry(None, asked)
-            raise
-        self.link.carry(len(data), asked)
-        return data
-
-
-def synthetic_shapes(size_mb: int) -> dict[str, tuple[int, int]]:
-    """The tensors of :func:`synthetic_view`: name → (rows, cols), at most 32 MiB of bf16 each."""
-    left, out, i = size_mb * 2**20 // 2, {}, 0
-    while left > 0:
-        n = min(left, 16 * 2**20)
-        cols = 4096 if n >= 4096 else n
-        rows = n // cols
-        out[f"layers.{i}.weight"] = (rows, cols)
-        left -= rows * cols
-        i += 1
-    return out
-
-
-def synthetic_view(size_mb: int, seed: int = 0) -> View:
-    """About ``size_mb`` MiB of bf16 values, in tensors of at most 32 MiB."""
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        name: torch.randn(rows, cols, generator=gen).to(torch.bfloat16)
-        for name, (rows, cols) in synthetic_shapes(size_mb).items()
-    }
-
-
-def adam_step(view: Mapping[str, torch.Tensor], density: float, gen: torch.Generator) -> View:
-    """A copy of ``view`` with ``density`` of its values moved by ±1 unit in the last place.
-
-    Flipping the lowest mantissa bit moves a value one ulp up or down (by its parity) and keeps
-    finite values finite; an index drawn twice flips back, so slightly under ``density`` change.
-    """
-    out = {}
-    for name, t in view.items():
-        bits = t.detach().clone().contiguous().view(torch.int16).reshape(-1)
-        n = max(1, int(bits.numel() * density))
-        idx = torch.randint(0, bits.numel(), (n,), generator=gen)
-        bits[idx] ^= 1  # the last mantissa bit: ±1 ulp, never leaves the finite range
-        out[name] = bits.view(t.dtype).reshape(t.shape)
-    return out
-
-
-def same_bits(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:
-    return set(a) == set(b) and all(
-        torch.equal(a[k].contiguous().view(torch.int16), b[k].contiguous().view(torch.int16))
-        for k in a
-    )
 
 
 def _announced(board: Board, version: int) -> bool:
@@ -341,38 +251,6 @@ async def _demo(
         "exact": exact,
     }
     return result, engines[0]
-
-
-def add_link_flags(parser: argparse.ArgumentParser, poll_ms: float) -> None:
-    """The flags of a sync over a :class:`Link` (``bench sync``, ``bench sync --engine``)."""
-    parser.add_argument("--density", type=float, default=0.01)
-    parser.add_argument("--link-mbit", type=float, default=100.0)
-    parser.add_argument(
-        "--link-rtt-ms",
-        type=float,
-        default=0.0,
-        help="round trip of every read (an object store in another region: 50-150)",
-    )
-    parser.add_argument("--poll-ms", type=float, default=poll_ms)
-
-
-def parse_flags(
-    parser: argparse.ArgumentParser, argv: list[str], counts: tuple[str, ...]
-) -> argparse.Namespace:
-    """``argv`` parsed, every flag of :func:`add_link_flags` and each of ``counts`` (at least
-    1) checked: a bad value is a usage error naming its flag."""
-    args = parser.parse_args(argv)
-    for flag in counts:
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')}: must be at least 1")
-    for flag in ("link_mbit", "poll_ms"):
-        if not getattr(args, flag) > 0:
-            parser.error(f"--{flag.replace('_', '-')}: must be > 0")
-    if not args.link_rtt_ms >= 0:
-        parser.error("--link-rtt-ms: must be >= 0")
-    if not 0 < args.density <= 1:
-        parser.error("--density: must be in (0, 1]")
-    return args
 
 
 def main(argv: list[str]) -> int:

@@ -3,7 +3,7 @@
 In a run the trainer publishes from its own cluster and the island's sidecar runs next to the
 engine: they share no process. The bench keeps them apart the same way: this process holds the
 served view, moves ``density`` of its bf16 values by ±1 ulp per version (an Adam step,
-:func:`~orchestrator.bench.sync.adam_step`) and publishes it, while the engine, its sidecar and
+:func:`~orchestrator.bench.synthetic.adam_step`) and publishes it, while the engine, its sidecar and
 the throttled link live in the bench's process. (In one process the publisher's threads took
 turns with the sidecar's on one interpreter lock, which no run has.)
 
@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from orchestrator.bench.sync import adam_step
+from orchestrator.bench.synthetic import adam_step
 from policies.board import Board, Manifest
 from policies.wire.logs import configure
 

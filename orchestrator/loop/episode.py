@@ -169,67 +169,86 @@ class EpisodeRunner:
             segments=[],
         )
         state = EpisodeState(task=task, messages=[])
-        stop: StopReason = "max_turns"
-        error: ErrorRecord | None = None
         with structlog.contextvars.bound_contextvars(episode=ep_id, task=rec["task_id"]):
-            try:
-                with anyio.move_on_after(self.episode_timeout_s) as scope:
-                    stop = await self._turns(task, state, rec, bounds, seed)
-                if scope.cancelled_caught:
-                    stop = "episode_timeout"
-            except EndpointError as exc:
-                stop, error = (
-                    "model_error",
-                    ErrorRecord(where="model", type=type(exc).__name__, message=str(exc)),
-                )
-            except anyio.get_cancelled_exc_class():
-                self.interrupted.append(
-                    Episode(
-                        **rec,
-                        messages=state.messages,
-                        stop_reason="interrupted",
-                        finished_at=time.time(),
-                    )
-                )
-                log.debug("episode_interrupted")  # the run logs one line for all
-                raise
-            except EnvironmentFailed as exc:  # user environment code: data, never a crash
-                stop, error = "env_error", _record("environment", exc)
-            except Exception as exc:  # sprawl's own turn logic: a bug of ours, not the user's
-                log.exception("episode_orchestrator_error")
-                stop, error = "orchestrator_error", _record("orchestrator", exc)
-            rewards: dict[str, float] = {}
-            reward = 0.0
-            if error is None:
-                state.stop_reason = stop
-                try:  # a reward function's bug is the episode's error
-                    rewards, reward = await self._score(state)
-                except EnvironmentFailed as exc:
-                    stop, error = "env_error", _record("environment", exc, "reward: ")
-            metadata: dict[str, Any] = {}
-            try:  # user code, like a reward function
-                with environment_code():
-                    metadata = _jsonable(self.env.metadata(state))
-            except EnvironmentFailed as exc:
-                if error is None:
-                    stop, error = "env_error", _record("environment", exc, "metadata: ")
-            episode = Episode(
-                **rec,
-                messages=state.messages,
-                rewards=rewards,
-                metadata=metadata,
-                reward=reward,
-                tool_calls=[
-                    ToolCallRecord(name=c.name, arguments=c.arguments, result=r, error=e)
-                    for c, r, e in state.tool_results
-                ],
-                stop_reason=stop,
-                error=error,
-                history_rewritten=self._history_rewritten(state),
-                finished_at=time.time(),
+            stop, error = await self._play(task, state, rec, bounds, seed)
+            return await self._finish(state, rec, stop, error)
+
+    async def _play(
+        self,
+        task: dict[str, Any],
+        state: EpisodeState,
+        rec: dict[str, Any],
+        bounds: Callable[[], VersionBounds],
+        seed: int | None,
+    ) -> tuple[StopReason, ErrorRecord | None]:
+        """The turns, under the whole-episode timeout: why they stopped, and the error that
+        stopped them (module docstring: whose error it is). A cancelled episode is kept in
+        :attr:`interrupted` and the cancellation goes on."""
+        stop: StopReason = "max_turns"
+        try:
+            with anyio.move_on_after(self.episode_timeout_s) as scope:
+                stop = await self._turns(task, state, rec, bounds, seed)
+            if scope.cancelled_caught:
+                stop = "episode_timeout"
+        except EndpointError as exc:
+            return "model_error", ErrorRecord(
+                where="model", type=type(exc).__name__, message=str(exc)
             )
-            log.debug("episode_done", stop=stop, reward=episode.reward, turns=len(episode.segments))
-            return episode
+        except anyio.get_cancelled_exc_class():
+            self.interrupted.append(
+                Episode(
+                    **rec,
+                    messages=state.messages,
+                    stop_reason="interrupted",
+                    finished_at=time.time(),
+                )
+            )
+            log.debug("episode_interrupted")  # the run logs one line for all
+            raise
+        except EnvironmentFailed as exc:  # user environment code: data, never a crash
+            return "env_error", _record("environment", exc)
+        except Exception as exc:  # sprawl's own turn logic: a bug of ours, not the user's
+            log.exception("episode_orchestrator_error")
+            return "orchestrator_error", _record("orchestrator", exc)
+        return stop, None
+
+    async def _finish(
+        self, state: EpisodeState, rec: dict[str, Any], stop: StopReason, error: ErrorRecord | None
+    ) -> Episode:
+        """The episode as it ended: scored when nothing failed, with its metadata and tool calls;
+        an exception in a reward function or in ``metadata`` is the episode's error."""
+        rewards: dict[str, float] = {}
+        reward = 0.0
+        if error is None:
+            state.stop_reason = stop
+            try:  # a reward function's bug is the episode's error
+                rewards, reward = await self._score(state)
+            except EnvironmentFailed as exc:
+                stop, error = "env_error", _record("environment", exc, "reward: ")
+        metadata: dict[str, Any] = {}
+        try:  # user code, like a reward function
+            with environment_code():
+                metadata = _jsonable(self.env.metadata(state))
+        except EnvironmentFailed as exc:
+            if error is None:
+                stop, error = "env_error", _record("environment", exc, "metadata: ")
+        episode = Episode(
+            **rec,
+            messages=state.messages,
+            rewards=rewards,
+            metadata=metadata,
+            reward=reward,
+            tool_calls=[
+                ToolCallRecord(name=c.name, arguments=c.arguments, result=r, error=e)
+                for c, r, e in state.tool_results
+            ],
+            stop_reason=stop,
+            error=error,
+            history_rewritten=self._history_rewritten(state),
+            finished_at=time.time(),
+        )
+        log.debug("episode_done", stop=stop, reward=episode.reward, turns=len(episode.segments))
+        return episode
 
     async def _score(self, state: EpisodeState) -> tuple[dict[str, float], float]:
         """The episode's reward components and total, every one a finite number."""

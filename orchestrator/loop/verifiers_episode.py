@@ -27,7 +27,8 @@ from typing import Any
 
 from environments.errors import EnvError
 from environments.types import EpisodeState
-from environments.verifiers_adapter import Sampled, StopKind, VerifiersEnvironment
+from environments.verifiers_adapter import StopKind, VerifiersEnvironment
+from environments.verifiers_client import Sampled
 from orchestrator.errors import EndpointError
 from orchestrator.loop.episode import EpisodeRunner, OrchestratorFailed, environment_code
 from orchestrator.types import StopReason

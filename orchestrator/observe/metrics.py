@@ -90,7 +90,15 @@ class RunMetrics(NullEvents):
             z_threshold=lb.z_threshold, min_groups=lb.min_groups, warn=True
         )
         self.registry = CollectorRegistry()
-        r = self.registry
+        # family by family, in the order /metrics lists them
+        self._register_calls(self.registry)
+        self._register_groups(self.registry)
+        self._register_supervision(self.registry)
+        self._register_episodes(self.registry)
+        self._register_length_bias(self.registry)
+
+    def _register_calls(self, r: CollectorRegistry) -> None:
+        """Per endpoint: model calls, failures, 409s and latency; applied version and health."""
         self.calls = Counter("sprawl_calls", "Model calls served", ["endpoint"], registry=r)
         self.failures = Counter(
             "sprawl_call_failures", "Failed model calls", ["endpoint"], registry=r
@@ -107,6 +115,10 @@ class RunMetrics(NullEvents):
         self.healthy = Gauge(
             "sprawl_endpoint_healthy", "1 when the endpoint is healthy", ["endpoint"], registry=r
         )
+
+    def _register_groups(self, r: CollectorRegistry) -> None:
+        """The trainer's version; groups admitted and decided (also by environment), their lag;
+        routing attempts that found no endpoint."""
         self.trainer_version = Gauge("sprawl_trainer_version", "Trainer version", registry=r)
         self.admitted = Counter("sprawl_admitted_groups", "Groups admitted", registry=r)
         self.admitted_by_env = Counter(
@@ -133,6 +145,9 @@ class RunMetrics(NullEvents):
         self.waiting = Counter(
             "sprawl_waiting_routes", "Routing attempts that found no endpoint", registry=r
         )
+
+    def _register_supervision(self, r: CollectorRegistry) -> None:
+        """The local fleet's supervision: deaths, restarts, give-ups per endpoint."""
         self.engine_deaths = Counter(
             "sprawl_engine_deaths",
             "Local engines or islands that went down (exited, unhealthy, failed to restart)",
@@ -151,6 +166,9 @@ class RunMetrics(NullEvents):
             ["endpoint"],
             registry=r,
         )
+
+    def _register_episodes(self, r: CollectorRegistry) -> None:
+        """Episodes whose history the template re-rendered, or that sprawl's turn logic ended."""
         self.history_rewritten = Counter(
             "sprawl_episodes_history_rewritten",
             "Episodes whose chat template re-renders earlier turns differently from the tokens "
@@ -164,6 +182,8 @@ class RunMetrics(NullEvents):
             registry=r,
         )
 
+    def _register_length_bias(self, r: CollectorRegistry) -> None:
+        """The length-bias guard: decisions by length bucket, z and verdict per axis, requeues."""
         self.by_length = {
             axis: Counter(
                 f"sprawl_groups_decided_by_{axis}",

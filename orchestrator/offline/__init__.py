@@ -5,5 +5,7 @@
   retraining from the log;
 - :mod:`~orchestrator.offline.resimulate` — re-derive every logged decision from the event log;
 - :mod:`~orchestrator.offline.report` — ``orchestrate report``: the HTML report;
-- :mod:`~orchestrator.offline.experiment` — ``orchestrate experiment lag``.
+- :mod:`~orchestrator.offline.experiment` — ``orchestrate experiment lag``, with its arms
+  (:mod:`~orchestrator.offline.experiment_arms`) and its verdict
+  (:mod:`~orchestrator.offline.experiment_verdict`).
 """

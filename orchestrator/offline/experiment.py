@@ -31,17 +31,10 @@ really runs ahead of the trainer in the lag arms. Outputs in ``--out``:
   consumption minus the version that started the call), dropped groups, wall time; per arm the
   across-seed statistics; the checks; the verdict (also in ``verdict.txt``).
 
-**The verdict** (:func:`verdict`). The statistic of a run is its *second-half reward*: the mean
-per-step reward over the second half of its steps, with its standard error (the steps taken as
-independent samples). Per arm: the mean of that statistic over seeds ± the half-width of its 95%
-interval (Student's t with ``seeds − 1`` degrees of freedom on the per-seed values; none for
-one seed). Two checks, stated as measured, not assumed:
-
-- *best correction within noise of on-policy in every seed*: the corrected arm with the highest
-  across-seed mean; in each seed, its second-half reward minus on-policy's against 2σ, σ the
-  two runs' standard errors combined;
-- *uncorrected worse beyond 2σ pooled*: the mean over seeds of (uncorrected − on-policy) against
-  2σ pooled, σ = √(Σ_seeds (SE_on² + SE_none²)) / seeds.
+**The verdict** (:func:`~orchestrator.offline.experiment_verdict.verdict`): each arm's
+second-half reward across seeds against on-policy's, and two checks, as
+:mod:`~orchestrator.offline.experiment_verdict` states them. The arms and their configs are
+:mod:`~orchestrator.offline.experiment_arms`.
 
 ``configs/experiment-lag.toml`` is the setting measured in docs/benchmarks.md.
 
@@ -53,12 +46,10 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import sys
 import time
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -68,233 +59,18 @@ import structlog
 from orchestrator.config import Config, load_config, parse_overrides
 from orchestrator.errors import ConfigError
 from orchestrator.models import calculator_max_operand
-from orchestrator.observe.trend import halves, mean_se
-from orchestrator.record.frames import iter_records
+from orchestrator.offline.experiment_arms import (
+    ARMS,
+    REFERENCE,
+    Arm,
+    ArmResult,
+    arm_config,
+    lag_histogram,
+    pick_arms,
+)
+from orchestrator.offline.experiment_verdict import arm_stats, checks, verdict
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class Arm:
-    name: str
-    label: str
-    max_lag: int
-    correction: dict[str, Any]
-
-
-REFERENCE = "on_policy"
-UNCORRECTED = "lag4_none"
-
-ARMS = (
-    Arm(REFERENCE, "on-policy (max_lag 0)", 0, {"type": "none"}),
-    Arm(UNCORRECTED, "max_lag 4, uncorrected", 4, {"type": "none"}),
-    Arm("lag4_tis", "max_lag 4 + TIS (cap 2)", 4, {"type": "tis", "cap": 2.0}),
-    Arm("lag4_dppo", "max_lag 4 + decoupled PPO (cap 2)", 4, {"type": "decoupled_ppo", "cap": 2.0}),
-    Arm("lag4_mask", "max_lag 4 + token mask (c 2)", 4, {"type": "token_mask", "c": 2.0}),
-)
-CORRECTED = tuple(a.name for a in ARMS if a.correction["type"] != "none")
-
-# Two-sided 95% quantiles of Student's t, t(0.975, dof), for dof 1..30 (the normal's 1.96 beyond).
-_T975 = (
-    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
-    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
-    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
-)  # fmt: skip
-
-
-def pick_arms(names: str | None) -> tuple[Arm, ...]:
-    """The arms ``--arms a,b,…`` names, in :data:`ARMS` order, ``on_policy`` always included."""
-    if names is None:
-        return ARMS
-    wanted = {n.strip() for n in names.split(",") if n.strip()}
-    unknown = wanted - {a.name for a in ARMS}
-    if unknown:
-        known = ", ".join(a.name for a in ARMS)
-        raise ConfigError(f"--arms: unknown arm {', '.join(sorted(unknown))} (known: {known})")
-    return tuple(a for a in ARMS if a.name in wanted | {REFERENCE})
-
-
-@dataclass
-class ArmResult:
-    arm: str
-    label: str
-    rewards: list[float]
-    seed: int = 0
-    lag_histogram: dict[int, int] = field(default_factory=dict)
-    dropped_groups: int = 0
-    seconds: float = 0.0
-
-
-def arm_config(
-    config: Path | None,
-    arm: Arm,
-    *,
-    out: Path,
-    model_dir: Path,
-    steps: int,
-    seed: int,
-    overrides: dict[str, Any] | None = None,
-) -> Config:
-    """The resolved config of one arm and seed: ``config`` < ``overrides`` < what the arm fixes."""
-    base = load_config(config, overrides)
-    in_flight = (1 + arm.max_lag) * base.scheduler.groups_per_batch * base.scheduler.group_size
-    fixed: dict[str, Any] = {
-        "run.root": str(out / "runs" / f"s{seed}"),
-        "run.name": arm.name,
-        "run.seed": seed,
-        "run.overwrite": True,
-        "model.path": str(model_dir),
-        "model.init": None,
-        "model.warm_start": None,  # the experiment warm-starts its model itself
-        "trainer.max_steps": steps,
-        "scheduler.max_lag": arm.max_lag,
-        "scheduler.max_concurrent_episodes": max(base.scheduler.max_concurrent_episodes, in_flight),
-        "staleness.correction": arm.correction,
-        "staleness.drop": None,
-    }
-    return load_config(config, {**(overrides or {}), **fixed})
-
-
-def lag_histogram(log_dir: Path) -> dict[int, int]:
-    """Model calls of trained episodes by lag: consuming trainer version − version at call start."""
-    consumed: dict[str, int] = {}
-    for rec in iter_records(log_dir, "batches"):
-        for gid in rec["groups"]:
-            consumed[gid] = int(rec["trained_at_version"])
-    hist: Counter[int] = Counter()
-    for rec in iter_records(log_dir, "episodes"):
-        episode = rec["episode"]
-        version = consumed.get(episode["group_id"])
-        if version is None:  # dropped, or never batched before the run ended
-            continue
-        for seg in episode["segments"]:
-            hist[version - int(seg["policy_version"]["start"])] += 1
-    return dict(sorted(hist.items()))
-
-
-def tail_stats(rewards: Sequence[float]) -> tuple[float, float]:
-    """A run's second-half reward: mean and standard error of the second half of ``rewards``."""
-    return mean_se(rewards[len(rewards) // 2 :])
-
-
-def interval95(values: Sequence[float]) -> tuple[float, float]:
-    """Mean of ``values`` and the half-width of its 95% Student-t interval (0 for one value)."""
-    mean, se = mean_se(values)
-    dof = len(values) - 1
-    if dof < 1:
-        return mean, 0.0
-    return mean, se * (_T975[dof - 1] if dof <= len(_T975) else 1.96)
-
-
-@dataclass(frozen=True)
-class ArmStats:
-    """An arm's second-half reward across seeds."""
-
-    arm: str
-    label: str
-    per_seed: dict[int, tuple[float, float]]
-    """seed → (second-half mean, its standard error)"""
-    mean: float
-    ci95: float
-
-
-def arm_stats(results: Sequence[ArmResult]) -> list[ArmStats]:
-    """One :class:`ArmStats` per arm, in :data:`ARMS` order."""
-    order = {a.name: i for i, a in enumerate(ARMS)}
-    by_arm: dict[str, list[ArmResult]] = {}
-    for r in sorted(results, key=lambda r: order.get(r.arm, len(order))):
-        by_arm.setdefault(r.arm, []).append(r)
-    stats = []
-    for name, runs in by_arm.items():
-        per_seed = {r.seed: tail_stats(r.rewards) for r in runs}
-        mean, ci = interval95([m for m, _ in per_seed.values()])
-        stats.append(ArmStats(name, runs[0].label, per_seed, mean, ci))
-    return stats
-
-
-def _gap(a: ArmStats, ref: ArmStats) -> tuple[list[tuple[int, float, float]], float, float]:
-    """``a`` − ``ref`` per shared seed as (seed, Δ, 2σ), and pooled (mean Δ, 2σ pooled)."""
-    seeds = sorted(set(a.per_seed) & set(ref.per_seed))
-    rows = []
-    var = 0.0
-    for s in seeds:
-        (m, se), (rm, rse) = a.per_seed[s], ref.per_seed[s]
-        rows.append((s, m - rm, 2 * math.hypot(se, rse)))
-        var += se**2 + rse**2
-    n = max(len(seeds), 1)
-    return rows, sum(d for _, d, _ in rows) / n, 2 * math.sqrt(var) / n
-
-
-def _judge(delta: float, noise: float) -> str:
-    if abs(delta) <= noise:
-        return "within noise of on-policy"
-    return "better than on-policy" if delta > 0 else "worse than on-policy"
-
-
-def checks(results: Sequence[ArmResult]) -> dict[str, Any]:
-    """The two checks of the module docstring, as data (``summary.json["checks"]``)."""
-    stats = {s.arm: s for s in arm_stats(results)}
-    ref = stats[REFERENCE]
-    out: dict[str, Any] = {}
-    corrected = [stats[n] for n in CORRECTED if n in stats]
-    if corrected:
-        best = max(corrected, key=lambda s: s.mean)
-        rows, _, _ = _gap(best, ref)
-        out["best_correction"] = {
-            "arm": best.arm,
-            "seeds": [{"seed": s, "delta": d, "noise": n} for s, d, n in rows],
-            "not_worse_every_seed": all(d >= -n for _, d, n in rows),
-        }
-    if UNCORRECTED in stats:
-        _, delta, noise = _gap(stats[UNCORRECTED], ref)
-        out["uncorrected"] = {"delta": delta, "noise": noise, "worse_beyond_2sigma": delta < -noise}
-    return out
-
-
-def verdict(results: Sequence[ArmResult]) -> str:
-    """The verdict, one statement per line: whether on-policy reward rose, each arm's second-half
-    reward across seeds (mean ± 95% interval) and how it compares with on-policy's, the checks."""
-    stats = arm_stats(results)
-    by_name = {s.arm: s for s in stats}
-    if REFERENCE not in by_name:
-        raise ValueError(f"the verdict compares every arm with {REFERENCE}, which did not run")
-    ref = by_name[REFERENCE]
-    seeds = len(ref.per_seed)
-    rises = [halves(r.rewards) for r in results if r.arm == REFERENCE]
-    rose = sum(c.judged == "rose" for c in rises)
-    before = sum(c.before for c in rises) / len(rises)
-    after = sum(c.after for c in rises) / len(rises)
-    lines = [
-        f"on-policy reward, first→second half (mean of {seeds} seed(s)): {before:.3f}→{after:.3f}"
-        f" (rose beyond 2σ in {rose} of {seeds})"
-    ]
-    lines.append(f"second-half reward, mean ± 95% interval over {seeds} seed(s):")
-    for s in stats:
-        line = f"  {s.label:<34} {s.mean:.3f} ± {s.ci95:.3f}"
-        if s is not ref:
-            rows, delta, noise = _gap(s, ref)
-            within = sum(abs(d) <= n for _, d, n in rows)
-            line += (
-                f"  Δ {delta:+.3f} (2σ pooled {noise:.3f}: {_judge(delta, noise)};"
-                f" within noise in {within} of {len(rows)} seeds)"
-            )
-        lines.append(line)
-    found = checks(results)
-    if "best_correction" in found:
-        best = found["best_correction"]
-        ok = sum(r["delta"] >= -r["noise"] for r in best["seeds"])
-        lines.append(
-            f"best correction {best['arm']}: not worse than on-policy beyond 2σ in {ok} of "
-            f"{len(best['seeds'])} seeds"
-        )
-    if "uncorrected" in found:
-        unc = found["uncorrected"]
-        judged = "worse beyond 2σ" if unc["worse_beyond_2sigma"] else "not worse beyond 2σ"
-        lines.append(
-            f"uncorrected vs on-policy, pooled: Δ {unc['delta']:+.3f}, 2σ {unc['noise']:.3f}"
-            f" ({judged})"
-        )
-    return "\n".join(lines)
 
 
 def write_csv(results: Sequence[ArmResult], path: Path) -> None:
@@ -356,7 +132,6 @@ def run_lag_experiment(
 ) -> tuple[list[ArmResult], str]:
     """Run every arm for every seed; write CSV, PNG and summary.json into ``out``; return the
     results and the verdict. ``steps`` defaults to the config's ``trainer.max_steps``."""
-    from orchestrator.run import run
     from policies.train.sft import sft_phases, warm_model
 
     if seeds < 1:
@@ -384,35 +159,60 @@ def run_lag_experiment(
                 seed=run_seed,
                 overrides=overrides,
             )
-            t0 = time.perf_counter()
-            log.info("experiment_arm_started", arm=arm.name, seed=run_seed, max_lag=arm.max_lag)
-            summary = anyio.run(run, cfg)
-            if summary.interrupted:
-                raise KeyboardInterrupt
-            result = ArmResult(
-                arm=arm.name,
-                label=arm.label,
-                rewards=list(summary.rewards),
-                seed=run_seed,
-                lag_histogram=lag_histogram(cfg.run_dir / "trajectories"),
-                dropped_groups=summary.dropped_groups,
-                seconds=time.perf_counter() - t0,
-            )
-            log.info(
-                "experiment_arm_done",
-                arm=arm.name,
-                seed=run_seed,
-                seconds=round(result.seconds, 1),
-                lag_histogram=result.lag_histogram,
-            )
-            results.append(result)
+            results.append(_run_arm(cfg, arm, run_seed))
     text = verdict(results)
+    _write_outputs(
+        results, text, out, steps=steps, seeds=range(seed, seed + seeds), started=started
+    )
+    return results, text
+
+
+def _run_arm(cfg: Config, arm: Arm, seed: int) -> ArmResult:
+    """One run of ``arm`` through the real loop (``seed``: its run seed); a run stopped by a
+    signal stops the experiment (``KeyboardInterrupt``)."""
+    from orchestrator.run import run
+
+    t0 = time.perf_counter()
+    log.info("experiment_arm_started", arm=arm.name, seed=seed, max_lag=arm.max_lag)
+    summary = anyio.run(run, cfg)
+    if summary.interrupted:
+        raise KeyboardInterrupt
+    result = ArmResult(
+        arm=arm.name,
+        label=arm.label,
+        rewards=list(summary.rewards),
+        seed=seed,
+        lag_histogram=lag_histogram(cfg.run_dir / "trajectories"),
+        dropped_groups=summary.dropped_groups,
+        seconds=time.perf_counter() - t0,
+    )
+    log.info(
+        "experiment_arm_done",
+        arm=arm.name,
+        seed=seed,
+        seconds=round(result.seconds, 1),
+        lag_histogram=result.lag_histogram,
+    )
+    return result
+
+
+def _write_outputs(
+    results: Sequence[ArmResult],
+    text: str,
+    out: Path,
+    *,
+    steps: int,
+    seeds: range,
+    started: float,
+) -> None:
+    """``rewards.csv``, ``rewards.png``, ``summary.json`` and ``verdict.txt`` in ``out``
+    (``started``: when the experiment started, for its wall time)."""
     write_csv(results, out / "rewards.csv")
     write_png(results, out / "rewards.png", text)
     report = {
         "verdict": text,
         "steps": steps,
-        "seeds": list(range(seed, seed + seeds)),
+        "seeds": list(seeds),
         "seconds": time.perf_counter() - started,
         "arms": [asdict(r) for r in results],
         "stats": [asdict(s) for s in arm_stats(results)],
@@ -420,7 +220,6 @@ def run_lag_experiment(
     }
     (out / "summary.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "verdict.txt").write_text(text + "\n")
-    return results, text
 
 
 def main(argv: list[str]) -> int:

@@ -31,6 +31,7 @@ import io
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -181,90 +182,96 @@ def _empty(ax: Axes, why: str) -> None:
     ax.text(0.5, 0.5, why, ha="center", va="center", transform=ax.transAxes, color="gray")
 
 
+def _reward(d: ReportData, ax: Axes) -> None:
+    if d.episode_reward:
+        ax.scatter(*_xy(d.episode_reward), s=6, alpha=0.3, label="episode")
+    if d.step_reward:
+        ax.plot(*_xy(d.step_reward), "o-", color="C1", label="step mean")
+        for (t, r), v in zip(d.step_reward, d.step_versions, strict=True):
+            ax.annotate(f"v{v}", (t, r), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("reward")
+    if d.episode_reward or d.step_reward:
+        ax.legend(fontsize=8)
+    else:
+        _empty(ax, "no episodes logged")
+
+
+def _lag(d: ReportData, ax: Axes) -> None:
+    if d.lag_kept:
+        ax.scatter(*_xy(d.lag_kept), s=8, label="kept")
+    if d.lag_dropped:
+        ax.scatter(*_xy(d.lag_dropped), s=8, color="C3", marker="x", label="dropped")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("max lag (versions)")
+    if d.lag_kept or d.lag_dropped:
+        ax.legend(fontsize=8)
+    else:
+        _empty(ax, "no model calls logged")
+
+
+def _versions(d: ReportData, ax: Axes) -> None:
+    for name, series in sorted(d.endpoint_versions.items()):
+        ax.step(*_xy(series), where="post", label=name)
+    if d.trainer_versions:
+        ax.step(*_xy(d.trainer_versions), where="post", color="k", ls="--", label="trainer")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("version")
+    if d.endpoint_versions or d.trainer_versions:
+        ax.legend(fontsize=8)
+    else:
+        _empty(ax, "no event log" if not d.has_events else "no version seen")
+
+
+def _sync(d: ReportData, ax: Axes) -> None:
+    for name, series in sorted(d.sync.items()):
+        ax.plot(*_xy(series), "o-", label=name)
+    ax.set_xlabel("version")
+    ax.set_ylabel("seconds to observed sync")
+    if d.sync:
+        ax.legend(fontsize=8)
+    else:
+        _empty(ax, "no event log" if not d.has_events else "no version published")
+
+
+def _by_length(axis: Axis, d: ReportData, ax: Axes) -> None:
+    rows = d.length_bias.rows(axis) if d.length_bias is not None else []
+    if rows:
+        ax.bar([lbl for lbl, _ in rows], [c.drop_rate for _, c in rows], color="C3")
+        for i, (_, c) in enumerate(rows):
+            ax.annotate(f"{c.decided}", (i, c.drop_rate), ha="center", fontsize=7)
+        ax.set_xlabel(f"{axis} of the group's longest episode (groups above bars)")
+    else:
+        _empty(ax, "no decided groups logged")
+    ax.set_ylabel("drop rate")
+    ax.set_ylim(0, 1)
+
+
+def _step_drops(d: ReportData, ax: Axes) -> None:
+    if d.step_drop_rate:
+        ax.plot(*_xy(d.step_drop_rate), "o-", color="C3")
+    else:
+        _empty(ax, "no decisions logged")
+    ax.set_xlabel("trainer version at decision")
+    ax.set_ylabel("group drop rate")
+    ax.set_ylim(0, 1)
+
+
+_PLOTS: tuple[tuple[str, str, Callable[[ReportData, Axes], None]], ...] = (
+    ("Reward", "reward: episodes over time, mean per step", _reward),
+    ("Lag over time", "max lag per episode", _lag),
+    ("Version per endpoint", "applied version per endpoint", _versions),
+    ("Sync durations", "publish → endpoint serving it", _sync),
+    ("Drop rate by sampled tokens", "drop rate by sampled tokens", partial(_by_length, "tokens")),
+    ("Drop rate by turns", "drop rate by turns", partial(_by_length, "turns")),
+    ("Drop rate per step", "groups dropped per trainer version", _step_drops),
+)
+"""The page's plots in page order: title, the plot's own title, how it is drawn."""
+
+
 def plots(d: ReportData) -> dict[str, str]:
     """Title → base64 PNG, one per plot, in page order."""
-
-    def reward(ax: Axes) -> None:
-        if d.episode_reward:
-            ax.scatter(*_xy(d.episode_reward), s=6, alpha=0.3, label="episode")
-        if d.step_reward:
-            ax.plot(*_xy(d.step_reward), "o-", color="C1", label="step mean")
-            for (t, r), v in zip(d.step_reward, d.step_versions, strict=True):
-                ax.annotate(f"v{v}", (t, r), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        ax.set_xlabel("seconds")
-        ax.set_ylabel("reward")
-        if d.episode_reward or d.step_reward:
-            ax.legend(fontsize=8)
-        else:
-            _empty(ax, "no episodes logged")
-
-    def lag(ax: Axes) -> None:
-        if d.lag_kept:
-            ax.scatter(*_xy(d.lag_kept), s=8, label="kept")
-        if d.lag_dropped:
-            ax.scatter(*_xy(d.lag_dropped), s=8, color="C3", marker="x", label="dropped")
-        ax.set_xlabel("seconds")
-        ax.set_ylabel("max lag (versions)")
-        if d.lag_kept or d.lag_dropped:
-            ax.legend(fontsize=8)
-        else:
-            _empty(ax, "no model calls logged")
-
-    def versions(ax: Axes) -> None:
-        for name, series in sorted(d.endpoint_versions.items()):
-            ax.step(*_xy(series), where="post", label=name)
-        if d.trainer_versions:
-            ax.step(*_xy(d.trainer_versions), where="post", color="k", ls="--", label="trainer")
-        ax.set_xlabel("seconds")
-        ax.set_ylabel("version")
-        if d.endpoint_versions or d.trainer_versions:
-            ax.legend(fontsize=8)
-        else:
-            _empty(ax, "no event log" if not d.has_events else "no version seen")
-
-    def sync(ax: Axes) -> None:
-        for name, series in sorted(d.sync.items()):
-            ax.plot(*_xy(series), "o-", label=name)
-        ax.set_xlabel("version")
-        ax.set_ylabel("seconds to observed sync")
-        if d.sync:
-            ax.legend(fontsize=8)
-        else:
-            _empty(ax, "no event log" if not d.has_events else "no version published")
-
-    def by_length(axis: Axis) -> Callable[[Axes], None]:
-        def draw(ax: Axes) -> None:
-            rows = d.length_bias.rows(axis) if d.length_bias is not None else []
-            if rows:
-                ax.bar([lbl for lbl, _ in rows], [c.drop_rate for _, c in rows], color="C3")
-                for i, (_, c) in enumerate(rows):
-                    ax.annotate(f"{c.decided}", (i, c.drop_rate), ha="center", fontsize=7)
-                ax.set_xlabel(f"{axis} of the group's longest episode (groups above bars)")
-            else:
-                _empty(ax, "no decided groups logged")
-            ax.set_ylabel("drop rate")
-            ax.set_ylim(0, 1)
-
-        return draw
-
-    def step_drops(ax: Axes) -> None:
-        if d.step_drop_rate:
-            ax.plot(*_xy(d.step_drop_rate), "o-", color="C3")
-        else:
-            _empty(ax, "no decisions logged")
-        ax.set_xlabel("trainer version at decision")
-        ax.set_ylabel("group drop rate")
-        ax.set_ylim(0, 1)
-
-    return {
-        "Reward": _png(reward, "reward: episodes over time, mean per step"),
-        "Lag over time": _png(lag, "max lag per episode"),
-        "Version per endpoint": _png(versions, "applied version per endpoint"),
-        "Sync durations": _png(sync, "publish → endpoint serving it"),
-        "Drop rate by sampled tokens": _png(by_length("tokens"), "drop rate by sampled tokens"),
-        "Drop rate by turns": _png(by_length("turns"), "drop rate by turns"),
-        "Drop rate per step": _png(step_drops, "groups dropped per trainer version"),
-    }
+    return {title: _png(partial(draw, d), caption) for title, caption, draw in _PLOTS}
 
 
 def render_html(d: ReportData) -> str:

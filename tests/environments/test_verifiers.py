@@ -23,7 +23,8 @@ from transformers import PreTrainedTokenizerBase
 from environments.errors import EnvironmentLoadError
 from environments.loader import load_environment
 from environments.types import EpisodeState
-from environments.verifiers_adapter import PolicyClient, Sampled, VerifiersEnvironment
+from environments.verifiers_adapter import VerifiersEnvironment
+from environments.verifiers_client import PolicyClient, Sampled
 from orchestrator.config import Config, EnvironmentConfig
 from orchestrator.loop.verifiers_episode import VerifiersRunner
 from orchestrator.types import Episode

@@ -10,7 +10,7 @@ from orchestrator.cli import main
 from orchestrator.config import load_config, parse_overrides
 from orchestrator.errors import ConfigError
 from orchestrator.models import ensure_model
-from orchestrator.run import prepare_run_dir
+from orchestrator.run.run_dir import prepare_run_dir
 
 DEMO = Path("configs/demo.toml")
 

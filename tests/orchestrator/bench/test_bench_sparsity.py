@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from orchestrator.bench import sparsity
+from orchestrator.bench import optimizer_steps, sparsity
 
 
 @pytest.mark.slow
@@ -60,7 +60,7 @@ def test_an_unknown_scale_policy_is_named(
 
 def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(tiny_model_dir: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    muon, adamw = sparsity.optimizers(model, "muon", lr=1e-6)
+    muon, adamw = optimizer_steps.optimizers(model, "muon", lr=1e-6)
     assert isinstance(muon, torch.optim.Muon)
     assert isinstance(adamw, torch.optim.AdamW)
     hidden = [p for g in muon.param_groups for p in g["params"]]
@@ -71,7 +71,7 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(tiny_model_dir: Path)
     assert any(p is embed for p in rest)
     assert any(p.ndim == 1 for p in rest)
     assert {id(p) for p in hidden} | {id(p) for p in rest} == {id(p) for p in model.parameters()}
-    assert muon.param_groups[0]["lr"] == sparsity.MUON_LR
+    assert muon.param_groups[0]["lr"] == optimizer_steps.MUON_LR
     assert adamw.param_groups[0]["lr"] == 1e-6
 
 

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from orchestrator.bench import sync as bench_sync
-from orchestrator.bench.sync import Link, adam_step, main, same_bits, synthetic_view
+from orchestrator.bench.link import Link
+from orchestrator.bench.sync import main
+from orchestrator.bench.synthetic import adam_step, same_bits, synthetic_view
 
 
 def test_link_takes_the_time_its_bytes_need() -> None:

@@ -11,17 +11,15 @@ import pytest
 from orchestrator.cli import main as cli_main
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
-from orchestrator.offline.experiment import (
+from orchestrator.models import calculator_max_operand
+from orchestrator.offline.experiment_arms import (
     ARMS,
     ArmResult,
     arm_config,
-    calculator_max_operand,
-    checks,
-    interval95,
     lag_histogram,
     pick_arms,
-    verdict,
 )
+from orchestrator.offline.experiment_verdict import checks, interval95, verdict
 from orchestrator.record.frames import FrameWriter
 from policies.errors import ModelBuildError
 from policies.train.sft import sft_phases, warm_model

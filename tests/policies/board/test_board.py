@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 from transformers import AutoModelForCausalLM
 
-from orchestrator.bench.sparsity import train_states
+from orchestrator.bench.optimizer_steps import train_states
 from policies.board import WEIGHTS, Board, anchor_payload, redact
 from policies.errors import BoardError, PatchBaseMismatch, PointerMalformed, VersionCorrupt
 from tests.support.boards import adam_like_step

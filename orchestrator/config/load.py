@@ -1,0 +1,93 @@
+"""Loading the config tree: defaults, then a TOML file, then dotted command-line overrides.
+
+Precedence is defaults < TOML file < command line. A command-line override mirrors the field
+path: ``--trainer.max_steps 2`` sets ``[trainer] max_steps = 2``; its value is read as a TOML
+value when it parses as one (``2``, ``1e-3``, ``true``, ``"x"``, ``[1, 2]``) and as a plain string
+otherwise. Any unknown key or bad value fails before anything starts, with a :class:`ConfigError`
+naming the key and where it came from (the file, or the command line).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from orchestrator.config.tree import Config
+from orchestrator.errors import ConfigError
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """Turn ``["--a.b", "1", "--c=x"]`` into ``{"a.b": 1, "c": "x"}`` (values read as TOML)."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(
+                f"unexpected argument {arg!r}: overrides look like --section.key VALUE"
+            )
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                raise ConfigError(f"--{key} (command line): missing value")
+            value = args[i + 1]
+            i += 1
+        out[key] = _toml_value(value)
+        i += 1
+    return out
+
+
+def _toml_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def load_config(path: Path | None, overrides: dict[str, Any] | None = None) -> Config:
+    """Load ``path`` (TOML), apply dotted ``overrides``; raise :class:`ConfigError` on a problem."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    from_cli: set[str] = set()
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(data, dotted, value)
+        from_cli.add(dotted)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, source, from_cli)) from None
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--{dotted} (command line): {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _describe(exc: ValidationError, source: str, from_cli: set[str]) -> str:
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
+        where = (
+            "command line" if any(key == k or key.startswith(k + ".") for k in from_cli) else source
+        )
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        got = "" if err["type"] == "extra_forbidden" else f" (got {err['input']!r})"
+        lines.append(f"{where}: {key or '<root>'}: {msg}{got}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
