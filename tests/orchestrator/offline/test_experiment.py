@@ -139,6 +139,7 @@ def test_arms_are_picked_by_name_with_on_policy_always_run() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("cli_logging")  # the command configures logging: put it back
 def test_experiment_command_runs_at_reduced_size(tmp_path: Path) -> None:
     out = tmp_path / "exp"
     code = cli_main(
