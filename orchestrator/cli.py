@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -45,7 +44,8 @@ from policies.wire.logs import configure
 if TYPE_CHECKING:
     import ssl
 
-    from policies.serve.connections import LaneLimits
+    from policies.serve.options import ServeOptions
+
 
 log = structlog.get_logger("orchestrate")
 
@@ -127,113 +127,53 @@ def _init_model(argv: list[str]) -> int:
 
 
 def _serve(argv: list[str]) -> int:
-    from policies.serve.connections import limits_from
-
-    parser = _serve_parser()
-    args = parser.parse_args(argv)
-    limits = limits_from(parser, args)
-    _check_serve_args(parser, args)
-    configure(args.log_format)
+    from policies.serve.options import ServeOptions
     from policies.serve.server import tls_context
+    from policies.wire.flags import add_flags, parse_flags
 
-    tls = tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
-    anyio.run(_serve_until_stopped, args, limits, tls)
-    return 0
-
-
-def _serve_parser() -> argparse.ArgumentParser:
-    """``orchestrate serve``'s flags, the lane's connection limits included."""
     parser = argparse.ArgumentParser(
         prog="orchestrate serve",
         description="Serve a model dir (fixed version 0) or the board's newest version with the "
         "reference engine + sidecar.",
     )
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", type=Path, help="HF model dir, served as fixed version 0")
-    source.add_argument("--board", help="board URL (fsspec) or path")
-    parser.add_argument("--run", default="demo", help="run name on the board")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument(
-        "--token",
-        default=os.environ.get("SPRAWL_TOKEN"),
-        help="bearer token required on every route but /health (default: $SPRAWL_TOKEN)",
-    )
-    parser.add_argument("--poll-interval", type=float, default=0.25)
-    parser.add_argument(
-        "--activation",
-        choices=["wait", "pause"],
-        default="wait",
-        help="drain in-flight requests before a version switch, or pause them at a step boundary",
-    )
-    parser.add_argument(
-        "--base-model",
-        type=Path,
-        help="with --board: the model dir whose weights a run's LoRA versions adapt (trainer.lora)",
-    )
-    parser.add_argument(
-        "--max-adapters",
-        type=int,
-        default=4,
-        help="LoRA versions resident at once (least recently used evicted; fleet.max_adapters)",
-    )
-    parser.add_argument("--tls-cert", type=Path, help="PEM certificate (serve over HTTPS)")
-    parser.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
-    parser.add_argument(
-        "--parent-stdin",
-        action="store_true",
-        help="exit when stdin closes (used by the local fleet)",
-    )
-    parser.add_argument("--log-format", choices=["auto", "pretty", "json"], default="auto")
-    from policies.serve.connections import add_limit_flags
-
-    add_limit_flags(parser)
-    return parser
+    add_flags(parser, ServeOptions)
+    options = parse_flags(parser, ServeOptions, argv)
+    configure(options.log_format)
+    cert, key = options.tls_cert, options.tls_key
+    tls = tls_context(cert, key) if cert and key else None  # both or neither (ServeOptions)
+    anyio.run(_serve_until_stopped, options, tls)
+    return 0
 
 
-def _check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """A bad value of ``orchestrate serve`` exits through ``parser.error``, naming its flag."""
-    if not 0 <= args.port <= 65535:
-        parser.error(f"argument --port: {args.port} is not a port (0-65535; 0 picks a free one)")
-    if not 0 < args.poll_interval < float("inf"):
-        parser.error(f"argument --poll-interval: {args.poll_interval} is not a positive number")
-    if args.max_adapters < 1:
-        parser.error(f"argument --max-adapters: {args.max_adapters} is below 1")
-    if args.base_model is not None and not (args.base_model / "config.json").is_file():
-        parser.error(
-            f"argument --base-model: {args.base_model} is not a model dir (no config.json)"
-        )
-
-
-async def _serve_until_stopped(
-    args: argparse.Namespace, limits: LaneLimits, tls: ssl.SSLContext | None
-) -> None:
+async def _serve_until_stopped(options: ServeOptions, tls: ssl.SSLContext | None) -> None:
     """Serve the model or the board; print ``{"url": …}`` once serving; stop on SIGINT or
     SIGTERM, or (``--parent-stdin``) when stdin closes."""
     from policies.serve.server import serve_board, serve_model
 
+    o, limits = options, options.limits()
+
     async def serve(task_status: TaskStatus[int]) -> None:
-        if args.model is not None:
+        if o.model is not None:
             await serve_model(
-                args.model, host=args.host, port=args.port, device=args.device,
-                token=args.token, tls=tls, limits=limits, task_status=task_status,
+                o.model, host=o.host, port=o.port, device=o.device,
+                token=o.token, tls=tls, limits=limits, task_status=task_status,
             )  # fmt: skip
         else:
+            assert o.board is not None  # one of the two (ServeOptions)
             await serve_board(
-                args.board, args.run, host=args.host, port=args.port, device=args.device,
-                token=args.token, poll_interval_s=args.poll_interval,
-                activation=args.activation, tls=tls, limits=limits, base_model=args.base_model,
-                max_adapters=args.max_adapters, task_status=task_status,
+                o.board, o.run, host=o.host, port=o.port, device=o.device,
+                token=o.token, poll_interval_s=o.poll_interval,
+                activation=o.activation, tls=tls, limits=limits, base_model=o.base_model,
+                max_adapters=o.max_adapters, task_status=task_status,
             )  # fmt: skip
 
     async with anyio.create_task_group() as tg:
         port = await tg.start(serve)
-        scheme = "https" if args.tls_cert else "http"
-        sys.stdout.write(json.dumps({"url": f"{scheme}://{args.host}:{port}"}) + "\n")
+        scheme = "https" if tls else "http"
+        sys.stdout.write(json.dumps({"url": f"{scheme}://{o.host}:{port}"}) + "\n")
         sys.stdout.flush()
         tg.start_soon(cancel_on_signal, tg.cancel_scope)
-        if args.parent_stdin:
+        if o.parent_stdin:
             await stdin_closed()
             log.info("parent_gone")
             tg.cancel_scope.cancel()

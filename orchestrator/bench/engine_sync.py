@@ -53,9 +53,9 @@ from policies.board import Board, Manifest
 from policies.board.types import WEIGHTS
 from policies.serve.backends.base import HttpBackend
 from policies.serve.backends.reference import ReferenceBackend
-from policies.serve.backends.vllm_launch import VLLMUpdate
 from policies.serve.decode import QuiesceMode
 from policies.serve.engine import Engine
+from policies.serve.options import VLLMUpdate
 from policies.serve.sidecar import Backend, Sidecar
 from policies.wire.lane import GenerateRequest
 from policies.wire.logs import configure

@@ -16,6 +16,7 @@ from pydantic import Field, model_validator
 
 from orchestrator.config.sections import Section
 from orchestrator.types import EndpointRef
+from policies.serve.options import Activation, Device, KVOnUpdate, VLLMUpdate
 
 
 class EndpointConfig(Section):
@@ -42,16 +43,16 @@ class VLLMIslandConfig(_IslandConfig):
 
     kind: Literal["vllm"]
     """The engine kind (``orchestrate sidecar --engine-kind``)."""
-    activation: Literal["wait", "pause"] = "pause"
+    activation: Activation = "pause"
     """How the sidecar switches versions: drain in-flight requests, or vLLM's ``/pause``."""
     max_model_len: int = Field(default=2048, ge=64)
     """vLLM's ``--max-model-len`` (the context the sidecar advertises)."""
-    kv_on_update: Literal["recompute", "keep"] = "recompute"
+    kv_on_update: KVOnUpdate = "recompute"
     """In ``pause`` activation, the running requests' KV cache when a version lands:
     ``recompute`` it under the new weights (exact), or ``keep`` it (PipelineRL's way: faster, but
     their later tokens are sampled by the new version from KV the old one computed; logged as
     ``vllm.kv_kept``)."""
-    update: Literal["inplace", "reload"] = "inplace"
+    update: VLLMUpdate = "inplace"
     """How a version reaches vLLM: ``inplace`` (the engine patch through vLLM's weight-transfer
     API, sprawl's backend; the CPU build then serves unpacked linear weights) or ``reload`` (the
     whole view written as a file and reloaded: the fallback and benchmark baseline)."""
@@ -149,7 +150,7 @@ class RayFleetConfig(Section):
 class FleetConfig(Section):
     local_engines: int = Field(default=2, ge=0, le=64)
     """Reference engines ``orchestrate`` launches as subprocesses on loopback."""
-    device: Literal["cpu", "cuda"] = "cpu"
+    device: Device = "cpu"
     """Device of the local engines."""
     endpoints: list[EndpointConfig] = Field(default_factory=list)
     """Remote endpoints (any engine behind a sidecar), in addition to the local ones."""

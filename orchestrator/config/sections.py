@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from policies.board.types import BoardOptions, check_run_name
 from policies.errors import BoardError
+from policies.serve.options import LogFormat
 from policies.wire.tool_parsers import TOOL_PARSERS
 
 
@@ -155,7 +156,7 @@ class AdminConfig(Section):
 
 
 class LogConfig(Section):
-    format: Literal["auto", "pretty", "json"] = "auto"
+    format: LogFormat = "auto"
     """``auto``: pretty on a terminal, JSON otherwise."""
     level: Literal["debug", "info", "warning", "error"] = "info"
     """Minimum level logged."""

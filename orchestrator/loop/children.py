@@ -12,6 +12,11 @@ concurrently, and shielded from cancellation. :meth:`Children.stop` does the sam
 children now (a replica the supervisor replaces); they are forgotten, so their process group ids
 are never signalled again.
 
+Every child that runs a sprawl serving command is started from its options model
+(:func:`sprawl_command`: ``orchestrate serve`` or ``orchestrate sidecar``, the flags generated
+from :mod:`policies.serve.options`, its secrets in the environment, never in argv), so the local
+fleet, its islands and Ray islands build one command line in one way.
+
 A :class:`LocalReplica` is the children of one endpoint (a reference engine; an island's sidecar
 and engine) as the supervisor (:mod:`orchestrator.loop.supervisor`) sees it: down when any of
 them exits.
@@ -24,6 +29,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,8 +44,20 @@ from anyio.streams.text import TextReceiveStream
 from orchestrator.errors import FleetError
 from orchestrator.loop.supervisor import Down
 from orchestrator.types import EndpointRef
+from policies.serve.options import ServeOptions, SidecarOptions
+from policies.wire.flags import secret_env, to_argv
 
 log = structlog.get_logger(__name__)
+
+
+def sprawl_command(
+    options: ServeOptions | SidecarOptions,
+) -> tuple[list[str], dict[str, str] | None]:
+    """The argv that runs ``options``' command with this interpreter, and the environment it
+    runs in (this process's, with the options' secrets; None when there are none: inherited)."""
+    argv = [sys.executable, "-m", "orchestrator.cli", options.COMMAND, *to_argv(options)]
+    secrets = secret_env(options)
+    return argv, {**os.environ, **secrets} if secrets else None
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ child gets SIGTERM, then SIGKILL of what is left of its process group, and is re
 
 from __future__ import annotations
 
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -27,11 +26,12 @@ import anyio
 import structlog
 
 from orchestrator.config import FleetConfig, IslandConfig
-from orchestrator.loop.children import Children, LocalReplica, read_ready
+from orchestrator.loop.children import Children, LocalReplica, read_ready, sprawl_command
 from orchestrator.loop.islands import LoraServing, island_ids, start_island
 from orchestrator.loop.pool import Pool
 from orchestrator.loop.supervisor import Launch, RestartPolicy, Supervisor
 from orchestrator.types import EndpointRef, EventSink
+from policies.serve.options import ServeOptions
 
 log = structlog.get_logger(__name__)
 
@@ -85,14 +85,20 @@ async def local_fleet(
     async with Children(log_dir) as children:
 
         async def engine(i: int) -> LocalReplica:
-            argv = [
-                sys.executable, "-m", "orchestrator.cli", "serve", "--board", board_url,
-                "--run", run, "--port", "0", "--device", device,
-                "--poll-interval", str(poll_interval_s), "--parent-stdin", "--log-format", "json",
-            ]  # fmt: skip
-            if lora is not None:
-                argv += lora.engine_args()
-            child = await children.spawn(f"engine-{i}", argv)
+            options = ServeOptions.model_validate(
+                {
+                    "board": board_url,
+                    "run": run,
+                    "port": 0,
+                    "device": device,
+                    "poll_interval": poll_interval_s,
+                    "parent_stdin": True,
+                    "log_format": "json",
+                    **(lora.serve_options() if lora is not None else {}),
+                }
+            )
+            argv, env = sprawl_command(options)
+            child = await children.spawn(f"engine-{i}", argv, env=env)
             try:
                 url = await read_ready(child, startup_timeout_s, "fleet.startup_timeout_s")
             except BaseException:

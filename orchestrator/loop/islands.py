@@ -29,6 +29,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import anyio
@@ -37,9 +38,10 @@ from pydantic import BaseModel, ConfigDict
 
 from orchestrator.config import IslandConfig, LlamaCppIslandConfig, VLLMIslandConfig
 from orchestrator.errors import FleetError
-from orchestrator.loop.children import Child, Children, LocalReplica, read_ready
+from orchestrator.loop.children import Child, Children, LocalReplica, read_ready, sprawl_command
 from orchestrator.types import EndpointRef
 from policies.errors import EngineError, PolicyError
+from policies.serve.options import SidecarOptions
 
 log = structlog.get_logger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,9 +62,9 @@ class LoraServing(BaseModel):
     rank: int
     """The adapters' rank (``trainer.lora.rank``)."""
 
-    def engine_args(self) -> list[str]:
-        """``orchestrate serve``'s arguments for it."""
-        return ["--base-model", str(self.base_model), "--max-adapters", str(self.max_adapters)]
+    def serve_options(self) -> dict[str, Any]:
+        """The :class:`~policies.serve.options.ServeOptions` fields for it."""
+        return {"base_model": self.base_model, "max_adapters": self.max_adapters}
 
 
 def island_ids(islands: Sequence[IslandConfig]) -> list[str]:
@@ -94,21 +96,21 @@ async def start_island(
     key = f"fleet.islands[{index}]"
     own: list[Child] = []
     await anyio.Path(island_dir).mkdir(parents=True, exist_ok=True)
-    sidecar = [
-        sys.executable, "-m", "orchestrator.cli", "sidecar", "--engine-kind", spec.kind,
-        "--board", board_url, "--run", run, "--host", host, "--port", "0",
-        "--poll-interval", str(poll_interval_s), "--parent-stdin", "--log-format", "json",
-    ]  # fmt: skip
+    common: dict[str, Any] = {
+        "engine_kind": spec.kind, "board": board_url, "run": run, "host": host, "port": 0,
+        "poll_interval": poll_interval_s, "parent_stdin": True, "log_format": "json",
+    }  # fmt: skip
     try:
         binary = await anyio.to_thread.run_sync(_engine_binary, spec)  # before the clock starts
         with anyio.move_on_after(spec.startup_timeout_s):
             if isinstance(spec, VLLMIslandConfig):
-                sidecar += await _vllm_engine(
+                engine = await _vllm_engine(
                     spec, binary, children, own, island_id, island_dir, run, board_url, lora
                 )
             else:
-                sidecar += _llamacpp_args(spec, binary, island_dir)
-            child = await children.spawn(island_id, sidecar)
+                engine = _llamacpp_options(spec, binary, island_dir)
+            argv, env = sprawl_command(SidecarOptions.model_validate(common | engine))
+            child = await children.spawn(island_id, argv, env=env)
             own.append(child)
             url = await read_ready(child, math.inf, key)
             log.info(
@@ -148,9 +150,9 @@ async def _vllm_engine(
     run: str,
     board_url: str,
     lora: LoraServing | None,
-) -> list[str]:
+) -> dict[str, Any]:
     """Start vLLM on the board's newest version, or with ``lora`` on the base model with
-    run-time adapters; the sidecar arguments that point at it."""
+    run-time adapters; the sidecar options that point at it."""
     from policies.board import Board
     from policies.serve.backends.base import free_port
     from policies.serve.backends.vllm_launch import vllm_command, vllm_env, vllm_lora_rank
@@ -185,12 +187,12 @@ async def _vllm_engine(
         "vllm_started", island=island_id, url=url, version=version, lora=lora is not None,
         pid=engine.proc.pid,
     )  # fmt: skip
-    args = [
-        "--engine-url", url, "--model", run, "--activation", spec.activation,
-        "--materialize-dir", str(island_dir / "versions"), "--vllm-update", spec.update,
-        "--kv-on-update", spec.kv_on_update,
-    ]  # fmt: skip
-    return args + (["--max-adapters", str(lora.max_adapters)] if lora is not None else [])
+    options: dict[str, Any] = {
+        "engine_url": url, "model": run, "activation": spec.activation,
+        "materialize_dir": island_dir / "versions", "vllm_update": spec.update,
+        "kv_on_update": spec.kv_on_update,
+    }  # fmt: skip
+    return options | ({"max_adapters": lora.max_adapters} if lora is not None else {})
 
 
 async def _until_healthy(url: str, engine: Child) -> None:
@@ -219,14 +221,15 @@ async def _until_healthy(url: str, engine: Child) -> None:
         raise FleetError(f"vLLM exited with {code} while starting; see {engine.log_path}")
 
 
-def _llamacpp_args(spec: LlamaCppIslandConfig, server: Path, island_dir: Path) -> list[str]:
-    args = ["--llama-server", str(server), "--materialize-dir", str(island_dir)]
-    if spec.ctx is not None:
-        args += ["--llama-ctx", str(spec.ctx)]
-    if spec.restart:
-        args.append("--llama-restart")
-    args += [f"--llama-arg={a}" for a in spec.args]
-    return args
+def _llamacpp_options(spec: LlamaCppIslandConfig, server: Path, island_dir: Path) -> dict[str, Any]:
+    """The sidecar's options for a llama.cpp island (it starts llama-server itself)."""
+    return {
+        "llama_server": server,
+        "materialize_dir": island_dir,
+        "llama_ctx": spec.ctx,
+        "llama_restart": spec.restart,
+        "llama_arg": list(spec.args),
+    }
 
 
 def _llama_server() -> Path:

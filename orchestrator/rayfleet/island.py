@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +23,9 @@ import structlog
 from pydantic import BaseModel, ConfigDict
 
 from orchestrator.config import IslandConfig
-from orchestrator.loop.children import Child, Children, read_ready
+from orchestrator.loop.children import Child, Children, read_ready, sprawl_command
 from orchestrator.loop.islands import LoraServing, start_island
+from policies.serve.options import ServeOptions
 
 log = structlog.get_logger(__name__)
 
@@ -102,14 +102,21 @@ class IslandActor:
 
     async def _reference(self, children: Children) -> str:
         spec = self.spec
-        argv = [
-            sys.executable, "-m", "orchestrator.cli", "serve", "--board", spec.board_url,
-            "--run", spec.run, "--host", _node_ip(), "--port", "0", "--device", spec.device,
-            "--poll-interval", str(spec.poll_interval_s), "--parent-stdin", "--log-format", "json",
-        ]  # fmt: skip
-        if spec.lora is not None:
-            argv += spec.lora.engine_args()
-        child = await children.spawn(spec.id, argv)
+        options = ServeOptions.model_validate(
+            {
+                "board": spec.board_url,
+                "run": spec.run,
+                "host": _node_ip(),
+                "port": 0,
+                "device": spec.device,
+                "poll_interval": spec.poll_interval_s,
+                "parent_stdin": True,
+                "log_format": "json",
+                **(spec.lora.serve_options() if spec.lora is not None else {}),
+            }
+        )
+        argv, env = sprawl_command(options)
+        child = await children.spawn(spec.id, argv, env=env)
         return await read_ready(child, spec.startup_timeout_s, "fleet.ray.startup_timeout_s")
 
     async def health(self) -> dict[str, Any]:

@@ -7,7 +7,7 @@ server's file descriptors forever. :class:`LaneLimits` bounds them; :class:`Lane
 site) applies them to every connection, plain or TLS, and :meth:`ConnectionLimiter.middleware`
 tells it when a connection's first request has arrived.
 
-Guarantees, with the flags that set each limit (:func:`add_limit_flags`):
+Guarantees, with the flags that set each limit (:data:`FLAGS`):
 
 - a connection that has not delivered the headers of its first request within
   ``header_timeout_s`` (``--header-timeout``) of being opened gets ``408`` with a JSON error and
@@ -37,7 +37,6 @@ slow to *read* a response (the kernel's send buffer and TCP keep-alive bound it)
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import ssl
@@ -47,7 +46,7 @@ from typing import Literal
 import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 log = structlog.get_logger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -82,33 +81,8 @@ FLAGS = {
     "max_connections": "--max-connections",
     "max_connections_per_client": "--max-connections-per-client",
 }
-"""The command-line flag of each :class:`LaneLimits` field (``orchestrate serve``, ``sidecar``)."""
-
-
-def add_limit_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags of :class:`LaneLimits` (defaults from the model) on a serving command."""
-    defaults = LaneLimits()
-    for key, flag in FLAGS.items():
-        info = LaneLimits.model_fields[key]
-        whole = key.startswith("max_connections")
-        parser.add_argument(
-            flag,
-            dest=key,
-            type=int if whole else float,
-            metavar="N" if whole else "S",
-            default=getattr(defaults, key),
-            help=f"{info.description} (default: {getattr(defaults, key)})",
-        )
-
-
-def limits_from(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LaneLimits:
-    """The :class:`LaneLimits` the flags give; a bad value exits through ``parser.error``."""
-    try:
-        return LaneLimits(**{key: getattr(args, key) for key in FLAGS})
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        key = str(err["loc"][0])
-        parser.error(f"argument {FLAGS[key]}: {err['input']} is out of range ({err['msg']})")
+"""The command-line flag of each :class:`LaneLimits` field (``orchestrate serve``, ``sidecar``:
+:mod:`policies.serve.options`)."""
 
 
 def _answer(status: int, reason: str, type_: str, message: str) -> bytes:

@@ -68,7 +68,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 import structlog
@@ -87,7 +87,6 @@ from policies.wire.routing import from_int32, routing_rows
 
 log = structlog.get_logger(__name__)
 
-SGLangUpdate = Literal["inplace", "disk"]
 """How an SGLang island takes a version: an engine patch through ``update_weights_from_tensor`` and
 sprawl's custom loader (:mod:`policies.serve.backends.sglang_inplace`), or the changed tensors
 through a directory and ``update_weights_from_disk`` (this module)."""

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import ssl
 import sys
 import tempfile
@@ -53,21 +52,22 @@ from policies.serve.backends.base import HttpBackend
 from policies.serve.backends.llamacpp import LlamaCppBackend
 from policies.serve.backends.llamacpp_wire import LlamaOptions
 from policies.serve.backends.openai import OpenAIBackend
-from policies.serve.backends.sglang import SGLangBackend, SGLangUpdate
+from policies.serve.backends.sglang import SGLangBackend
 from policies.serve.backends.sglang_inplace import SGLangInplaceBackend
 from policies.serve.backends.shadow import check_view
-from policies.serve.backends.vllm import KVOnUpdate, VLLMBackend
+from policies.serve.backends.vllm import VLLMBackend
 from policies.serve.backends.vllm_inplace import VLLMInplaceBackend
-from policies.serve.backends.vllm_launch import VLLMUpdate
 from policies.serve.backends.vllm_lora import VLLMLoraBackend
-from policies.serve.connections import LaneLimits, add_limit_flags, limits_from
+from policies.serve.connections import LaneLimits
 from policies.serve.decode import QuiesceMode
+from policies.serve.options import EngineKind, KVOnUpdate, SGLangUpdate, SidecarOptions, VLLMUpdate
 from policies.serve.server import run_lane, tls_context
 from policies.serve.sidecar import Sidecar
+from policies.wire.flags import add_flags, parse_flags
 from policies.wire.lifetime import cancel_on_signal, stdin_closed
 
 log = structlog.get_logger(__name__)
-KINDS = ("vllm", "sglang", "openai", "llamacpp")
+KINDS = get_args(EngineKind)
 
 
 def _load_base(board: Board, into: Path) -> tuple[PreTrainedTokenizerBase | None, int]:
@@ -233,74 +233,9 @@ async def serve_sidecar(
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """``orchestrate sidecar``'s flags: :class:`~policies.serve.options.SidecarOptions`."""
     p = argparse.ArgumentParser(prog="orchestrate sidecar", description=__doc__.split("\n\n")[0])
-    p.add_argument("--engine-url", default="", help="the engine (all kinds but llamacpp)")
-    p.add_argument("--engine-kind", choices=KINDS, required=True)
-    p.add_argument("--board", required=True, help="board URL (fsspec) or path")
-    p.add_argument("--run", default="demo")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8100)
-    p.add_argument("--token", default=os.environ.get("SPRAWL_TOKEN"))
-    p.add_argument("--engine-api-key", default=os.environ.get("SPRAWL_ENGINE_API_KEY"))
-    p.add_argument("--activation", choices=["wait", "pause"], default="wait")
-    p.add_argument(
-        "--vllm-update",
-        choices=get_args(VLLMUpdate),
-        default="inplace",
-        help="vllm: the engine patch through vLLM's weight-transfer API (the engine started with "
-        '--weight-transfer-config \'{"backend": "sprawl"}\'), or the whole view reloaded',
-    )
-    p.add_argument(
-        "--kv-on-update",
-        choices=get_args(KVOnUpdate),
-        default="recompute",
-        help="vllm, --activation pause: the running requests' KV recomputed under the new "
-        "version (exact), or kept (faster; their later tokens come from stale KV); sglang: "
-        "recompute only",
-    )
-    p.add_argument(
-        "--sglang-update",
-        choices=get_args(SGLangUpdate),
-        default="inplace",
-        help="sglang: the engine patch through update_weights_from_tensor and sprawl's loader "
-        "(the engine started with --custom-weight-loader "
-        "policies.serve.backends.sglang_loader.apply_engine_patch), or the changed tensors "
-        "through --materialize-dir and update_weights_from_disk",
-    )
-    p.add_argument("--poll-interval", type=float, default=1.0)
-    p.add_argument(
-        "--materialize-dir",
-        type=Path,
-        help="island-local directory the engine reads staged versions from (vLLM, SGLang)",
-    )
-    p.add_argument("--version", type=int, help="the fixed version an openai endpoint serves")
-    p.add_argument("--model", help="model name the engine serves (default: the run name)")
-    p.add_argument(
-        "--max-adapters",
-        type=int,
-        default=4,
-        help="LoRA versions resident at once (vLLM started with --enable-lora)",
-    )
-    p.add_argument("--tls-cert", type=Path)
-    p.add_argument("--tls-key", type=Path)
-    p.add_argument("--log-format", choices=["auto", "pretty", "json"], default="auto")
-    p.add_argument(
-        "--parent-stdin",
-        action="store_true",
-        help="exit when stdin closes (used by the local fleet)",
-    )
-    p.add_argument("--llama-server", type=Path, help="llama-server binary (default: cached build)")
-    p.add_argument("--llama-ctx", type=int, help="llama-server -c (default: the model's context)")
-    p.add_argument(
-        "--llama-arg", action="append", default=[], help="extra llama-server argument (repeat)"
-    )
-    p.add_argument("--llama-startup-timeout", type=float, default=60.0)
-    p.add_argument(
-        "--llama-restart",
-        action="store_true",
-        help="stop the old llama-server before starting the new version's (half the memory)",
-    )
-    add_limit_flags(p)
+    add_flags(p, SidecarOptions)
     return p
 
 
@@ -308,20 +243,12 @@ def main(argv: list[str]) -> int:
     from policies.wire.logs import configure
 
     parser = build_parser()
-    args = parser.parse_args(argv)
-    limits = limits_from(parser, args)
+    args = parse_flags(parser, SidecarOptions, argv)
     configure(args.log_format)
-    if (args.tls_cert is None) != (args.tls_key is None):
-        sys.stderr.write("orchestrate sidecar: --tls-cert and --tls-key go together\n")
-        return 2
-    tls = tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
+    cert, key = args.tls_cert, args.tls_key
+    tls = tls_context(cert, key) if cert and key else None  # both or neither (SidecarOptions)
     llama = None
     if args.engine_kind == "llamacpp":
-        if args.engine_url:
-            sys.stderr.write(
-                "orchestrate sidecar: llamacpp starts its own engine; no --engine-url\n"
-            )
-            return 2
         from policies.serve.backends.llamacpp_wire import find_llama_server
 
         llama = LlamaOptions(
@@ -331,11 +258,7 @@ def main(argv: list[str]) -> int:
             startup_timeout_s=args.llama_startup_timeout,
             prewarm=not args.llama_restart,
         )
-    elif not args.engine_url:
-        sys.stderr.write(
-            f"orchestrate sidecar: --engine-kind {args.engine_kind} needs --engine-url\n"
-        )
-        return 2
+    limits = args.limits()
 
     async def run() -> None:
         async with anyio.create_task_group() as tg:

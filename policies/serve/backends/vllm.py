@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import aiohttp
 import anyio
@@ -56,6 +56,7 @@ from policies.serve.backends.vllm_wire import (
 )
 from policies.serve.backends.vllm_worker import PREPARE_METHOD, RPC_METHOD
 from policies.serve.decode import QuiesceMode
+from policies.serve.options import KVOnUpdate
 from policies.wire.lane import GenerateRequest
 
 log = structlog.get_logger(__name__)
@@ -64,7 +65,6 @@ PREPARE_POLL_S = 0.005
 0.1 s)."""
 PREPARE_WAIT_S = 120.0
 """How long staging waits, serving, for the workers to read the staged file."""
-KVOnUpdate = Literal["recompute", "keep"]
 """What a pause-mode activation does to the running requests' KV cache: ``recompute`` it under
 the new weights (exact), or ``keep`` it (PipelineRL's way: faster, but the tokens after the update
 are sampled by the new version from KV the previous one computed)."""

@@ -22,14 +22,13 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
 
 from policies.errors import EngineError
 from policies.serve.backends.base import free_port
+from policies.serve.options import VLLMUpdate
 
 BUILD_SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "build-vllm-env.sh"
 WORKER_EXTENSION = "policies.serve.backends.vllm_worker.SprawlWorkerExtension"
-VLLMUpdate = Literal["inplace", "reload"]
 """How versions reach vLLM: the engine patch through its weight-transfer API
 (:mod:`~policies.serve.backends.vllm_inplace`), or the whole view reloaded
 (:mod:`~policies.serve.backends.vllm`)."""

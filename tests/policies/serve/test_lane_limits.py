@@ -23,7 +23,9 @@ from structlog.testing import capture_logs
 from transformers import PreTrainedTokenizerBase
 
 from policies.board import Board
-from policies.serve.connections import LaneLimits, add_limit_flags, limits_from
+from policies.serve.connections import LaneLimits
+from policies.serve.options import ServeOptions
+from policies.wire.flags import add_flags, parse_flags
 from tests.support.boards import engine, tiny_board
 from tests.support.lane import metric, standalone
 from tests.support.raw_http import raw_http
@@ -272,22 +274,21 @@ async def test_connections_over_the_cap_are_refused(board: Board) -> None:
     ]
 
 
-def test_limit_flags_have_documented_defaults_and_refuse_bad_values(
+def test_limit_flags_have_the_models_defaults_and_refuse_bad_values(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     parser = argparse.ArgumentParser(prog="orchestrate serve")
-    add_limit_flags(parser)
-    assert limits_from(parser, parser.parse_args([])) == LaneLimits()
-    given = parser.parse_args(
-        ["--header-timeout", "2", "--max-connections", "64", "--max-connections-per-client", "8"]
-    )
-    assert limits_from(parser, given) == LaneLimits(
+    add_flags(parser, ServeOptions)
+    assert parse_flags(parser, ServeOptions, ["--board", "b"]).limits() == LaneLimits()
+    given = ["--header-timeout", "2", "--max-connections", "64", "--max-connections-per-client"]
+    options = parse_flags(parser, ServeOptions, ["--board", "b", *given, "8"])
+    assert options.limits() == LaneLimits(
         header_timeout_s=2.0, max_connections=64, max_connections_per_client=8
     )
     with pytest.raises(SystemExit) as exit_:
-        limits_from(parser, parser.parse_args(["--max-connections", "0"]))
+        parse_flags(parser, ServeOptions, ["--board", "b", "--max-connections", "0"])
     assert exit_.value.code == 2
     assert (
-        "argument --max-connections: 0 is out of range (Input should be greater than or equal "
-        "to 1)" in capsys.readouterr().err
+        "argument --max-connections: 0: Input should be greater than or equal to 1"
+        in capsys.readouterr().err
     )

@@ -25,6 +25,8 @@ from policies.serve.backends.sglang_loader import (
     read_command,
 )
 from policies.serve.backends.standalone import build_parser, make_backend
+from policies.serve.options import SidecarOptions
+from policies.wire.flags import parse_flags
 from tests.support.boards import adam_like_step, tiny_board
 from tests.support.lane import generate, standalone, wait_metric, wait_version
 from tests.support.sglang import FakeSGLang, rank_tensors, sglang_server
@@ -297,6 +299,7 @@ def test_the_in_place_way_is_the_default_and_keep_is_refused(tmp_path: Path) -> 
     assert type(disk) is SGLangBackend
     with pytest.raises(BoardError, match="--kv-on-update keep"):
         make_backend("sglang", "http://127.0.0.1:1", kv_on_update="keep", **common)
-    args = ["--engine-kind", "sglang", "--board", "b"]
-    assert build_parser().parse_args(args).sglang_update == "inplace"
-    assert build_parser().parse_args([*args, "--sglang-update", "disk"]).sglang_update == "disk"
+    args = ["--engine-kind", "sglang", "--board", "b", "--engine-url", "http://127.0.0.1:1"]
+    assert parse_flags(build_parser(), SidecarOptions, args).sglang_update == "inplace"
+    disk_args = [*args, "--sglang-update", "disk"]
+    assert parse_flags(build_parser(), SidecarOptions, disk_args).sglang_update == "disk"

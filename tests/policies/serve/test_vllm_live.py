@@ -23,7 +23,8 @@ from policies.board import Board, failpoints
 from policies.serve.backends.base import free_port
 from policies.serve.backends.vllm import VLLMBackend
 from policies.serve.backends.vllm_inplace import VLLMInplaceBackend
-from policies.serve.backends.vllm_launch import VLLMUpdate, engine_python, vllm_server
+from policies.serve.backends.vllm_launch import engine_python, vllm_server
+from policies.serve.options import VLLMUpdate
 from policies.train.config import TrainerConfig
 from policies.train.trainer import Trainer
 from policies.wire.lane import GenerateRequest
