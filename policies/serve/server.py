@@ -54,11 +54,11 @@ from policies.errors import BadRequest, BoardError, EngineError
 from policies.serve.adapters import is_lora_version
 from policies.serve.backends.reference import ReferenceBackend
 from policies.serve.connections import ConnectionLimiter, LaneLimits, LaneSite
-from policies.serve.decode import QuiesceMode
 from policies.serve.engine import Engine
 from policies.serve.http_body import bearer_matches, read_json
 from policies.serve.openai_routes import OpenAIRoutes, parse_body
 from policies.serve.sidecar import Sidecar, VersionNotServed
+from policies.serve.types import QuiesceMode
 from policies.wire.lane import (
     VERSION_UNAVAILABLE,
     ChatCompletionRequest,

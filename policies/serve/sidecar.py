@@ -74,8 +74,8 @@ from policies.errors import (
     VersionCorrupt,
 )
 from policies.serve.backends.reference import ReferenceBackend
-from policies.serve.decode import Generation, OutOfBounds, QuiesceMode
 from policies.serve.engine import Engine
+from policies.serve.types import Generation, OutOfBounds, QuiesceMode
 from policies.wire.lane import (
     GenerateRequest,
     GenerateResponse,

@@ -61,9 +61,9 @@ from policies.serve.backends.vllm_inplace import VLLMInplaceBackend
 from policies.serve.backends.vllm_launch import VLLMUpdate
 from policies.serve.backends.vllm_lora import VLLMLoraBackend
 from policies.serve.connections import LaneLimits, add_limit_flags, limits_from
-from policies.serve.decode import QuiesceMode
 from policies.serve.server import run_lane, tls_context
 from policies.serve.sidecar import Sidecar
+from policies.serve.types import QuiesceMode
 from policies.wire.lifetime import cancel_on_signal, stdin_closed
 
 log = structlog.get_logger(__name__)

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Gemma2Config, Gemma2ForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from policies.errors import ScoringError
-from policies.serve.decode import sample_token
+from policies.serve.sampling import sample_token
 from policies.train.scoring import (
     TokenSampling,
     check_head,
