@@ -55,8 +55,8 @@ from policies.serve.backends.base import HttpBackend
 from policies.serve.backends.reference import ReferenceBackend
 from policies.serve.backends.vllm_launch import VLLMUpdate
 from policies.serve.engine import Engine
-from policies.serve.sidecar import Backend, Sidecar
-from policies.serve.types import QuiesceMode
+from policies.serve.sidecar import Sidecar
+from policies.serve.types import Backend, QuiesceMode
 from policies.wire.lane import GenerateRequest
 from policies.wire.logs import configure
 

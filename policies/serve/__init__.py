@@ -8,8 +8,10 @@ Modules: :mod:`~policies.serve.engine` (the reference engine: a transformers mod
 patched in place), :mod:`~policies.serve.decode` (its continuous decode batcher; a request's rows in
 :mod:`~policies.serve.decode_rows`, the batch's KV cache in :mod:`~policies.serve.kv_cache`),
 :mod:`~policies.serve.sampling` (how a token is sampled and its log prob reported),
-:mod:`~policies.serve.types` (a generation, quiesce modes, the out-of-bounds refusal),
-:mod:`~policies.serve.sidecar` (stage → activate → stamp, 409 outside the bounds),
+:mod:`~policies.serve.types` (a generation, quiesce modes, out-of-bounds refusals, the
+:class:`~policies.serve.types.Backend` seam),
+:mod:`~policies.serve.sidecar` (stage → activate → stamp, 409 outside the bounds; its metrics in
+:mod:`~policies.serve.sidecar_metrics`),
 :mod:`~policies.serve.server` (the lane over aiohttp), :mod:`~policies.serve.connections`
 (its header, idle and body deadlines and connection cap), :mod:`~policies.serve.http_body`
 (bearer tokens and JSON bodies read safely), :mod:`~policies.serve.openai_routes`

@@ -57,8 +57,8 @@ from policies.serve.connections import ConnectionLimiter, LaneLimits, LaneSite
 from policies.serve.engine import Engine
 from policies.serve.http_body import bearer_matches, read_json
 from policies.serve.openai_routes import OpenAIRoutes, parse_body
-from policies.serve.sidecar import Sidecar, VersionNotServed
-from policies.serve.types import QuiesceMode
+from policies.serve.sidecar import Sidecar
+from policies.serve.types import QuiesceMode, VersionNotServed
 from policies.wire.lane import (
     VERSION_UNAVAILABLE,
     ChatCompletionRequest,
