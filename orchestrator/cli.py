@@ -179,7 +179,8 @@ def _serve(argv: list[str]) -> int:
             f"argument --base-model: {args.base_model} is not a model dir (no config.json)"
         )
     configure(args.log_format)
-    from policies.serve.server import serve_board, serve_model, tls_context
+    from policies.serve.reference_server import serve_board, serve_model
+    from policies.serve.server import tls_context
 
     tls = tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
 

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from policies.board import Board
 from policies.serve.connections import LaneLimits
-from policies.serve.server import serve_board
+from policies.serve.reference_server import serve_board
 from policies.serve.types import QuiesceMode
 
 
