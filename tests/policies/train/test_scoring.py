@@ -13,6 +13,7 @@ from transformers import Gemma2Config, Gemma2ForCausalLM, Qwen2Config, Qwen2ForC
 
 from policies.errors import ScoringError
 from policies.serve.sampling import sample_token
+from policies.train.samples import TrainSample
 from policies.train.scoring import (
     TokenSampling,
     check_head,
@@ -20,7 +21,6 @@ from policies.train.scoring import (
     score_chunked,
     token_sampling,
 )
-from policies.train.trainer import TrainSample
 from policies.wire.batches import SegmentSampling
 
 # (temperature, top_k, top_p) per row kind: plain, tempered, top-k, top-p, both, greedy
