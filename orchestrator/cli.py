@@ -148,7 +148,7 @@ def _serve(argv: list[str]) -> int:
 async def _serve_until_stopped(options: ServeOptions, tls: ssl.SSLContext | None) -> None:
     """Serve the model or the board; print ``{"url": …}`` once serving; stop on SIGINT or
     SIGTERM, or (``--parent-stdin``) when stdin closes."""
-    from policies.serve.server import serve_board, serve_model
+    from policies.serve.reference_server import serve_board, serve_model
 
     o, limits = options, options.limits()
 

@@ -62,7 +62,7 @@ def main(argv: list[str]) -> int:
         )
     configure(args.log_format, cfg.log.level)
     from policies.board import Board
-    from policies.train.trainer import TrainSample
+    from policies.train.samples import TrainSample
 
     source: FeedSource | FileSource
     if cfg.trainer.mode == "feed":

@@ -278,20 +278,30 @@ def policy_loss(
         dr_grpo_tokens=dr_grpo_tokens,
         denominator=denominator,
     )
+    return loss, _clip_metrics(m, ratio, log_r, clipped > unclipped, dual_active, weights)
 
-    with torch.no_grad():
-        n = int(m.sum().item())
-        kept_ratio = ratio[m]
-        kept_log_r = log_r[m]
-        denom = max(n, 1)
-        metrics = {
-            "clip_frac": float(((clipped > unclipped) & m).sum().item()) / denom,
-            "dual_clip_frac": float((dual_active & m).sum().item()) / denom,
-            "ratio_mean": float(kept_ratio.mean().item()) if n else 0.0,
-            "ratio_min": float(kept_ratio.min().item()) if n else 0.0,
-            "ratio_max": float(kept_ratio.max().item()) if n else 0.0,
-            "approx_kl": float((torch.expm1(kept_log_r) - kept_log_r).mean().item()) if n else 0.0,
-            "kept_tokens": float(n),
-            "weight_mean": float(weights[m].mean().item()) if n else 0.0,
-        }
-    return loss, metrics
+
+@torch.no_grad()
+def _clip_metrics(
+    m: Tensor,
+    ratio: Tensor,
+    log_r: Tensor,
+    clip_active: Tensor,
+    dual_active: Tensor,
+    weights: Tensor,
+) -> dict[str, float]:
+    """:func:`policy_loss`'s metrics over the kept tokens ``m`` (0.0 where none is kept)."""
+    n = int(m.sum().item())
+    kept_ratio = ratio[m]
+    kept_log_r = log_r[m]
+    denom = max(n, 1)
+    return {
+        "clip_frac": float((clip_active & m).sum().item()) / denom,
+        "dual_clip_frac": float((dual_active & m).sum().item()) / denom,
+        "ratio_mean": float(kept_ratio.mean().item()) if n else 0.0,
+        "ratio_min": float(kept_ratio.min().item()) if n else 0.0,
+        "ratio_max": float(kept_ratio.max().item()) if n else 0.0,
+        "approx_kl": float((torch.expm1(kept_log_r) - kept_log_r).mean().item()) if n else 0.0,
+        "kept_tokens": float(n),
+        "weight_mean": float(weights[m].mean().item()) if n else 0.0,
+    }

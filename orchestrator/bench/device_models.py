@@ -16,7 +16,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
-from policies.model.build import ModelSize, init_model
+from policies.model.build import init_model
+from policies.model.sizes import ModelSize
 
 MODELS: dict[str, tuple[ModelSize, dict[str, int]]] = {
     "tiny": ("tiny", {}),

@@ -32,7 +32,8 @@ from orchestrator.bench.device_scale import Device, Report, Scale
 from policies.board import Board, Manifest
 from policies.codec import scan as device_scan
 from policies.train.config import TrainerConfig
-from policies.train.trainer import Trainer, TrainSample
+from policies.train.samples import TrainSample
+from policies.train.trainer import Trainer
 from staleness.config import StalenessConfig
 
 

@@ -53,10 +53,10 @@ from policies.board import Board, Manifest
 from policies.board.types import WEIGHTS
 from policies.serve.backends.base import HttpBackend
 from policies.serve.backends.reference import ReferenceBackend
-from policies.serve.decode import QuiesceMode
 from policies.serve.engine import Engine
 from policies.serve.options import VLLMUpdate
-from policies.serve.sidecar import Backend, Sidecar
+from policies.serve.sidecar import Sidecar
+from policies.serve.types import Backend, QuiesceMode
 from policies.wire.lane import GenerateRequest
 from policies.wire.logs import configure
 

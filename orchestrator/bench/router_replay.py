@@ -48,7 +48,8 @@ from policies.model.corpus import generate_corpus
 from policies.model.moe import RoutingRecorder
 from policies.serve.engine import Engine
 from policies.train.config import TrainerConfig
-from policies.train.trainer import Trainer, TrainSample
+from policies.train.samples import TrainSample
+from policies.train.trainer import Trainer
 from policies.wire.batches import SegmentSampling
 from policies.wire.lane import (
     GenerateChoice,

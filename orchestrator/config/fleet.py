@@ -16,7 +16,8 @@ from pydantic import Field, model_validator
 
 from orchestrator.config.sections import Section
 from orchestrator.types import EndpointRef
-from policies.serve.options import Activation, Device, KVOnUpdate, VLLMUpdate
+from policies.serve.options import Device, KVOnUpdate, VLLMUpdate
+from policies.serve.types import QuiesceMode
 
 
 class EndpointConfig(Section):
@@ -43,7 +44,7 @@ class VLLMIslandConfig(_IslandConfig):
 
     kind: Literal["vllm"]
     """The engine kind (``orchestrate sidecar --engine-kind``)."""
-    activation: Activation = "pause"
+    activation: QuiesceMode = "pause"
     """How the sidecar switches versions: drain in-flight requests, or vLLM's ``/pause``."""
     max_model_len: int = Field(default=2048, ge=64)
     """vLLM's ``--max-model-len`` (the context the sidecar advertises)."""

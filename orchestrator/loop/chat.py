@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 from orchestrator.errors import ConfigError
 from policies.model.chat_template import noted_tool_parser
 from policies.wire.chat_tokens import ChatTokens
-from policies.wire.tool_parsers import ToolParser, detect_tool_parser, tool_parser
+from policies.wire.tool_parsers import detect_tool_parser, tool_parser
+from policies.wire.tool_parsers.types import ToolParser
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

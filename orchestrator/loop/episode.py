@@ -48,7 +48,7 @@ from orchestrator.types import (
 )
 from policies.wire.chat_tokens import ChatTokens
 from policies.wire.lane import GenerateChoice, GenerateRequest, VersionBounds
-from policies.wire.tool_parsers import ToolParser
+from policies.wire.tool_parsers.types import ToolParser
 from policies.wire.toolcalls import to_openai_message
 
 log = structlog.get_logger(__name__)

@@ -39,7 +39,8 @@ from policies.wire.routing import join_routing
 if TYPE_CHECKING:
     from orchestrator.config import Config
     from policies.board import Board
-    from policies.train.trainer import Trainer, TrainSample
+    from policies.train.samples import TrainSample
+    from policies.train.trainer import Trainer
     from staleness.config import StalenessConfig
 
 log = structlog.get_logger(__name__)
@@ -159,7 +160,7 @@ def wire_sample(ep: Episode) -> BatchSample:
 
 def batch_samples(groups: Sequence[Group]) -> list[TrainSample]:
     """Episodes as the reference trainer's samples, group-contiguous."""
-    from policies.train.trainer import TrainSample
+    from policies.train.samples import TrainSample
 
     return [TrainSample.from_wire(wire_sample(ep)) for g in groups for ep in g.episodes]
 

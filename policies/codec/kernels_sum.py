@@ -8,7 +8,7 @@ halves swapped), so that a change of either half of a word always moves the term
 of word ``j`` is ``seed + j · step`` (a different odd seed and step per lane), which the full
 pass (:func:`add_words`) keeps as a running sum, so the loop vectorizes: on the bench host it
 reads 32 MiB at 6 GB/s, against 8 GB/s for xxh3-128. An encoder scanning on the host needs no
-pass at all: the compiled scan (:func:`policies.codec.kernels.scan_changes`) adds every target
+pass at all: the compiled scan (:func:`policies.codec.kernels_scan.scan_changes`) adds every target
 word's terms while the word is in L1, and since the checksum is a sum, the scan jobs of one
 tensor add their parts (:func:`finish_sum` adds the short last word and the byte count).
 

@@ -5,7 +5,8 @@
 :data:`DENSE`), gap varints split into byte planes, packed bitmasks, and values transformed by a
 :data:`Coding` and split into ``width`` byte planes, low byte first. Whole sections are found,
 written and applied (:func:`find_changes`, :func:`encode_section`, :func:`apply_section`) by the
-compiled loops of :mod:`policies.codec.kernels` and :mod:`policies.codec.kernels_apply`; the
+compiled loops of :mod:`policies.codec.kernels_scan`, :mod:`policies.codec.kernels_encode` and
+:mod:`policies.codec.kernels_apply`; the
 vectorized numpy functions here (:func:`encode_positions`, :func:`decode_positions`,
 :func:`transform`, :func:`varint_planes`) are the readable reference the tests hold them to.
 
@@ -28,16 +29,16 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from policies.codec.kernels import (
+from policies.codec.kernels_apply import ERRORS, apply_changes
+from policies.codec.kernels_encode import (
     best_coding,
-    scan_changes,
     varint_lengths,
     write_bitmasks,
     write_dense,
     write_rows,
     write_varints,
 )
-from policies.codec.kernels_apply import ERRORS, apply_changes
+from policies.codec.kernels_scan import scan_changes
 from policies.codec.kernels_sum import finish_sum
 
 Coding = Literal["xor", "delta", "odelta"]
@@ -86,7 +87,7 @@ _CANDIDATES = {
 
 def pick_coding(b: UInt, t: UInt, floating: bool) -> Coding:
     """The coding whose byte planes have the lowest order-0 entropy on the first :data:`SAMPLE`
-    changes ``b → t`` (compiled: :func:`policies.codec.kernels.best_coding`)."""
+    changes ``b → t`` (compiled: :func:`policies.codec.kernels_encode.best_coding`)."""
     return CODINGS[best_coding(b[:SAMPLE], t[:SAMPLE], _CANDIDATES[floating])]
 
 
@@ -245,7 +246,7 @@ _local = threading.local()
 
 def _scratch(units: int, chunk: int, dtype: np.dtype[Any]) -> tuple[I64, UInt, I64, UInt]:
     """This thread's output arrays for scanning ``units`` units (capacities as
-    :func:`policies.codec.kernels.scan_changes` needs), reused from job to job: allocating
+    :func:`policies.codec.kernels_scan.scan_changes` needs), reused from job to job: allocating
     them per job cost more than the scan at 1% density (page faults, and unmapping, which
     interrupts the other threads)."""
     key = (units, chunk, dtype)

@@ -3,7 +3,8 @@
 Design. One scheduler thread owns the model's forward passes. The active sequences ("rows", one
 per choice of a request) share one batched KV cache, kept per layer as ``[rows, kv_heads, L,
 head_dim]`` key/value tensors that are *right-aligned*: a shorter sequence is left-padded, and a
-``[rows, L]`` attention mask marks its real positions. Every loop iteration is one decode-step
+``[rows, L]`` attention mask marks its real positions (:mod:`policies.serve.kv_cache`; a request
+and its rows are :mod:`policies.serve.decode_rows`). Every loop iteration is one decode-step
 boundary:
 
 1. **join** — waiting requests are admitted (unless the scheduler is gated or paused). A joining
@@ -27,7 +28,7 @@ Guarantees:
 - per-request semantics do not depend on batching: choice ``i`` samples with a generator seeded
   ``seed + i``, stops at the first stop token (which it keeps), is limited by ``max_tokens`` and
   the model's context, and reports the log prob of each sampled token under the distribution it
-  was sampled from (see :func:`sample_token`);
+  was sampled from (see :func:`policies.serve.sampling.sample_token`);
 - a request alone in the batch computes exactly what an unbatched loop would; in a mixed batch
   padded attention may change logits in the last bits of float precision (masked positions get
   weight exactly zero, but reduction shapes differ), so a seeded request is reproducible run to
@@ -62,88 +63,23 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
-from typing import Literal
+from contextlib import contextmanager
 
 import structlog
 import torch
 from transformers import DynamicCache
 
-from policies.errors import BadRequest, EngineError
+from policies.errors import EngineError
 from policies.model.moe import RoutingRecorder
 from policies.serve.adapters import ResidentAdapters
-from policies.wire.lane import FinishReason, GenerateChoice, GenerateRequest, choice_seed
+from policies.serve.decode_rows import Job, Row
+from policies.serve.kv_cache import KV, keep_rows, merge
+from policies.serve.sampling import sample_token
+from policies.serve.types import Generation, OutOfBounds, QuiesceMode
+from policies.wire.lane import GenerateChoice, GenerateRequest, choice_seed
 from policies.wire.routing import encode_routing
 
 log = structlog.get_logger(__name__)
-
-QuiesceMode = Literal["wait", "pause"]
-KV = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-class OutOfBounds(EngineError):
-    """The version applied when the request would join lies outside its bounds."""
-
-    def __init__(self, version: int | None) -> None:
-        super().__init__(f"applied version {version} is outside the request's bounds")
-        self.version = version
-
-
-def check_routing_start(req: GenerateRequest) -> None:
-    """A :class:`BadRequest` naming ``routed_experts_prompt_start`` when it is past the prompt
-    (every engine answers so)."""
-    if req.routed_experts_prompt_start > len(req.prompt_token_ids):
-        raise BadRequest(
-            f"routed_experts_prompt_start {req.routed_experts_prompt_start} is past the "
-            f"prompt's {len(req.prompt_token_ids)} tokens",
-            "routed_experts_prompt_start",
-        )
-
-
-@dataclass(frozen=True)
-class Generation:
-    """A finished request: its choices and the versions applied at its start and end."""
-
-    choices: list[GenerateChoice]
-    start: int | None
-    end: int | None
-    stamp_mismatches: int = 0
-    """Choices whose engine-reported version spans (vLLM's ``weight_versions``) disagree with
-    ``start`` / ``end`` (the sidecar counts them: ``sprawl_version_stamp_mismatch_total``)."""
-
-
-@dataclass(eq=False)
-class _Job:
-    req: GenerateRequest
-    max_tokens: int
-    stops: frozenset[int]
-    future: concurrent.futures.Future[Generation]
-    start: int | None = None
-    end: int | None = None
-    choices: dict[int, GenerateChoice] = field(default_factory=dict)
-    prompt_routes: torch.Tensor | None = None  # [prompt tokens, layers, top_k] (MoE models)
-    adapter: int | None = None  # the LoRA version its rows run through (LoRA engines)
-
-
-@dataclass(eq=False)
-class _Row:
-    job: _Job
-    index: int
-    gen: torch.Generator
-    cached: int  # real tokens in the KV cache
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish: FinishReason | None = None
-    routes: list[torch.Tensor] = field(default_factory=list)  # [layers, top_k] per forwarded token
-
-    def take(self, token: int, logprob: float) -> None:
-        self.tokens.append(token)
-        self.logprobs.append(logprob)
-        if token in self.job.stops:
-            self.finish = "stop"
-        elif len(self.tokens) >= self.job.max_tokens:
-            self.finish = "length"
 
 
 class DecodeBatcher:
@@ -159,8 +95,8 @@ class DecodeBatcher:
         self.cancelled = 0  # requests whose caller went away before they finished
         self._routing = RoutingRecorder(model)
         self._cv = threading.Condition()
-        self._waiting: deque[_Job] = deque()
-        self._rows: list[_Row] = []
+        self._waiting: deque[Job] = deque()
+        self._rows: list[Row] = []
         self._kv: KV = []
         self._mask = torch.zeros(0, 0, dtype=torch.long, device=device)
         self._pauses = 0
@@ -187,7 +123,7 @@ class DecodeBatcher:
         with self._cv:
             if self._closed:
                 raise EngineError("engine is shut down")
-            self._waiting.append(_Job(req, max_tokens, stops, fut))
+            self._waiting.append(Job(req, max_tokens, stops, fut))
             self._cv.notify_all()
         return fut
 
@@ -244,7 +180,7 @@ class DecodeBatcher:
                         self._cv.wait()
                     self._parked = False
                     self._drop_cancelled_waiting()
-                    joining: list[_Job] = []
+                    joining: list[Job] = []
                     while self._waiting and not self._gates and self._room_for(self._waiting[0]):
                         joining.append(self._waiting.popleft())
                 try:
@@ -258,26 +194,26 @@ class DecodeBatcher:
                     log.exception("batch_step_failed", rows=len(self._rows))
                     error = EngineError(f"generation failed: {exc}")
                     for job in joining:  # jobs taken from the queue but not yet rows
-                        _fail(job, error)
+                        job.fail(error)
                     self._fail_all(error)
 
-    def _room_for(self, job: _Job) -> bool:
+    def _room_for(self, job: Job) -> bool:
         return not self._rows or len(self._rows) + job.req.n <= self.max_rows
 
-    def _join_alone(self, job: _Job) -> None:
+    def _join_alone(self, job: Job) -> None:
         """Join ``job``; if its own prefill or sampling fails, fail it alone."""
         try:
             rows = self._prefill(job)
         except Exception as exc:  # this request's failure: the batch is untouched so far
             log.exception("request_join_failed", rows=job.req.n)
-            _fail(job, EngineError(f"generation failed: {exc}"))
+            job.fail(EngineError(f"generation failed: {exc}"))
             return
         if rows is not None:
             live, kv, mask = rows
             self._merge(kv, mask)
             self._rows.extend(live)
 
-    def _prefill(self, job: _Job) -> tuple[list[_Row], KV, torch.Tensor] | None:
+    def _prefill(self, job: Job) -> tuple[list[Row], KV, torch.Tensor] | None:
         """The rows of ``job`` still to decode, with their KV cache and mask; None if none."""
         if job.future.cancelled():
             self._count_cancelled(job, [])
@@ -288,7 +224,7 @@ class DecodeBatcher:
         else:
             admitted = self.version is None or job.req.policy_version.admits(self.version)
         if not admitted:
-            _fail(job, OutOfBounds(self.version))
+            job.fail(OutOfBounds(self.version))
             return None
         job.start = self.version if job.adapter is None else job.adapter
         req = job.req
@@ -307,7 +243,7 @@ class DecodeBatcher:
                 gen.seed()
             else:
                 gen.manual_seed(seed)
-            row = _Row(job, i, gen, cached=len(req.prompt_token_ids))
+            row = Row(job, i, gen, cached=len(req.prompt_token_ids))
             row.take(*sample_token(logits, req.temperature, req.top_k, req.top_p, gen))
             rows.append(row)
         live = [r for r in rows if r.finish is None]
@@ -325,16 +261,7 @@ class DecodeBatcher:
         if not self._rows:
             self._kv, self._mask = [(k.contiguous(), v.contiguous()) for k, v in kv], mask
             return
-        have, new = self._mask.shape[1], mask.shape[1]
-        if new < have:
-            kv, mask = _pad_left(kv, mask, have - new)
-        elif new > have:
-            self._kv, self._mask = _pad_left(self._kv, self._mask, new - have)
-        self._kv = [
-            (torch.cat([k0, k1]), torch.cat([v0, v1]))
-            for (k0, v0), (k1, v1) in zip(self._kv, kv, strict=True)
-        ]
-        self._mask = torch.cat([self._mask, mask])
+        self._kv, self._mask = merge(self._kv, self._mask, kv, mask)
 
     def _step(self) -> None:
         rows = self._rows
@@ -368,9 +295,9 @@ class DecodeBatcher:
                 self._fail_job(row.job, exc)
         self.steps += 1
 
-    def _fail_job(self, job: _Job, exc: Exception) -> None:
+    def _fail_job(self, job: Job, exc: Exception) -> None:
         log.warning("request_failed", error=str(exc), rows=job.req.n)
-        _fail(job, EngineError(f"generation failed: {exc}"))
+        job.fail(EngineError(f"generation failed: {exc}"))
         for r in self._rows:
             if r.job is job and r.finish is None:
                 r.finish = "abort"  # leaves at the next boundary; the failed future stays
@@ -383,7 +310,7 @@ class DecodeBatcher:
             for job in gone:
                 self._count_cancelled(job, [])
 
-    def _count_cancelled(self, job: _Job, rows: list[_Row]) -> None:
+    def _count_cancelled(self, job: Job, rows: list[Row]) -> None:
         self.cancelled += 1
         log.info(
             "generation_cancelled",
@@ -393,7 +320,7 @@ class DecodeBatcher:
         )
 
     def _drop_finished(self) -> None:
-        abandoned: dict[_Job, list[_Row]] = {}
+        abandoned: dict[Job, list[Row]] = {}
         for r in self._rows:
             if r.finish is None and r.job.future.cancelled():
                 r.finish = "abort"
@@ -411,15 +338,9 @@ class DecodeBatcher:
             self._kv, self._mask = [], self._mask[:0, :0]
             return
         idx = torch.tensor(keep, device=self.device)
-        mask = self._mask.index_select(0, idx)
-        first = int(mask.any(0).to(torch.int8).argmax())
-        self._mask = mask[:, first:]
-        self._kv = [
-            (k.index_select(0, idx)[:, :, first:], v.index_select(0, idx)[:, :, first:])
-            for k, v in self._kv
-        ]
+        self._kv, self._mask = keep_rows(self._kv, self._mask, idx)
 
-    def _finish(self, row: _Row) -> None:
+    def _finish(self, row: Row) -> None:
         job = row.job
         assert row.finish is not None
         job.choices[row.index] = GenerateChoice(
@@ -432,19 +353,19 @@ class DecodeBatcher:
         job.end = self.version if job.adapter is None else job.adapter
         if len(job.choices) == job.req.n:
             choices = [job.choices[i] for i in range(job.req.n)]
-            _resolve(job, Generation(choices, job.start, job.end))
+            job.resolve(Generation(choices, job.start, job.end))
 
     def adapters_in_use(self) -> set[int]:
         """The LoRA versions in-flight rows run through (call at a step boundary)."""
         return {r.job.adapter for r in self._rows if r.job.adapter is not None}
 
-    def _lora(self, jobs: list[_Job]) -> dict[str, list[str]]:
+    def _lora(self, jobs: list[Job]) -> dict[str, list[str]]:
         """The forward's keyword that runs each row through its job's adapter (none without)."""
         if self.adapters is None:
             return {}
         return self.adapters.forward_args([j.adapter for j in jobs if j.adapter is not None])
 
-    def _routed_experts(self, row: _Row) -> str | None:
+    def _routed_experts(self, row: Row) -> str | None:
         """The row's routing in vLLM's ``routed_experts`` form; None for a dense model."""
         prompt = row.job.prompt_routes
         if prompt is None:
@@ -458,62 +379,8 @@ class DecodeBatcher:
         self._rows, self._kv = [], []
         self._waiting.clear()
         for job in jobs.values():
-            _fail(job, exc)
-
-
-def _resolve(job: _Job, result: Generation) -> None:
-    """Deliver ``result`` unless the caller has gone (its future cancelled, maybe just now, from
-    another thread: checking ``done()`` first would race with that)."""
-    with suppress(concurrent.futures.InvalidStateError):
-        job.future.set_result(result)
-
-
-def _fail(job: _Job, exc: Exception) -> None:
-    """Fail ``job`` unless it is already finished or its caller has gone (see :func:`_resolve`)."""
-    with suppress(concurrent.futures.InvalidStateError):
-        job.future.set_exception(exc)
+            job.fail(exc)
 
 
 def _one(route: torch.Tensor) -> torch.Tensor:
     return route[None]
-
-
-def _pad_left(kv: KV, mask: torch.Tensor, pad: int) -> tuple[KV, torch.Tensor]:
-    def grow(t: torch.Tensor) -> torch.Tensor:
-        b, h, _, d = t.shape
-        return torch.cat([t.new_zeros(b, h, pad, d), t], dim=2)
-
-    return [(grow(k), grow(v)) for k, v in kv], torch.cat(
-        [mask.new_zeros(mask.shape[0], pad), mask], dim=1
-    )
-
-
-def sample_token(
-    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator
-) -> tuple[int, float]:
-    """Sample one token id from 1-D ``logits``; return it with its log prob as sampled.
-
-    The distribution is logits / temperature, then top-k, then top-p (the smallest prefix whose
-    mass reaches ``top_p``; the top token always stays, so a ``top_p`` that rounds to 0 keeps only
-    it), renormalized. Temperature 0 is greedy and reports the log prob under the untempered
-    distribution; so is a temperature so small that logits / temperature overflows (its limit).
-    NaN logits raise :class:`EngineError` (the row fails, not the batch).
-    """
-    if bool(torch.isnan(logits).any()):
-        raise EngineError("the model produced NaN logits")
-    scaled = logits / temperature if temperature > 0.0 else logits
-    if temperature == 0.0 or not bool(torch.isfinite(scaled.max())):
-        token = int(torch.argmax(logits))
-        return token, float(torch.log_softmax(logits, -1)[token])
-    if top_k > 0 and top_k < scaled.numel():
-        kth = torch.topk(scaled, top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(scaled, descending=True)
-        probs = torch.softmax(sorted_logits, -1)
-        outside = (torch.cumsum(probs, -1) - probs) >= top_p
-        outside[0] = False
-        scaled = scaled.scatter(0, order[outside], float("-inf"))
-    logp = torch.log_softmax(scaled, -1)
-    token = int(torch.multinomial(logp.exp(), 1, generator=gen))
-    return token, float(logp[token])

@@ -41,16 +41,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from policies.errors import BadRequest
 from policies.serve.adapters import ResidentAdapters, adapter_config
-from policies.serve.decode import (
-    DecodeBatcher,
-    Generation,
-    QuiesceMode,
-    check_routing_start,
-    sample_token,
-)
+from policies.serve.decode import DecodeBatcher
+from policies.serve.types import Generation, QuiesceMode, check_routing_start
 from policies.wire.lane import GenerateChoice, GenerateRequest
-
-__all__ = ["Activation", "Engine", "Generation", "QuiesceMode", "sample_token"]
 
 log = structlog.get_logger(__name__)
 

@@ -49,8 +49,8 @@ from transformers import PreTrainedTokenizerBase
 
 from policies.errors import BadRequest
 from policies.model.chat_template import noted_tool_parser
-from policies.serve.decode import Generation
 from policies.serve.sidecar import Sidecar, stamps
+from policies.serve.types import Generation
 from policies.wire import tool_parsers
 from policies.wire.chat_tokens import control_texts, mark_control_text, plain_text_ids
 from policies.wire.lane import (

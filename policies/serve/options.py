@@ -6,7 +6,7 @@ from it (:mod:`policies.wire.flags`), and every process that starts the command 
 fleet, an island, a Ray actor — builds the same model and turns it into argv
 (:func:`orchestrator.loop.children.sprawl_command`), so a default, a bound and an error message
 live here only. Importing this module is cheap (no torch): the run config takes its
-vocabularies (``Activation``, ``VLLMUpdate``, …) from here.
+vocabularies (``VLLMUpdate``, ``KVOnUpdate``, …) from here.
 
 Guarantees: a model validates every value and every combination the command needs (exactly one
 of ``--model`` and ``--board`` for ``serve``; an ``--engine-url`` for every sidecar engine kind
@@ -23,8 +23,8 @@ from pydantic import Field, model_validator
 
 from policies.serve.connections import FLAGS as LIMIT_FLAGS
 from policies.serve.connections import LaneLimits
+from policies.serve.types import QuiesceMode
 
-Activation = Literal["wait", "pause"]
 EngineKind = Literal["vllm", "sglang", "openai", "llamacpp"]
 VLLMUpdate = Literal["inplace", "reload"]
 KVOnUpdate = Literal["recompute", "keep"]
@@ -48,7 +48,7 @@ class LaneOptions(LaneLimits):
     """Bearer token required on every route but /health."""
     poll_interval: float = Field(default=0.25, gt=0, allow_inf_nan=False)
     """Seconds between looks at the board's pointer."""
-    activation: Activation = "wait"
+    activation: QuiesceMode = "wait"
     """Drain in-flight requests before a version switch, or pause them at a step boundary."""
     max_adapters: int = Field(default=4, ge=1)
     """LoRA versions resident at once (least recently used evicted; fleet.max_adapters)."""

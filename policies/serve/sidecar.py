@@ -4,9 +4,9 @@ It watches the board pointer (every ``poll_interval_s``, or at once when notifie
 ``POST /v1/policy/notify``; a missed notification only delays convergence), then for a newer
 version: **stage** (fetch and verify checksums while the engine keeps serving) → **activate**
 (the backend applies it at a decode-step boundary) → report. The engine is reached through a
-:class:`Backend`: :class:`~policies.serve.backends.reference.ReferenceBackend` wraps the reference
-engine (weights copied into the live tensors in place); ``policies.serve.backends`` also holds the
-vLLM, SGLang and frozen-OpenAI backends.
+:class:`~policies.serve.types.Backend`: :class:`~policies.serve.backends.reference.ReferenceBackend`
+wraps the reference engine (weights copied into the live tensors in place);
+``policies.serve.backends`` also holds the vLLM, SGLang and frozen-OpenAI backends.
 
 Activation modes (``activation``): ``"wait"`` (default) stops admitting new requests, lets
 in-flight generations finish, applies, resumes; ``"pause"`` holds in-flight generations at the
@@ -17,8 +17,8 @@ Guarantees:
 
 - ``applied_version`` is never reported before the backend has activated that version;
 - a request whose ``policy_version`` bounds exclude the version applied when it *joins the
-  engine* gets :class:`VersionNotServed` (the server answers 409 with ``Retry-After``); it is
-  never served;
+  engine* gets :class:`~policies.serve.types.VersionNotServed` (the server answers 409 with
+  ``Retry-After``); it is never served;
 - every response carries the versions applied at its start and its end;
 - a version that fails verification is never activated: the old one keeps serving, the failure is
   logged and counted, and the sidecar moves on to the next newer version when one appears; a
@@ -45,10 +45,10 @@ that failed verification is never planned again by this sidecar (a damaged, trun
 misplaced patch is routed around through squashed patches or a later anchor).
 
 LoRA versions (``trainer.lora``): an engine that holds several adapters at once
-(:class:`MultiVersion`: the reference engine, :mod:`policies.serve.adapters`, and vLLM,
-``backends.vllm_lora``) serves a request at
-the newest resident version its bounds admit, so one island is a mixed-version fleet; the 409
-then says no resident version fits. ``applied_version`` is the newest one activated.
+(:class:`~policies.serve.types.MultiVersion`: the reference engine, :mod:`policies.serve.adapters`,
+and vLLM, ``backends.vllm_lora``) serves a request at the newest resident version its bounds
+admit, so one island is a mixed-version fleet; the 409 then says no resident version fits.
+``applied_version`` is the newest one activated.
 
 Not covered: more than one staged version at a time (a newer version published while one is
 being staged is picked up by the next reconcile).
@@ -56,12 +56,10 @@ being staged is picked up by the next reconcile).
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
-
 import anyio
 import structlog
 from anyio.abc import TaskStatus
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
 from policies.board import Board
 from policies.board.store import redact
@@ -74,8 +72,16 @@ from policies.errors import (
     VersionCorrupt,
 )
 from policies.serve.backends.reference import ReferenceBackend
-from policies.serve.decode import Generation, OutOfBounds, QuiesceMode
 from policies.serve.engine import Engine
+from policies.serve.sidecar_metrics import SidecarMetrics
+from policies.serve.types import (
+    Backend,
+    Generation,
+    MultiVersion,
+    OutOfBounds,
+    QuiesceMode,
+    VersionNotServed,
+)
 from policies.wire.lane import (
     GenerateRequest,
     GenerateResponse,
@@ -86,86 +92,6 @@ from policies.wire.lane import (
 )
 
 log = structlog.get_logger(__name__)
-
-
-class VersionNotServed(EngineError):
-    """No version inside the request's bounds is applied (answered as 409)."""
-
-    def __init__(self, message: str, applied: int | None, staged: int | None, catching_up: bool):
-        super().__init__(message)
-        self.applied = applied
-        self.staged = staged
-        self.catching_up = catching_up
-
-
-class Backend(Protocol):
-    """An engine as the sidecar drives it."""
-
-    name: str
-    max_context: int
-
-    async def stage(self, board: Board, version: int) -> None:
-        """Fetch and verify ``version`` while the engine keeps serving (raise on failure)."""
-
-    async def activate(self, version: int, mode: QuiesceMode) -> float:
-        """Make the staged version live; return the seconds generation was held (paused)."""
-
-    async def generate(self, req: GenerateRequest) -> Generation:
-        """Serve ``req``; raise :class:`OutOfBounds` if the live version is outside its bounds."""
-
-    async def recover(self) -> None:
-        """At every reconcile: if the engine restarted on other weights, put the live version
-        back before it serves again (raise while it cannot be reached)."""
-
-    async def aclose(self) -> None:
-        """Release resources."""
-
-
-@runtime_checkable
-class MultiVersion(Protocol):
-    """A backend whose engine serves several versions at once (LoRA adapters)."""
-
-    def resident_versions(self) -> list[int]:
-        """The versions a request can be served at now."""
-        ...
-
-
-class SidecarMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.applied = Gauge(
-            "sprawl_applied_version", "Policy version being served", registry=registry
-        )
-        self.activations = Counter(
-            "sprawl_version_activations", "Versions activated", registry=registry
-        )
-        self.failures = Counter(
-            "sprawl_version_failures", "Versions refused by verification", registry=registry
-        )
-        self.pause = Histogram(
-            "sprawl_activation_pause_seconds",
-            "Time generation was held while a version was applied",
-            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0),
-            registry=registry,
-        )
-        self.conflicts = Counter(
-            "sprawl_version_conflicts", "Requests answered 409", registry=registry
-        )
-        self.tokens = Counter("sprawl_generated_tokens", "Tokens sampled", registry=registry)
-        self.stamp_mismatches = Counter(
-            "sprawl_version_stamp_mismatch",
-            "Choices whose engine-reported versions disagree with the sidecar's stamps",
-            registry=registry,
-        )
-        self.board_bytes = Counter(
-            "sprawl_board_bytes_read",
-            "Bytes read from the board to stage versions (patches; anchors when needed)",
-            registry=registry,
-        )
-        self.activation_failures = Counter(
-            "sprawl_activation_failures",
-            "Activations the engine failed (the old version kept serving; retried with backoff)",
-            registry=registry,
-        )
 
 
 class Sidecar:

@@ -5,8 +5,11 @@ Public surface (lazily imported, so ``policies.train.config`` stays torch-free):
 
 Modules: :mod:`~policies.train.config` (the ``[trainer]`` config tree),
 :mod:`~policies.train.trainer` (GRPO steps with a staleness correction, publishing every
-version), :mod:`~policies.train.scoring` (log probs as the engine sampled them, chunked over
-tokens), :mod:`~policies.train.sft` (teach a fresh model the tool-call format).
+version), :mod:`~policies.train.samples` (episodes as samples, a batch as tensors),
+:mod:`~policies.train.objective` (a micro-batch's loss and a step's metrics),
+:mod:`~policies.train.checkpoint` (the trainer's checkpoint file),
+:mod:`~policies.train.scoring` (log probs as the engine sampled them, chunked over tokens),
+:mod:`~policies.train.sft` (teach a fresh model the tool-call format).
 """
 
 import lazy_loader

@@ -2,8 +2,8 @@
 
 The engine samples each token from ``logits / temperature``, then keeps the ``top_k`` most likely,
 then the smallest prefix of the rest whose mass reaches ``top_p``, renormalized
-(:func:`policies.serve.decode.sample_token`). :func:`sampled_logprobs` applies the same transforms,
-in the same order, per token, so on-policy the trainer's log probs equal the engine's.
+(:func:`policies.serve.sampling.sample_token`). :func:`sampled_logprobs` applies the same
+transforms, in the same order, per token, so on-policy the trainer's log probs equal the engine's.
 :func:`score_chunked` computes them (and the entropy of that distribution) from the model's last
 hidden states, projecting ``logit_chunk_tokens`` tokens through the output head at a time under
 :func:`torch.utils.checkpoint.checkpoint`: no fp32 ``[tokens, vocab]`` tensor exists beyond one

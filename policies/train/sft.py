@@ -49,7 +49,8 @@ from environments.base import Environment
 from environments.loader import load_environment
 from environments.types import EpisodeState
 from policies.errors import ModelBuildError
-from policies.model.build import ModelSize, init_model
+from policies.model.build import init_model
+from policies.model.sizes import ModelSize
 from policies.serve.engine import Engine
 from policies.wire.chat_tokens import ChatTokens
 from policies.wire.lane import GenerateRequest

@@ -4,8 +4,9 @@ One :meth:`Trainer.step` per batch:
 
 1. recompute the current log probs of every sampled token with the trainer's weights, under the
    distribution the engine sampled it from: its segment's temperature, top-k and top-p
-   (``TrainSample.sampling``; :mod:`policies.train.scoring`, a chunk of tokens at a time, so no
-   fp32 [tokens, vocab] tensor exists beyond ``trainer.logit_chunk_tokens`` tokens);
+   (``TrainSample.sampling``, :mod:`policies.train.samples`; :mod:`policies.train.scoring`, a
+   chunk of tokens at a time, so no fp32 [tokens, vocab] tensor exists beyond
+   ``trainer.logit_chunk_tokens`` tokens);
 2. GRPO group-normalized advantages from the episode rewards (``staleness.loss.group_advantages``;
    divided by the group std unless ``staleness.scale_rewards`` resolves to false, as for
    ``dr_grpo``);
@@ -20,7 +21,8 @@ One :meth:`Trainer.step` per batch:
    1–4 run per micro-batch of consecutive samples, each backpropagating its loss *sum*; the
    summed gradients are divided once by the whole batch's normaliser
    (``staleness.loss.normaliser``), so the gradient is the unsplit batch's. Corrections are per
-   row (token or sequence level), so a micro-batch of whole rows computes them exactly;
+   row (token or sequence level), so a micro-batch of whole rows computes them exactly
+   (steps 3–4: :mod:`policies.train.objective`);
 5. one AdamW step (fp32 or bf16 master weights) after clipping the global gradient norm;
 6. ``version += 1``; the checkpoint is written; the served view of the new version is published.
 
@@ -33,11 +35,12 @@ published through the board like any view (:mod:`policies.train.lora`).
 Checkpoints (when ``checkpoint_dir`` is set): after every step, one file ``trainer.pt`` holding the
 model state, the optimizer state, the torch CPU RNG state and the version, written to a temporary
 sibling, fsynced and renamed over the old one, so a crash loses at most the step in progress and
-never leaves a torn checkpoint. The checkpoint is written *before* the version is published, so a
-resumed trainer is never behind the board; :meth:`Trainer.ensure_published` republishes the
-checkpointed version if the crash came between the two. ``resume=True`` restores the checkpoint if
-one exists; on CPU the resumed run is bit-identical to an uninterrupted one (same parameters and
-optimizer state, bit for bit, given the same batches).
+never leaves a torn checkpoint (:mod:`policies.train.checkpoint`). The checkpoint is written
+*before* the version is published, so a resumed trainer is never behind the board;
+:meth:`Trainer.ensure_published` republishes the checkpointed version if the crash came between
+the two. ``resume=True`` restores the checkpoint if one exists; on CPU the resumed run is
+bit-identical to an uninterrupted one (same parameters and optimizer state, bit for bit, given the
+same batches).
 
 Not covered: CUDA RNG state (a CUDA resume is deterministic only as far as the kernels are),
 multi-GPU (FSDP), learning-rate schedules, and keeping more than the newest checkpoint. With bf16
@@ -46,11 +49,8 @@ masters there is no fp32 copy: AdamW updates smaller than half a bf16 ulp are ro
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import structlog
 import torch
@@ -60,8 +60,18 @@ from policies.board import Board, Manifest
 from policies.codec.views import ViewSpec, build_view, weight_sources
 from policies.errors import CheckpointError, ScoringError
 from policies.model.moe import replay_routing, routers
+from policies.train.checkpoint import CHECKPOINT, restore_checkpoint, write_checkpoint
 from policies.train.config import TrainerConfig
 from policies.train.lora import adapter_view, with_lora
+from policies.train.objective import micro_batch_loss, step_metrics
+from policies.train.samples import (
+    TrainSample,
+    check_routing,
+    loss_targets,
+    micro_batches,
+    pad_batch,
+    routing_to_replay,
+)
 from policies.train.scoring import (
     Scored,
     TokenSampling,
@@ -71,69 +81,12 @@ from policies.train.scoring import (
     score_chunked,
     token_sampling,
 )
-from policies.wire.batches import BatchSample, SegmentSampling
-from policies.wire.routing import decode_routing
 from staleness.config import StalenessConfig
-from staleness.corrections import correct
-from staleness.loss import aggregate, group_advantages, kl_penalty, normaliser, policy_loss
-from staleness.metrics import correction_metrics
+from staleness.loss import group_advantages, normaliser
 
 log = structlog.get_logger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CHECKPOINT = "trainer.pt"
-CHECKPOINT_FORMAT = 1
-
-
-@dataclass(frozen=True)
-class TrainSample:
-    """One episode as the trainer sees it: a token sequence and which tokens were sampled."""
-
-    token_ids: list[int]
-    mask: list[bool]  # True where the engine sampled the token (loss applies)
-    behaviour_logprobs: list[float]  # μ per token (0.0 where mask is False)
-    reward: float
-    sampling: Sequence[SegmentSampling] = ()
-    """How each segment's tokens were sampled; tokens outside every segment are scored with the
-    trainer's defaults (the run's ``[sampling]``)."""
-    routed_experts: torch.Tensor | None = None
-    """MoE: the experts positions ``0 .. R-1`` were routed to by the engine, ``[R, layers,
-    top_k]`` int64 (``trainer.router_replay`` forces them); None: not reported."""
-
-    @classmethod
-    def from_wire(cls, sample: BatchSample) -> TrainSample:
-        """A sample of the batch protocol (:mod:`policies.wire.batches`) as the trainer's."""
-        return cls(
-            token_ids=sample.token_ids,
-            mask=sample.mask,
-            behaviour_logprobs=sample.behaviour_logprobs,
-            reward=sample.reward,
-            sampling=sample.sampling,
-            routed_experts=None
-            if sample.routed_experts is None
-            else torch.from_numpy(decode_routing(sample.routed_experts)),
-        )
-
-    def __post_init__(self) -> None:
-        n = len(self.token_ids)
-        routed = self.routed_experts
-        if routed is not None and (routed.ndim != 3 or routed.shape[0] > n):
-            msg = (
-                f"routed_experts of shape {tuple(routed.shape)}: expected [positions <= {n}, "
-                "layers, top_k]"
-            )
-            raise ScoringError(msg)
-        for seg in self.sampling:
-            if not 0 <= seg.start <= seg.end <= n:
-                msg = f"sampling segment [{seg.start}, {seg.end}) lies outside the {n} tokens"
-                raise ScoringError(msg)
-            if seg.temperature < 0 or seg.top_k < 0 or not 0 < seg.top_p <= 1:
-                msg = (
-                    f"sampling segment [{seg.start}, {seg.end}): temperature {seg.temperature} "
-                    f"(>= 0), top_k {seg.top_k} (>= 0) or top_p {seg.top_p} (in (0, 1]) "
-                    "out of range"
-                )
-                raise ScoringError(msg)
 
 
 class Trainer:
@@ -266,60 +219,22 @@ class Trainer:
         path = self.checkpoint_path
         if path is None:
             raise CheckpointError("the trainer was built without a checkpoint_dir")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        state = {
-            "format": CHECKPOINT_FORMAT,
-            "version": self.version,
-            "master_dtype": self.config.master_dtype,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "rng": torch.get_rng_state(),
-        }
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        with tmp.open("wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        write_checkpoint(
+            path,
+            version=self.version,
+            master_dtype=self.config.master_dtype,
+            model=self.model,
+            optimizer=self.optimizer,
+        )
         return path
 
     def _restore(self, path: Path) -> None:
-        try:
-            state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # any unpickling failure means the file is not ours / damaged
-            raise CheckpointError(f"{path}: unreadable checkpoint: {exc}") from exc
-        if state.get("format") != CHECKPOINT_FORMAT:
-            raise CheckpointError(f"{path}: checkpoint format {state.get('format')!r} unknown")
-        if state["master_dtype"] != self.config.master_dtype:
-            raise CheckpointError(
-                f"{path}: checkpoint has {state['master_dtype']} masters but "
-                f"trainer.master_dtype is {self.config.master_dtype}"
-            )
-        try:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as exc:
-            raise CheckpointError(f"{path}: checkpoint does not fit this model: {exc}") from exc
-        torch.set_rng_state(state["rng"])
-        self.version = int(state["version"])
+        self.version = restore_checkpoint(
+            path, master_dtype=self.config.master_dtype, model=self.model, optimizer=self.optimizer
+        )
         log.info("trainer_resumed", version=self.version, checkpoint=str(path))
 
     # -- scoring -------------------------------------------------------------------------------
-    def _batch(self, samples: Sequence[TrainSample]) -> tuple[torch.Tensor, torch.Tensor]:
-        dev = self.config.device
-        width = max(max(len(s.token_ids) for s in samples), 2)
-        ids = torch.zeros(len(samples), width, dtype=torch.long, device=dev)
-        attn = torch.zeros_like(ids)
-        for i, s in enumerate(samples):
-            ids[i, : len(s.token_ids)] = torch.tensor(s.token_ids, dtype=torch.long)
-            attn[i, : max(len(s.token_ids), 1)] = 1  # an empty row still attends to one token
-        return ids, attn
-
     def _score(
         self,
         model: PreTrainedModel,
@@ -352,129 +267,62 @@ class Trainer:
         rows = [s.sampling for s in samples]
         return token_sampling(rows, width, self.sampling, self.config.device)
 
-    def _check_routing(self, samples: Sequence[TrainSample]) -> None:
-        """With ``trainer.router_replay`` on, refuse a batch of which no sample carries routing."""
-        if self.config.router_replay and all(s.routed_experts is None for s in samples):
-            msg = (
-                "trainer.router_replay = true, but no sample of the batch carries "
-                "routed_experts: the engines do not report MoE routing (the reference engine "
-                "does; vLLM and SGLang need --enable-return-routed-experts)"
-            )
-            raise ScoringError(msg)
-
     def _routing(self, samples: Sequence[TrainSample], width: int) -> torch.Tensor | None:
-        """The engine's routing [B, width, layers, top_k] to replay (-1 where a sample has none)
-        when ``trainer.router_replay`` is on; None when it is off or no sample has any."""
-        known = [s.routed_experts for s in samples if s.routed_experts is not None]
-        if not self.config.router_replay or not known:
-            return None
-        layers, k = known[0].shape[1:]
-        out = torch.full((len(samples), width, layers, k), -1, dtype=torch.long)
-        for i, sample in enumerate(samples):
-            if sample.routed_experts is not None:
-                out[i, : sample.routed_experts.shape[0]] = sample.routed_experts
-        return out.to(self.config.device)
+        return routing_to_replay(samples, width, self.config.router_replay, self.config.device)
 
     @torch.no_grad()
     def logprobs(self, samples: Sequence[TrainSample]) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log probs [B, T-1] of tokens 1..T under the current weights, and the mask.
 
         For inspection (no gradient); :meth:`step` scores with gradients itself."""
-        self._check_routing(samples)
-        ids, attn = self._batch(samples)
-        width = ids.shape[1]
-        how, routed = self._sampling(samples, width), self._routing(samples, width)
+        check_routing(samples, self.config.router_replay)
+        ids, attn = pad_batch(samples, self.config.device)
+        how, routed = self._sampling(samples, ids.shape[1]), self._routing(samples, ids.shape[1])
         logp, _ = self._score(self.model, ids, attn, how, routed)
         return logp, attn[:, 1:].bool()
 
     # -- the update ----------------------------------------------------------------------------
-    def _micro_batches(self, samples: Sequence[TrainSample]) -> list[range]:
-        """Consecutive rows whose padded size (rows × longest row) stays within
-        ``trainer.micro_batch_tokens``; a row longer than that alone (all rows if unset)."""
-        budget = self.config.micro_batch_tokens
-        if budget is None:
-            return [range(len(samples))]
-        out, lo, longest = [], 0, 0
-        for i, sample in enumerate(samples):
-            n = max(len(sample.token_ids), 2)
-            if i > lo and max(longest, n) * (i + 1 - lo) > budget:
-                out.append(range(lo, i))
-                lo, longest = i, 0
-            longest = max(longest, n)
-        out.append(range(lo, len(samples)))
-        return out
-
     def _backward(self, samples: Sequence[TrainSample], advantages: torch.Tensor) -> Scored:
         """Forward and backward of one micro-batch's loss *sum* (the caller divides the summed
         gradients by the whole batch's normaliser); returns its detached per-token values."""
-        s, st = self.config, self.staleness
-        ids, attn = self._batch(samples)
+        ids, attn = pad_batch(samples, self.config.device)
         how = self._sampling(samples, ids.shape[1])
         routed = self._routing(samples, ids.shape[1])
-        width = ids.shape[1] - 1
-        mask = torch.zeros(len(samples), width, dtype=torch.bool, device=s.device)
-        behav = torch.zeros(len(samples), width, device=s.device)
-        for i, sample in enumerate(samples):
-            n = max(len(sample.token_ids) - 1, 0)
-            mask[i, :n] = torch.tensor(sample.mask[1:], dtype=torch.bool)
-            behav[i, :n] = torch.tensor(sample.behaviour_logprobs[1:])
-
+        mask, behav = loss_targets(samples, ids.shape[1] - 1, self.config.device)
         logp, entropy = self._score(self.model, ids, attn, how, routed)
-        logp_prox = logp.detach()
-        corrected = correct(self.correction, logp_prox=logp_prox, logp_behav=behav, mask=mask)
-        kept = corrected.mask
-
-        def summed(values: torch.Tensor) -> torch.Tensor:
-            return aggregate(
-                values,
-                kept,
-                st.loss_agg,
-                normalizer=st.normalizer,
-                valid=mask,
-                dr_grpo_tokens=st.dr_grpo_tokens,
-                denominator=1.0,
-            )
-
-        loss, _ = policy_loss(
-            logp,
-            logp_prox,
-            advantages,
-            corrected,
-            clip_eps=s.clip_eps,
-            loss_agg=st.loss_agg,
-            normalizer=st.normalizer,
-            dr_grpo_tokens=st.dr_grpo_tokens,
-            denominator=1.0,
-        )
-        if s.entropy_coef > 0:
-            loss = loss - s.entropy_coef * summed(entropy)
-        kl = torch.zeros_like(logp_prox)
-        excluded = 0
+        logp_ref = None
         if self.reference is not None:
             with torch.no_grad():
                 logp_ref, _ = self._score(self.reference, ids, attn, how, routed)
-            outside = kept & ~torch.isfinite(logp_ref)  # π_ref's truncated set lacks the token
-            excluded = int(outside.sum())
-            kl = kl_penalty(logp, logp_ref, kept & ~outside, estimator=s.kl_estimator)
-            loss = loss + s.kl_coef * summed(kl)
+        loss, scored = micro_batch_loss(
+            logp,
+            entropy,
+            logp_ref,
+            behav,
+            mask,
+            advantages,
+            correction=self.correction,
+            config=self.config,
+            staleness=self.staleness,
+        )
         loss.backward()  # type: ignore[no-untyped-call]
-        return Scored(logp_prox, behav, mask, corrected, entropy.detach(), kl.detach(), excluded)
+        return scored
 
-    def step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
-        """One optimizer step on ``samples`` (group-contiguous), then publish version + 1."""
-        s, st = self.config, self.staleness
-        rewards = torch.tensor([sample.reward for sample in samples], device=s.device)
-        advantages = group_advantages(rewards, self.group_size, normalize_std=st.scales_rewards)
-        self._check_routing(samples)
+    def _update(
+        self, samples: Sequence[TrainSample], advantages: torch.Tensor
+    ) -> tuple[Scored, int, float]:
+        """Accumulate the batch's gradient micro-batch by micro-batch, divide it once by the
+        whole batch's normaliser, clip its norm and step the optimizer; return the batch's
+        values, the number of micro-batches and the gradient norm before clipping."""
+        st = self.staleness
         self.optimizer.zero_grad(set_to_none=True)
         parts = [
             self._backward([samples[i] for i in rows], advantages[rows.start : rows.stop])
-            for rows in self._micro_batches(samples)
+            for rows in micro_batches(samples, self.config.micro_batch_tokens)
         ]
         whole = concat(parts)
-        kept = whole.corrected.mask
         den = normaliser(
-            kept,
+            whole.corrected.mask,
             st.loss_agg,
             normalizer=st.normalizer,
             valid=whole.mask,
@@ -483,62 +331,29 @@ class Trainer:
         for param in self.model.parameters():
             if param.grad is not None:
                 param.grad.div_(den)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         self.optimizer.step()
+        return whole, len(parts), float(grad_norm)
+
+    def step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        """One optimizer step on ``samples`` (group-contiguous), then publish version + 1."""
+        s, st = self.config, self.staleness
+        rewards = torch.tensor([sample.reward for sample in samples], device=s.device)
+        advantages = group_advantages(rewards, self.group_size, normalize_std=st.scales_rewards)
+        check_routing(samples, s.router_replay)
+        whole, micro, grad_norm = self._update(samples, advantages)
         self.version += 1
         if self.checkpoint_path is not None:
             self.save_checkpoint()
         manifest = self.publish()
-
-        # the step's values over the whole batch: π_θ equals π_prox in value before the update
-        pg_loss, metrics = policy_loss(
-            whole.logp,
-            whole.logp,
-            advantages,
-            whole.corrected,
-            clip_eps=s.clip_eps,
-            loss_agg=st.loss_agg,
-            normalizer=st.normalizer,
-            dr_grpo_tokens=st.dr_grpo_tokens,
+        metrics = step_metrics(
+            whole, advantages, correction=self.correction, config=s, staleness=st
         )
-
-        def agg(values: torch.Tensor) -> float:
-            return float(
-                aggregate(
-                    values,
-                    kept,
-                    st.loss_agg,
-                    normalizer=st.normalizer,
-                    valid=whole.mask,
-                    dr_grpo_tokens=st.dr_grpo_tokens,
-                )
-            )
-
-        ent_term, kl_value = agg(whole.entropy), agg(whole.kl)
-        loss = float(pg_loss) - s.entropy_coef * ent_term + s.kl_coef * kl_value
         metrics.update(
-            correction_metrics(
-                self.correction,
-                whole.corrected,
-                logp_prox=whole.logp,
-                logp_behav=whole.behav,
-                mask=whole.mask,
-            )
-        )
-        outside = whole.mask & torch.isneginf(whole.logp)
-        metrics.update(
-            {
-                "mismatch/outside_sampled_set": float(outside.sum()),
-                "kl_ref_excluded_tokens": float(whole.kl_excluded),
-            },
-            loss=loss,
-            loss_policy=float(pg_loss),
-            entropy=ent_term,
-            kl_ref=kl_value,
-            grad_norm=float(grad_norm),
+            grad_norm=grad_norm,
             reward_mean=float(rewards.mean()),
             version_bytes=float(manifest.bytes),
-            micro_batches=float(len(parts)),
+            micro_batches=float(micro),
         )
         if s.router_replay:  # scored by the trainer's own routing: the engine reported none
             unrouted = sum(sample.routed_experts is None for sample in samples)
@@ -546,7 +361,7 @@ class Trainer:
         log.info(
             "trainer_step",
             version=self.version,
-            loss=round(loss, 5),
+            loss=round(metrics["loss"], 5),
             reward_mean=round(float(rewards.mean()), 4),
             samples=len(samples),
         )

@@ -50,7 +50,7 @@ SCHEMA: Final = 1
 class SegmentSampling(NamedTuple):
     """How the tokens ``[start, end)`` of a sequence were sampled: logits / ``temperature`` (0:
     greedy), then the ``top_k`` most likely (0: all), then the smallest prefix of mass ``top_p``,
-    renormalized (``policies.serve.decode.sample_token``)."""
+    renormalized (``policies.serve.sampling.sample_token``)."""
 
     start: int
     end: int

@@ -1,7 +1,7 @@
 """The Hermes-style tool-call syntax, and the vocabulary every tool-call dialect parses into.
 
 sprawl's own models speak Hermes, so its syntax lives here: the chat template
-(``CHAT_TEMPLATE``) that ``policies.model.build`` stores in the tokenizer renders tool schemas,
+(``CHAT_TEMPLATE``) that ``policies.model.tokenizer`` stores in the tokenizer renders tool schemas,
 assistant ``tool_calls`` and ``tool`` results in it, and :func:`parse_assistant` reads it back.
 Other model families write calls differently; :mod:`policies.wire.tool_parsers` holds one parser
 per family (this one included, as ``hermes``), all producing the :class:`ParsedAssistant` defined

@@ -5,7 +5,7 @@ from __future__ import annotations
 from transformers import PreTrainedTokenizerBase
 
 from policies.board import Board
-from policies.serve.decode import Generation, QuiesceMode
+from policies.serve.types import Generation, QuiesceMode
 from policies.wire.lane import GenerateChoice, GenerateRequest
 
 

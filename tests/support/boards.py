@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from policies.board import Board
 from policies.serve.connections import LaneLimits
-from policies.serve.decode import QuiesceMode
-from policies.serve.server import serve_board
+from policies.serve.reference_server import serve_board
+from policies.serve.types import QuiesceMode
 
 
 def publish_scaled(board: Board, version: int, model_dir: Path, scale: float = 1.0) -> None:

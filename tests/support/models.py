@@ -20,7 +20,8 @@ import tokenizers
 import torch
 import transformers
 
-from policies.model.build import ModelSize, init_model
+from policies.model.build import init_model
+from policies.model.sizes import ModelSize
 from policies.train.sft import Phase, warm_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,6 +29,8 @@ SOURCES = (
     "policies/model/build.py",
     "policies/model/chat_template.py",
     "policies/model/corpus.py",
+    "policies/model/sizes.py",
+    "policies/model/tokenizer.py",
     "policies/wire/toolcalls.py",
 )
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from policies.train.trainer import TrainSample
+from policies.train.samples import TrainSample
 
 PROMPTS = [[1, 17, 300, 42, 99, 7], [1, 5, 6, 7, 8, 9, 10, 11, 12], [1, 400, 401, 2, 1, 33]]
 

@@ -38,7 +38,7 @@ import structlog
 
 from policies.board import Board
 from policies.errors import BadRequest, EngineError
-from policies.serve.decode import Generation, OutOfBounds, QuiesceMode, check_routing_start
+from policies.serve.types import Generation, OutOfBounds, QuiesceMode, check_routing_start
 from policies.wire.lane import FinishReason, GenerateChoice, GenerateRequest, choice_seed
 
 log = structlog.get_logger(__name__)

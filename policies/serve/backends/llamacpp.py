@@ -69,7 +69,7 @@ from policies.serve.backends.llamacpp_wire import (
     sampled_logprob,
 )
 from policies.serve.backends.shadow import Shadow, Staged
-from policies.serve.decode import Generation, QuiesceMode
+from policies.serve.types import Generation, QuiesceMode
 from policies.wire.lane import FinishReason, GenerateRequest
 
 log = structlog.get_logger(__name__)

@@ -24,8 +24,8 @@ from policies.board import Board
 from policies.codec.views import ViewKind, ViewSpec, dequantize, quantized_kind, weight_sources
 from policies.serve.adapters import is_adapter_view
 from policies.serve.backends.shadow import Shadow
-from policies.serve.decode import Generation, QuiesceMode
 from policies.serve.engine import Engine
+from policies.serve.types import Generation, QuiesceMode
 from policies.wire.lane import GenerateRequest
 
 

@@ -81,7 +81,7 @@ from policies.codec.digests import storage_key
 from policies.errors import EngineError
 from policies.serve.backends.base import EngineUnavailable, HttpBackend, Sample
 from policies.serve.backends.shadow import Shadow, Staged
-from policies.serve.decode import QuiesceMode
+from policies.serve.types import QuiesceMode
 from policies.wire.lane import FinishReason, GenerateRequest
 from policies.wire.routing import from_int32, routing_rows
 

@@ -66,7 +66,7 @@ from policies.serve.backends.engine_patch import build, file_digest, write
 from policies.serve.backends.sglang import SGLangBackend, moe_shape
 from policies.serve.backends.sglang_loader import LOADER, command_payload
 from policies.serve.backends.shadow import Staged
-from policies.serve.decode import QuiesceMode
+from policies.serve.types import QuiesceMode
 from policies.wire.lane import GenerateRequest
 
 log = structlog.get_logger(__name__)

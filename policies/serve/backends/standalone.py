@@ -59,10 +59,10 @@ from policies.serve.backends.vllm import VLLMBackend
 from policies.serve.backends.vllm_inplace import VLLMInplaceBackend
 from policies.serve.backends.vllm_lora import VLLMLoraBackend
 from policies.serve.connections import LaneLimits
-from policies.serve.decode import QuiesceMode
 from policies.serve.options import EngineKind, KVOnUpdate, SGLangUpdate, SidecarOptions, VLLMUpdate
 from policies.serve.server import run_lane, tls_context
 from policies.serve.sidecar import Sidecar
+from policies.serve.types import QuiesceMode
 from policies.wire.flags import add_flags, parse_flags
 from policies.wire.lifetime import cancel_on_signal, stdin_closed
 

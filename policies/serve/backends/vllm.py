@@ -55,8 +55,8 @@ from policies.serve.backends.vllm_wire import (
     tito_body,
 )
 from policies.serve.backends.vllm_worker import PREPARE_METHOD, RPC_METHOD
-from policies.serve.decode import QuiesceMode
 from policies.serve.options import KVOnUpdate
+from policies.serve.types import QuiesceMode
 from policies.wire.lane import GenerateRequest
 
 log = structlog.get_logger(__name__)

@@ -53,7 +53,7 @@ from policies.serve.backends.base import EngineUnavailable
 from policies.serve.backends.engine_patch import Chain, build, encode, file_digest, live_sums, write
 from policies.serve.backends.shadow import Staged
 from policies.serve.backends.vllm import VLLMBackend
-from policies.serve.decode import QuiesceMode
+from policies.serve.types import QuiesceMode
 
 log = structlog.get_logger(__name__)
 PART_BYTES = 256 << 10

@@ -35,7 +35,7 @@ from policies.errors import EngineError
 from policies.serve.adapters import PEFT_PREFIX, AdapterLRU, adapter_config, adapter_name
 from policies.serve.backends.base import EngineUnavailable
 from policies.serve.backends.vllm import ADAPTER, VLLMBackend
-from policies.serve.decode import Generation, OutOfBounds, QuiesceMode
+from policies.serve.types import Generation, OutOfBounds, QuiesceMode
 from policies.wire.lane import GenerateRequest, VersionBounds
 
 

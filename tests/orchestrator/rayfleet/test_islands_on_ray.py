@@ -25,7 +25,8 @@ from orchestrator.rayfleet.cluster import RayHead, ray_head
 from orchestrator.rayfleet.launch import connect, launcher
 from policies.board import Board
 from policies.train.config import LoraConfig, TrainerConfig
-from policies.train.trainer import Trainer, TrainSample
+from policies.train.samples import TrainSample
+from policies.train.trainer import Trainer
 from staleness.config import NoCorrection, StalenessConfig
 from tests.support.boards import publish_scaled, tiny_board
 from tests.support.models import model_copy

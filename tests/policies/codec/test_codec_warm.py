@@ -9,13 +9,20 @@ import numba
 import torch
 
 from policies.board import Board
-from policies.codec import kernels, kernels_apply, kernels_read, kernels_sum
+from policies.codec import (
+    kernels,
+    kernels_apply,
+    kernels_encode,
+    kernels_read,
+    kernels_scan,
+    kernels_sum,
+)
 from policies.codec.warm import warm_up
 
 
 def _signatures() -> dict[str, int]:
     out = {}
-    for module in (kernels, kernels_apply, kernels_read, kernels_sum):
+    for module in (kernels, kernels_apply, kernels_encode, kernels_read, kernels_scan, kernels_sum):
         for name, obj in vars(module).items():
             if isinstance(obj, numba.core.registry.CPUDispatcher):
                 out[f"{module.__name__}.{name}"] = len(obj.signatures)

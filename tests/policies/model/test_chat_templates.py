@@ -15,8 +15,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from orchestrator.cli import main
 from policies.errors import ModelBuildError
-from policies.model.build import SPECS, init_model
+from policies.model.build import init_model
 from policies.model.chat_template import template_tokens
+from policies.model.sizes import SPECS
 from policies.wire.toolcalls import parse_assistant
 from tests.support.models import model_copy
 

@@ -18,8 +18,10 @@ from structlog.testing import capture_logs
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from policies.model.build import SPECIAL_TOKENS, SPECS, TOOL_TOKENS, ModelSize, init_model
+from policies.model.build import init_model
 from policies.model.corpus import generate_corpus
+from policies.model.sizes import SPECS, ModelSize
+from policies.model.tokenizer import SPECIAL_TOKENS, TOOL_TOKENS
 from policies.wire.toolcalls import CHAT_TEMPLATE, parse_assistant
 
 HF_FILES = (

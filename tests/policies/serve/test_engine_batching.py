@@ -18,8 +18,9 @@ from safetensors.torch import load_file
 from structlog.testing import capture_logs
 
 from policies.codec import apply_patch, encode_patch
-from policies.serve.decode import OutOfBounds, sample_token
-from policies.serve.engine import Engine, Generation
+from policies.serve.engine import Engine
+from policies.serve.sampling import sample_token
+from policies.serve.types import Generation, OutOfBounds
 from policies.wire.lane import GenerateRequest, VersionBounds
 
 

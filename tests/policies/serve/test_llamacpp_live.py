@@ -30,7 +30,7 @@ from policies.serve.backends.llamacpp_wire import (
     completion_body,
     sampled_logprob,
 )
-from policies.serve.decode import sample_token
+from policies.serve.sampling import sample_token
 from policies.wire.lane import GenerateRequest
 from tests.support.boards import adam_like_step
 from tests.support.lane import standalone

@@ -25,7 +25,8 @@ from policies.serve.adapters import ResidentAdapters, adapter_config, is_adapter
 from policies.serve.backends.standalone import make_backend
 from policies.serve.backends.vllm_lora import VLLMLoraBackend
 from policies.train.config import LoraConfig, TrainerConfig
-from policies.train.trainer import Trainer, TrainSample
+from policies.train.samples import TrainSample
+from policies.train.trainer import Trainer
 from policies.wire.lane import VersionBounds
 from staleness.config import NoCorrection, StalenessConfig
 from tests.support.boards import engine

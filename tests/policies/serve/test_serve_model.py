@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from policies.errors import EngineError
 from policies.serve.engine import Engine
-from policies.serve.server import serve_model
+from policies.serve.reference_server import serve_model
 from policies.wire.lane import GenerateRequest
 
 pytestmark = pytest.mark.anyio

@@ -19,7 +19,7 @@ from structlog.testing import capture_logs
 
 from policies.board import Board
 from policies.serve.backends.sglang import INDEX
-from policies.serve.decode import QuiesceMode
+from policies.serve.types import QuiesceMode
 from policies.wire.routing import decode_routing
 from tests.support.boards import publish_scaled, tiny_board
 from tests.support.lane import generate, standalone, wait_metric, wait_version

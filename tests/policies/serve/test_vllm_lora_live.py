@@ -15,7 +15,8 @@ import pytest
 from policies.board import Board
 from policies.serve.backends.vllm_launch import engine_python, vllm_server
 from policies.train.config import LoraConfig, TrainerConfig
-from policies.train.trainer import Trainer, TrainSample
+from policies.train.samples import TrainSample
+from policies.train.trainer import Trainer
 from staleness.config import NoCorrection, StalenessConfig
 from tests.support.lane import generate, standalone, wait_version
 from tests.support.vllm import head_dim_32

@@ -12,7 +12,8 @@ from policies.board import Board
 from policies.errors import PolicyError
 from policies.train.config import TrainerConfig
 from policies.train.external import correction, scored_logprobs, wire_tensors
-from policies.train.trainer import Trainer, TrainSample
+from policies.train.samples import TrainSample
+from policies.train.trainer import Trainer
 from policies.wire.batches import BatchFile, BatchSample, SegmentSampling
 from staleness.config import StalenessConfig, TruncatedIS
 from staleness.metrics import correction_metrics

@@ -11,7 +11,8 @@ from policies.board import Board
 from policies.errors import ScoringError
 from policies.model.moe import routers
 from policies.train.config import TrainerConfig
-from policies.train.trainer import Trainer, TrainSample
+from policies.train.samples import TrainSample
+from policies.train.trainer import Trainer
 from staleness.config import StalenessConfig
 
 

@@ -12,7 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Gemma2Config, Gemma2ForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from policies.errors import ScoringError
-from policies.serve.decode import sample_token
+from policies.serve.sampling import sample_token
+from policies.train.samples import TrainSample
 from policies.train.scoring import (
     TokenSampling,
     check_head,
@@ -20,7 +21,6 @@ from policies.train.scoring import (
     score_chunked,
     token_sampling,
 )
-from policies.train.trainer import TrainSample
 from policies.wire.batches import SegmentSampling
 
 # (temperature, top_k, top_p) per row kind: plain, tempered, top-k, top-p, both, greedy

@@ -26,7 +26,8 @@ from policies.serve.backends.shadow import Shadow
 from policies.serve.engine import Engine
 from policies.serve.sidecar import Sidecar
 from policies.train.config import TrainerConfig
-from policies.train.trainer import Trainer, TrainSample, view_spec
+from policies.train.samples import TrainSample
+from policies.train.trainer import Trainer, view_spec
 from policies.wire.lane import GenerateRequest
 from staleness.config import StalenessConfig
 from tests.support.boards import engine as board_engine

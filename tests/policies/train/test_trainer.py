@@ -14,7 +14,8 @@ from policies.board import Board
 from policies.errors import CheckpointError
 from policies.serve.engine import Engine
 from policies.train.config import TrainerConfig
-from policies.train.trainer import Trainer, TrainSample
+from policies.train.samples import TrainSample
+from policies.train.trainer import Trainer
 from policies.wire.batches import SegmentSampling
 from policies.wire.lane import GenerateRequest
 from staleness.config import (

@@ -12,13 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies.wire.errors import SprawlError
-from policies.wire.tool_parsers import (
-    TOOL_PARSERS,
-    ToolParser,
-    Tools,
-    detect_tool_parser,
-    tool_parser,
-)
+from policies.wire.tool_parsers import TOOL_PARSERS, detect_tool_parser, tool_parser
+from policies.wire.tool_parsers.types import ToolParser, Tools
 from policies.wire.toolcalls import (
     CHAT_TEMPLATE,
     ParsedAssistant,

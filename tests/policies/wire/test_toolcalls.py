@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerFast
 
-from policies.model.build import build_tokenizer
+from policies.model.tokenizer import build_tokenizer
 from policies.wire.toolcalls import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
