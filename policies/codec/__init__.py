@@ -7,6 +7,7 @@ Public surface (lazily imported): :func:`encode_patch`, :func:`apply_patch`, :fu
 Modules: :mod:`~policies.codec.encode` (the format's spec, and encoding),
 :mod:`~policies.codec.apply` (applying, verified or not), :mod:`~policies.codec.format` (frame and
 header), :mod:`~policies.codec.ops` (sections; vectorized numpy reference alongside),
+:mod:`~policies.codec.changes` (the scan a section is written from),
 :mod:`~policies.codec.kernels` (how the numba loops are compiled, their unit arithmetic),
 :mod:`~policies.codec.kernels_scan` (the change scan), :mod:`~policies.codec.kernels_encode`
 (the encoder's writers), :mod:`~policies.codec.kernels_apply` (the decoder),

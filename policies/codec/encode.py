@@ -79,6 +79,7 @@ import xxhash
 import zstandard
 
 from policies.codec.apply import apply_patch
+from policies.codec.changes import JOB_UNITS, Changes, find_changes, start_changes
 from policies.codec.digests import (
     StorageKey,
     checksums,
@@ -96,14 +97,7 @@ from policies.codec.format import (
     U32,
 )
 from policies.codec.kernels import UInt
-from policies.codec.ops import (
-    JOB_UNITS,
-    Changes,
-    encode_section,
-    find_changes,
-    start_changes,
-    unit_view,
-)
+from policies.codec.ops import encode_section, unit_view
 from policies.codec.scan import scan_tensor
 from policies.codec.workers import Pool, workers
 from policies.errors import PatchError

@@ -6,7 +6,7 @@ how many of its units changed (none, sparse, bitmask or dense: the modes of the
 changes a section stores; while each target word is in L1 it adds the word's ``sum-128`` terms
 (:mod:`policies.codec.kernels_sum`), so the target's checksum costs no pass of its own. The
 scan of one tensor runs as jobs over ranges of chunks on the codec's threads
-(:func:`policies.codec.ops.start_changes`); it is compiled like every codec kernel
+(:func:`policies.codec.changes.start_changes`); it is compiled like every codec kernel
 (:mod:`policies.codec.kernels`).
 
 Guarantees: the modes and the changes listed are exactly those the reference numpy encoder of

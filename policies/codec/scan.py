@@ -1,13 +1,14 @@
 """The change scan with torch ops, on the tensors' own device: :func:`scan_tensor`, and the host
 copy of a device view built from its changes alone: :func:`host_copy`.
 
-The encoder scans CPU tensors with the compiled kernel (:func:`policies.codec.ops.find_changes`).
+The encoder scans CPU tensors with the compiled kernel
+(:func:`policies.codec.changes.find_changes`).
 Tensors on another device (a trainer's GPU) are scanned where they live by the same torch code
 that runs on CPU: compare, changed positions, chunk modes, and the base and target units of the
 changes are computed there, and only those compacted arrays (plus every unit of the dense chunks,
 which the format stores whole) cross to the host, where the section is entropy coded.
 
-Guarantees: :func:`scan_tensor` returns the :class:`~policies.codec.ops.Changes` the compiled
+Guarantees: :func:`scan_tensor` returns the :class:`~policies.codec.changes.Changes` the compiled
 scan finds for the same units, field for field (``dense`` aside, which it fills so that the
 section needs no host copy of the tensors), so :func:`~policies.codec.ops.encode_section`
 writes the same bytes (held to it by ``tests/policies/codec/test_codec_scan.py``). Units are
@@ -39,10 +40,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from policies.codec.changes import Changes
 from policies.codec.digests import StorageKey, checksums, hex_lanes, lanes_hex, storage_key
 from policies.codec.kernels import U64
 from policies.codec.kernels_sum import scatter_summing
-from policies.codec.ops import BITMASK, DENSE, SPARSE, Changes
+from policies.codec.ops import BITMASK, DENSE, SPARSE
 from policies.errors import PatchError
 
 

@@ -15,17 +15,12 @@ compiled decoder writes them in.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
-import numpy.typing as npt
 
+from policies.codec.kernels import I64, UInt
 from policies.codec.kernels_apply import ERRORS
 from policies.codec.kernels_read import read_section
 from policies.codec.ops import CODINGS, Coding, section_head
-
-I64 = npt.NDArray[np.int64]
-UInt = npt.NDArray[np.unsignedinteger[Any]]
 
 
 def section_values(data: bytes, units: int, chunk: int, width: int) -> tuple[I64, Coding, UInt]:

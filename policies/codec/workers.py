@@ -16,7 +16,7 @@ may run on (its affinity):
 
 A streamed publish encodes a version as dozens of chunk patches and a replica applies as many; a
 pool started per patch cost a thread start and new per-thread scan buffers
-(:func:`policies.codec.ops.start_changes`) each time, and two patches encoded at once ran two
+(:func:`policies.codec.changes.start_changes`) each time, and two patches encoded at once ran two
 pools on the same cores.
 
 Guarantees: the codec's jobs never wait on other jobs of a pool (a job that needs others'

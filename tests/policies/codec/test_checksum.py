@@ -12,10 +12,10 @@ from hypothesis.extra import numpy as hnp
 
 from policies.codec import apply_patch, checksums, encode_patch, read_patch_header
 from policies.codec import encode as codec_encode
+from policies.codec.changes import JOB_UNITS
 from policies.codec.digests import hex_lanes, lanes_hex, tensor_checksum
 from policies.codec.format import FORMAT
 from policies.codec.kernels_sum import scatter_summing
-from policies.codec.ops import JOB_UNITS
 from policies.errors import PatchChecksumMismatch, PatchCorrupt
 
 DTYPES = [torch.uint8, torch.bfloat16, torch.float32, torch.float64, torch.complex128]

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from policies.codec import ops
+from policies.codec.changes import find_changes
 from policies.codec.ops import (
     CODINGS,
     DENSE,
@@ -19,7 +20,6 @@ from policies.codec.ops import (
     apply_section,
     encode_positions,
     encode_section,
-    find_changes,
     pick_coding,
     transform,
 )

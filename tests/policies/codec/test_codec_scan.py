@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from policies.codec import apply_patch, checksums, encode_patch, state_digest
+from policies.codec.changes import Changes, find_changes
 from policies.codec.digests import raw_bytes
-from policies.codec.ops import Changes, encode_section, find_changes, unit_view
+from policies.codec.ops import encode_section, unit_view
 from policies.codec.scan import scan_tensor
 from policies.codec.views import ViewKind, ViewSpec, build_view
 from policies.errors import PatchError
