@@ -36,7 +36,7 @@ LAYERS: dict[str, int] = {
     "orchestrator.record": 8,
     "orchestrator.loop": 9,
     "orchestrator.observe": 10,
-    "orchestrator.rayfleet": 10,  # islands on Ray: the supervisor's replicas, the scaler
+    "orchestrator.rayfleet": 10,  # islands on Ray: their actors, the scaler
     "orchestrator.run": 11,
     "orchestrator.offline": 12,
     "orchestrator.train_worker": 13,

@@ -11,7 +11,7 @@ parts ``device_codec``, ``device_publish``, ``device_trainer``, ``device_engine`
 :mod:`~orchestrator.bench.simulate`, a simulated heterogeneous fleet. Each prints its baseline
 measured in the same run. Nothing at run time imports this package.
 
-Pieces they share: :mod:`~orchestrator.bench.link` (a slow link between board and replica),
+Pieces they share: :mod:`~orchestrator.bench.link` (a slow link between board and island),
 :mod:`~orchestrator.bench.synthetic` (synthetic bf16 views and Adam-like steps),
 :mod:`~orchestrator.bench.optimizer_steps` (real optimizer steps on a model).
 """

@@ -179,7 +179,7 @@ def _bench_sprawl(
     same = encode_patch(db, dt, base_digest=bdig, target_checksums=tsums) == patch
     enc = on_device.best(lambda _: encode_patch(db, dt, base_digest=bdig, target_checksums=tsums))
     cold = on_device.best(lambda _: encode_patch(db, dt))
-    app = timer.best(  # verified as a replica verifies: from the words written
+    app = timer.best(  # verified as an island verifies: from the words written
         lambda s: apply_patch(s, patch, base_digest=bdig, base_checksums=bsums), lambda: _copy(base)
     )
     raw = timer.best(

@@ -1,5 +1,5 @@
 """``bench device`` part ``publish``: ``Board.publish`` of a view that lives on the device, and a
-replica reading it back.
+board reader reading it back.
 
 The ``view_mb`` bf16 view of the codec part is drawn on the device and published as version 0
 (an anchor, copied to the host whole: ``anchor_s``); then ``publish_density`` of its values move
@@ -7,9 +7,9 @@ The ``view_mb`` bf16 view of the codec part is drawn on the device and published
 (``publish_s``): the publisher finds the changes on the device and only they cross to the host
 (``to_host_bytes``, from :data:`policies.codec.scan.host_bytes`; ``to_host_vs_patch`` over the
 delta's ``patch_bytes``). ``bytes_written``: what version 1 added to the board's files (its
-patch, manifest and pointer). A replica (:class:`policies.board.BoardReader`, a reader of its
-own) loads version 0 (``replica_load_s``) and advances it to version 1 with the patch
-(``replica_advance_s``); ``exact``: what it holds is the device's version 1, bit for bit, and
+patch, manifest and pointer). A reader (a :class:`policies.board.BoardReader` of its own)
+loads version 0 (``reader_load_s``) and advances it to version 1 with the patch
+(``reader_advance_s``); ``exact``: what it holds is the device's version 1, bit for bit, and
 version 1 is a delta.
 
 On a CPU the view is on the host: the publisher copies nothing across, and ``to_host_bytes`` is 0.
@@ -89,14 +89,14 @@ def _run(scale: Scale, device: Device, root: Path, report: Report) -> None:
         to_host_bytes=crossed,
         to_host_vs_patch=crossed / delta.bytes,
     )
-    del board, view  # the publisher's host copies (two views) are not the replica's memory
-    replica = BoardReader(str(root), RUN)
+    del board, view  # the publisher's host copies (two views) are not the reader's memory
+    reader = BoardReader(str(root), RUN)
     t0 = time.perf_counter()
-    _, held = replica.load(0)
-    report.update(replica_load_s=time.perf_counter() - t0)
+    _, held = reader.load(0)
+    report.update(reader_load_s=time.perf_counter() - t0)
     t0 = time.perf_counter()
-    replica.advance(held, 0, 1)
+    reader.advance(held, 0, 1)
     report.update(
-        replica_advance_s=time.perf_counter() - t0,
+        reader_advance_s=time.perf_counter() - t0,
         exact=m.kind == "delta" and same_on_device(held, target),
     )

@@ -9,7 +9,7 @@ sidecar's own llama-server); the engine's sidecar reads the board through a seri
 :class:`~orchestrator.bench.link.ThrottledBoard`). Then ``--versions`` versions are published,
 each moving ``--density`` of the bf16 values by ±1 ulp (an Adam step). Per version: ``sync_s``
 (from the start of ``Board.publish`` to the sidecar serving it, which may come before the
-publish returns: the patches for replicas further behind are written after the commit),
+publish returns: the patches for islands further behind are written after the commit),
 ``board_bytes_read`` (what crossed the link to stage it), ``patch_bytes``, ``pause_ms`` (how
 long generation was held), ``island_bytes`` (vLLM: bytes written plus read on the island's disk
 to hand the engine that version) and ``engine_weight_version`` (vLLM's ``/weight_info``). Per
@@ -246,7 +246,7 @@ async def _follow(
                 before = link.bytes
                 published: list[tuple[float, Manifest]] = []
                 async with anyio.create_task_group() as publishing:
-                    # served once its patch from v-1 is committed: the patches for replicas
+                    # served once its patch from v-1 is committed: the patches for islands
                     # further behind are written after that, while it serves
                     publishing.start_soon(_publish, trainer, v, published, car)
                     with anyio.fail_after(300):

@@ -1,4 +1,4 @@
-"""A slow link between the board and a replica, for the benchmarks that sync over one.
+"""A slow link between the board and an island, for the benchmarks that sync over one.
 
 :class:`Link` is a serial link of a given bandwidth and round trip; :class:`ThrottledBoard` is a
 reader's board whose every read crosses one, so a sync's time follows the bytes it actually

@@ -1,34 +1,34 @@
-"""``orchestrate bench sync``: how fast a new version reaches every replica over a slow link.
+"""``orchestrate bench sync``: how fast a new version reaches every island over a slow link.
 
-Every replica reads the board through its own :class:`~orchestrator.bench.link.Link`, a serial
+Every island reads the board through its own :class:`~orchestrator.bench.link.Link`, a serial
 link of ``--link-mbit`` Mbit/s: a read is delivered once the link has carried its bytes after
-every earlier read of that replica (a token bucket on the board's read path, so the time follows
+every earlier read of that island (a token bucket on the board's read path, so the time follows
 the bytes actually fetched), and each read, found or not, first takes a round trip of
 ``--link-rtt-ms`` (default 0; reads in flight together overlap theirs). Two views, one run each:
 
-- **demo**: sprawl's tiny model (bf16), each replica a real reference :class:`Engine` behind a
+- **demo**: sprawl's tiny model (bf16), each island a real reference :class:`Engine` behind a
   :class:`Sidecar` (``activation="pause"``), reconciling from its own throttled board;
 - **synthetic**: a ``--size-mb`` bf16 view (default 1024) of 32 MiB-or-smaller random tensors;
-  a replica is the verified view itself (no engine).
+  an island is the verified view itself (no engine).
 
 For each: **full** is shipping the full checkpoint over the link — version 0's anchor fetched,
-checksummed and (demo) copied into the engine — which is also how the replicas start. **sync** is
+checksummed and (demo) copied into the engine — which is also how the islands start. **sync** is
 the time from the start of ``Board.publish`` of version 1 (``--density`` of the values moved by
-±1 ulp, like an Adam step) to the moment the last replica serves it (polling the pointer every
-``--poll-ms``; replicas start on a version while it is being streamed, chunk by chunk). Each
+±1 ulp, like an Adam step) to the moment the last island serves it (polling the pointer every
+``--poll-ms``; islands start on a version while it is being streamed, chunk by chunk). Each
 view reports ``patch_link_s`` (the patch's own link time: the limit), ``sync_s``, ``speedup``
 (full / sync) and ``limit_ratio`` (``speedup`` / (full bytes / patch bytes); target ≥ 0.75).
-``exact`` says each replica's view (demo: the engine's live tensors) is bitwise equal to the
+``exact`` says each island's view (demo: the engine's live tensors) is bitwise equal to the
 published one. The synthetic sync runs ``--repeats`` times (default 5; after the first, each
-on a run of its own: version 0 published again and the replicas reset to it, no link time
+on a run of its own: version 0 published again and the islands reset to it, no link time
 counted), since one sync on two shared cores varied up to 2× from run to run: its
 ``publish_s``, ``sync_s`` and what derives from them are the median, and ``runs`` lists each.
 
-Synthetic also measures **catch-up** of a replica 8 versions behind (versions 1..8 published at
+Synthetic also measures **catch-up** of an island 8 versions behind (versions 1..8 published at
 the same density): one squashed patch (the board's plan: the ``from-00000000/`` chunks of
 version 8) against the 8 deltas applied one after another, bytes and time over the link, both
 checked bitwise. Demo also reports the engine pause (``orchestrator.bench.engine.pause_trials``,
-p50/p99) on a replica's engine, under load.
+p50/p99) on an island's engine, under load.
 """
 
 from __future__ import annotations
@@ -89,8 +89,8 @@ def _timed_publish(board: Board, version: int, view: View) -> tuple[float, float
 
 
 class SyncRun(NamedTuple):
-    """One sync: the publish's seconds, the seconds until the last replica holds the version,
-    whether every replica's view is bitwise the published one, and the delta's bytes."""
+    """One sync: the publish's seconds, the seconds until the last island holds the version,
+    whether every island's view is bitwise the published one, and the delta's bytes."""
 
     publish_s: float
     sync_s: float
@@ -101,7 +101,7 @@ class SyncRun(NamedTuple):
 def _sync(
     pub: Board, boards: list[ThrottledBoard], held: list[View], view1: View, poll_s: float
 ) -> SyncRun:
-    """Publish version 1 while every replica (its board and the version-0 view it holds)
+    """Publish version 1 while every island (its board and the version-0 view it holds)
     follows it."""
 
     def follow(i: int) -> float:
@@ -123,7 +123,7 @@ def run_synthetic(
     size_mb: int,
     density: float,
     mbit: float,
-    replicas: int,
+    islands: int,
     poll_s: float,
     repeats: int = 1,
     rtt_ms: float = 0.0,
@@ -133,7 +133,7 @@ def run_synthetic(
     view0 = synthetic_view(size_mb)
     view_bytes = sum(t.nbytes for t in view0.values())
     pub.publish(0, view0, view_name="bfloat16")
-    boards = [ThrottledBoard(str(root), "synthetic", Link(mbit, rtt_ms)) for _ in range(replicas)]
+    boards = [ThrottledBoard(str(root), "synthetic", Link(mbit, rtt_ms)) for _ in range(islands)]
     t0 = time.perf_counter()
     _, held0 = boards[0].load(0)  # the full checkpoint over the link, verified
     full_s = time.perf_counter() - t0
@@ -148,7 +148,7 @@ def run_synthetic(
         for h in held:
             for name, t in h.items():
                 t.copy_(view0[name])
-        links = [ThrottledBoard(str(root), run, Link(mbit, rtt_ms)) for _ in range(replicas)]
+        links = [ThrottledBoard(str(root), run, Link(mbit, rtt_ms)) for _ in range(islands)]
         runs.append(_sync(again, links, held, view1, poll_s))
         shutil.rmtree(root / run)
     held.clear()
@@ -177,7 +177,7 @@ def run_synthetic(
     return {
         "size_mb": size_mb,
         "view_bytes": view_bytes,
-        "replicas": replicas,
+        "islands": islands,
         "full": {"bytes": full_bytes, "s": round(full_s, 3)},
         "sync": {
             "patch_bytes": patch_bytes,
@@ -197,11 +197,11 @@ async def _demo(
     model: Path,
     density: float,
     mbit: float,
-    replicas: int,
+    islands: int,
     poll_s: float,
     rtt_ms: float = 0.0,
 ) -> tuple[dict[str, Any], Engine]:
-    engines = [Engine(model, dtype=torch.bfloat16) for _ in range(replicas)]
+    engines = [Engine(model, dtype=torch.bfloat16) for _ in range(islands)]
     weights = load_file(model / "model.safetensors")
     view0 = {k: weights[k].to(torch.bfloat16) for k in engines[0].live_tensors()}
     pub = Board(str(root), "demo")
@@ -215,7 +215,7 @@ async def _demo(
             registry=CollectorRegistry(),
             activation="pause",
         )
-        for i in range(replicas)
+        for i in range(islands)
     ]
     t0 = time.perf_counter()
     await cars[0].reconcile()  # the full checkpoint over the link, verified, into the engine
@@ -244,7 +244,7 @@ async def _demo(
     result = {
         "model": str(model),
         "view_bytes": sum(t.nbytes for t in view0.values()),
-        "replicas": replicas,
+        "islands": islands,
         "full": {"bytes": full_bytes, "s": round(full_s, 3)},
         "sync": {"patch_bytes": patch_bytes, "publish_s": round(published - start, 3)},
         **against_the_limit(full_s, full_bytes, patch_bytes, max(done) - start, mbit),
@@ -258,7 +258,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--model", type=Path, default=Path("runs/models/tiny"))
     parser.add_argument("--size-mb", type=int, default=1024)
     add_link_flags(parser, poll_ms=5.0)
-    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--islands", type=int, default=2)
     parser.add_argument(
         "--repeats",
         type=int,
@@ -268,7 +268,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--pause-trials", type=int, default=20)
     parser.add_argument("--pause-load", type=int, default=8)
     parser.add_argument("--json", action="store_true")
-    args = parse_flags(parser, argv, ("size_mb", "replicas", "repeats"))
+    args = parse_flags(parser, argv, ("size_mb", "islands", "repeats"))
     configure(level="warning")
     if not (args.model / "config.json").exists():
         from policies.model.build import init_model
@@ -282,7 +282,7 @@ def main(argv: list[str]) -> int:
             args.model,
             args.density,
             args.link_mbit,
-            args.replicas,
+            args.islands,
             poll_s,
             args.link_rtt_ms,
         )
@@ -297,7 +297,7 @@ def main(argv: list[str]) -> int:
             args.size_mb,
             args.density,
             args.link_mbit,
-            args.replicas,
+            args.islands,
             poll_s,
             args.repeats,
             args.link_rtt_ms,

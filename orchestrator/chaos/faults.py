@@ -80,7 +80,7 @@ def _patch_refused(s: Seen) -> str | None:
     )
     if not fired or not caught:
         return None
-    return f"damaged on write, caught {len(caught)}× by the replicas"
+    return f"damaged on write, caught {len(caught)}× by the islands"
 
 
 def _pointer_skipped(s: Seen) -> str | None:
@@ -89,7 +89,7 @@ def _pointer_skipped(s: Seen) -> str | None:
     repaired = len(s.lines("board.pointer_dangling", "orchestrator.log", "trainer.log"))
     if not seen:
         return None
-    return f"{seen}× not found by the replicas, {repaired}× repaired by the publisher"
+    return f"{seen}× not found by the islands, {repaired}× repaired by the publisher"
 
 
 def _logged(pattern: str, glob: str) -> Evidence:
@@ -129,7 +129,7 @@ class Fault:
     external_trainer: bool = False
 
 
-# -- replicas --------------------------------------------------------------------------------------
+# -- islands and endpoints -------------------------------------------------------------------------
 async def _busy(ctx: Ctx, endpoint: str, timeout_s: float = 30.0) -> int:
     """Wait (≤ ``timeout_s``) until ``endpoint`` has calls in flight; how many it has."""
     with anyio.move_on_after(timeout_s):
@@ -142,13 +142,13 @@ async def _busy(ctx: Ctx, endpoint: str, timeout_s: float = 30.0) -> int:
     return 0
 
 
-async def _kill_replica(ctx: Ctx) -> None:
+async def _kill_island(ctx: Ctx) -> None:
     busy = await _busy(ctx, "engine-0")
     ctx.engine("engine-0").send_signal(signal.SIGKILL)
     ctx.notes.append(f"killed with {busy} calls in flight")
 
 
-async def _hang_replica(ctx: Ctx) -> None:
+async def _hang_island(ctx: Ctx) -> None:
     busy = await _busy(ctx, "engine-0")
     proc = ctx.engine("engine-0")
     proc.send_signal(signal.SIGSTOP)  # alive, holds its connections, answers nothing
@@ -200,7 +200,7 @@ def _damaged_patch(action: str) -> dict[str, str]:
 
 async def _dangling_pointer(ctx: Ctx) -> None:
     """The pointer names a version 50 ahead that does not exist, for 2 s: each publish repairs
-    it and the harness breaks it again (so the replicas, not only the publisher, meet it), then
+    it and the harness breaks it again (so the islands, not only the publisher, meet it), then
     it is left naming the newest real version, as the next publish would."""
     latest = await ctx.latest()
     missing = (latest or 0) + 50
@@ -277,34 +277,34 @@ FAULTS: dict[str, Fault] = {
     for f in (
         Fault("none", "no fault: the baseline"),
         Fault(
-            "replica-kill",
-            "SIGKILL of a replica mid-episode",
-            _kill_replica,
+            "island-kill",
+            "SIGKILL of an island mid-episode",
+            _kill_island,
             _failed_calls("engine-0"),
         ),
         Fault(
-            "replica-hang",
-            "a replica stops answering (SIGSTOP)",
-            _hang_replica,
+            "island-hang",
+            "an island stops answering (SIGSTOP)",
+            _hang_island,
             _failed_calls("engine-0"),
         ),
         Fault(
-            "replica-500",
-            "a replica answers every generate with 500",
+            "endpoint-500",
+            "an endpoint answers every generate with 500",
             _link("error"),
             _failed_calls("chaos-link"),
             at_version=0,
         ),
         Fault(
-            "replica-garbage",
-            "a replica answers with malformed bodies",
+            "endpoint-garbage",
+            "an endpoint answers with malformed bodies",
             _link("garbage"),
             _failed_calls("chaos-link"),
             at_version=0,
         ),
         Fault(
             "slow-link",
-            "0.5 s added to every call to one replica",
+            "0.5 s added to every call to one endpoint",
             _link("slow"),
             _slow_calls,
             at_version=0,

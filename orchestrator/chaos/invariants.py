@@ -5,8 +5,8 @@
   (``lost``) or counted twice (``duplicated``) (:func:`orchestrator.record.accounting.account`);
 - **in bounds**: every model call's response was stamped with a version inside the bounds its
   request carried (``segments[].bounds`` in the trajectory log);
-- **verified**: every (endpoint, version) that served a call was activated on that replica with
-  the board's digest of that version (``version_activated`` in the engine's log), so no replica
+- **verified**: every (endpoint, version) that served a call was activated on that island with
+  the board's digest of that version (``version_activated`` in the engine's log), so no island
   served bits whose checksums failed;
 - **progress**: the trainer's newest version on the board reached ``trainer.max_steps``;
 - **no orphans**: no process of the run (the orchestrator, engines, trainer, sandboxes, seen by
@@ -39,7 +39,7 @@ class Verdict:
     wrong_version: int = 0
     """Model calls answered at a version outside their request's bounds."""
     unverified: int = 0
-    """Model calls served by a replica at a version it never activated with the board's digest."""
+    """Model calls served by an island at a version it never activated with the board's digest."""
     final_version: int | None = None
     leftover: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)

@@ -1,8 +1,8 @@
 """A faulty link: an HTTP proxy on loopback in front of one rollout endpoint.
 
-The chaos harness puts it between the orchestrator and a real engine to make that replica
+The chaos harness puts it between the orchestrator and a real engine to make that island
 misbehave without changing the engine. Every route is forwarded unchanged (health and policy
-probes still succeed, as they would for a replica whose generation path is broken) except
+probes still succeed, as they would for an island whose generation path is broken) except
 ``POST /v1/generate``, which the ``mode`` damages:
 
 - ``error`` — answers ``500`` with a JSON error body;

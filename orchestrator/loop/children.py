@@ -9,7 +9,7 @@ orchestrator, even when it is killed.
 :class:`Children` guarantees, on exit, whatever raised: each child gets SIGTERM and its grace
 period, then whatever is left of its process group gets SIGKILL, and every child is reaped —
 concurrently, and shielded from cancellation. :meth:`Children.stop` does the same for some
-children now (a replica the supervisor replaces); they are forgotten, so their process group ids
+children now (an island the supervisor replaces); they are forgotten, so their process group ids
 are never signalled again.
 
 Every child that runs a sprawl serving command is started from its options model
@@ -17,7 +17,7 @@ Every child that runs a sprawl serving command is started from its options model
 from :mod:`policies.serve.options`, its secrets in the environment, never in argv), so the local
 fleet, its islands and Ray islands build one command line in one way.
 
-A :class:`LocalReplica` is the children of one endpoint (a reference engine; an island's sidecar
+A :class:`LocalIsland` is the children of one endpoint (a reference engine; an island's sidecar
 and engine) as the supervisor (:mod:`orchestrator.loop.supervisor`) sees it: down when any of
 them exits.
 """
@@ -134,7 +134,7 @@ class Children:
 
 
 @dataclass
-class LocalReplica:
+class LocalIsland:
     """The children serving one endpoint (see the module docstring)."""
 
     ref: EndpointRef

@@ -6,7 +6,7 @@ port, writes one JSON line ``{"url": …}`` to stdout when it serves, logs to
 orchestrator, even when it is killed. Islands (``[[fleet.islands]]``: vLLM, llama.cpp, each
 behind a sidecar) are started beside them by :mod:`orchestrator.loop.islands`. Everything starts
 concurrently; the fleet is yielded once every endpoint serves, as a :class:`LocalFleet`: one
-:class:`~orchestrator.loop.children.LocalReplica` per endpoint and, per endpoint id, how to start
+:class:`~orchestrator.loop.children.LocalIsland` per endpoint and, per endpoint id, how to start
 it again — what the supervisor (:mod:`orchestrator.loop.supervisor`) needs to replace one that
 dies (:func:`fleet_supervisor`). A replacement is started exactly as the first one (same
 endpoint id, same log, appended to), so it starts on the board's newest version. On exit every
@@ -26,7 +26,7 @@ import anyio
 import structlog
 
 from orchestrator.config import FleetConfig, IslandConfig
-from orchestrator.loop.children import Children, LocalReplica, read_ready, sprawl_command
+from orchestrator.loop.children import Children, LocalIsland, read_ready, sprawl_command
 from orchestrator.loop.islands import LoraServing, island_ids, start_island
 from orchestrator.loop.pool import Pool
 from orchestrator.loop.supervisor import Launch, RestartPolicy, Supervisor
@@ -38,15 +38,16 @@ log = structlog.get_logger(__name__)
 
 @dataclass
 class LocalFleet:
-    """The started fleet: its replicas (engines first, then islands in config order) and the
+    """The started fleet: its islands (reference engines first, then the other kinds in config
+    order) and the
     launcher of each endpoint id."""
 
-    replicas: list[LocalReplica]
+    islands: list[LocalIsland]
     launchers: dict[str, Launch]
 
     @property
     def refs(self) -> list[EndpointRef]:
-        return [r.ref for r in self.replicas]
+        return [r.ref for r in self.islands]
 
 
 def fleet_supervisor(
@@ -84,7 +85,7 @@ async def local_fleet(
     ids = island_ids(islands)
     async with Children(log_dir) as children:
 
-        async def engine(i: int) -> LocalReplica:
+        async def engine(i: int) -> LocalIsland:
             options = ServeOptions.model_validate(
                 {
                     "board": board_url,
@@ -105,9 +106,9 @@ async def local_fleet(
                 await children.stop(child)
                 raise
             log.info("engine_started", engine=child.name, url=url, pid=child.proc.pid)
-            return LocalReplica(EndpointRef(id=child.name, url=url), [child], children)
+            return LocalIsland(EndpointRef(id=child.name, url=url), [child], children)
 
-        async def island(j: int) -> LocalReplica:
+        async def island(j: int) -> LocalIsland:
             return await start_island(
                 j,
                 islands[j],
@@ -120,18 +121,18 @@ async def local_fleet(
                 lora=lora,
             )
 
-        launchers: list[Callable[[], Awaitable[LocalReplica]]]
+        launchers: list[Callable[[], Awaitable[LocalIsland]]]
         launchers = [partial(engine, i) for i in range(n)]
         launchers += [partial(island, j) for j in range(len(islands))]
-        replicas: list[LocalReplica | None] = [None] * len(launchers)
+        launched: list[LocalIsland | None] = [None] * len(launchers)
 
         async def start(k: int) -> None:
-            replicas[k] = await launchers[k]()
+            launched[k] = await launchers[k]()
 
         async with anyio.create_task_group() as tg:
             for k in range(len(launchers)):
                 tg.start_soon(start, k)
-        started = [r for r in replicas if r is not None]
+        started = [r for r in launched if r is not None]
         yield LocalFleet(
             started, {r.ref.id: launch for r, launch in zip(started, launchers, strict=True)}
         )

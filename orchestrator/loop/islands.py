@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict
 
 from orchestrator.config import IslandConfig, LlamaCppIslandConfig, VLLMIslandConfig
 from orchestrator.errors import FleetError
-from orchestrator.loop.children import Child, Children, LocalReplica, read_ready, sprawl_command
+from orchestrator.loop.children import Child, Children, LocalIsland, read_ready, sprawl_command
 from orchestrator.types import EndpointRef
 from policies.errors import EngineError, PolicyError
 from policies.serve.options import SidecarOptions
@@ -89,7 +89,7 @@ async def start_island(
     poll_interval_s: float,
     host: str = "127.0.0.1",
     lora: LoraServing | None = None,
-) -> LocalReplica:
+) -> LocalIsland:
     """Start island ``fleet.islands[index]`` and return it once it serves (its sidecar bound to
     ``host``; ``lora`` set: serving LoRA versions); what it started is stopped again when it
     fails to."""
@@ -116,7 +116,7 @@ async def start_island(
             log.info(
                 "island_started", island=island_id, kind=spec.kind, url=url, pid=child.proc.pid
             )
-            return LocalReplica(
+            return LocalIsland(
                 EndpointRef(id=island_id, url=url, weight=spec.weight), own, children
             )
     except BaseException as exc:

@@ -1,32 +1,32 @@
 """Supervision of the endpoints the orchestrator started: deregister the dead, restart, give up.
 
-:class:`Supervisor` tends every endpoint it is given — a :class:`Replica` (what runs now) and a
+:class:`Supervisor` tends every endpoint it is given — a :class:`Island` (what runs now) and a
 :data:`Launch` (how to start it again) — and guarantees, per endpoint:
 
-- **deregistered at once**: when the replica exits, or the pool's health checks have failed for
+- **deregistered at once**: when the island exits, or the pool's health checks have failed for
   ``unhealthy_s`` (judged as each check completes), the endpoint is removed from the pool
   *before* anything else happens, so no new call is routed to it (calls in flight fail over with
-  their token prefix, as for any failed call: :mod:`orchestrator.loop.pool`); then the replica
+  their token prefix, as for any failed call: :mod:`orchestrator.loop.pool`); then the island
   is stopped and reaped (a hung one is killed);
 - **bounded restarts with backoff**: restart ``n`` (1, 2, …) starts after
   :meth:`RestartPolicy.delay` ``(n)`` seconds (doubling from ``fleet.restart_backoff_s``, capped
   at ``fleet.restart_backoff_max_s``); an attempt that fails to come up counts too; after
   ``fleet.max_restarts`` attempts the endpoint stays deregistered and an error naming
   ``fleet.max_restarts`` is logged;
-- **re-registered under the same id** once the new replica serves (a replica starts on the
+- **re-registered under the same id** once the new island serves (an island starts on the
   board's newest version, so it never serves an older one than it did before); an endpoint the
   user had removed (admin API) when it died is restarted but left out of rotation;
-- **counted**: events ``engine_died`` (``endpoint``, ``reason``, ``exit_code``, ``restarts``),
-  ``engine_restarted`` (``endpoint``, ``restart``, ``url``, ``backoff_s``) and
-  ``engine_gave_up`` (``endpoint``, ``restarts``, ``reason``) go to the run's event sink (event
+- **counted**: events ``island_died`` (``endpoint``, ``reason``, ``exit_code``, ``restarts``),
+  ``island_restarted`` (``endpoint``, ``restart``, ``url``, ``backoff_s``) and
+  ``island_gave_up`` (``endpoint``, ``restarts``, ``reason``) go to the run's event sink (event
   log and Prometheus metrics).
 
 When an endpoint gives up and the pool has no live endpoint left and none is being restarted,
 :meth:`Supervisor.run` raises :class:`~orchestrator.errors.FleetError`: the run stops with that
 one line instead of waiting for endpoints that will not come.
 
-The supervisor knows nothing of processes: a replica is anything that can say when it went down
-and be stopped (local subprocesses: :class:`~orchestrator.loop.children.LocalReplica`). Not
+The supervisor knows nothing of processes: an island is anything that can say when it went down
+and be stopped (local subprocesses: :class:`~orchestrator.loop.children.LocalIsland`). Not
 covered: endpoints it did not start (``fleet.endpoints``, admin additions) are never restarted.
 """
 
@@ -49,21 +49,21 @@ log = structlog.get_logger(__name__)
 
 @dataclass(frozen=True)
 class Down:
-    """Why a replica stopped serving: a readable ``reason`` and its exit code (None: it did not
+    """Why an island stopped serving: a readable ``reason`` and its exit code (None: it did not
     exit by itself, or the launcher has no such notion)."""
 
     reason: str
     exit_code: int | None = None
 
 
-class Replica(Protocol):
+class Island(Protocol):
     """One running instance of a supervised endpoint."""
 
     @property
     def ref(self) -> EndpointRef: ...
 
     async def down(self) -> Down:
-        """Return when the replica has stopped serving by itself (e.g. its process exited)."""
+        """Return when the island has stopped serving by itself (e.g. its process exited)."""
         ...
 
     async def stop(self) -> None:
@@ -71,8 +71,8 @@ class Replica(Protocol):
         ...
 
 
-Launch = Callable[[], Awaitable[Replica]]
-"""Start a new replica of one endpoint; return once it serves (raise FleetError if it cannot)."""
+Launch = Callable[[], Awaitable[Island]]
+"""Start a new island of one endpoint; return once it serves (raise FleetError if it cannot)."""
 
 
 @dataclass(frozen=True)
@@ -112,27 +112,27 @@ class Supervisor:
         self._restarting: set[str] = set()
         self._last: dict[str, Down] = {}
         self._tg: TaskGroup | None = None
-        self._tending: dict[str, tuple[anyio.CancelScope, list[Replica]]] = {}
+        self._tending: dict[str, tuple[anyio.CancelScope, list[Island]]] = {}
 
-    async def run(self, replicas: Sequence[Replica]) -> None:
-        """Tend ``replicas`` (one per launcher, already registered) until cancelled, and those
+    async def run(self, islands: Sequence[Island]) -> None:
+        """Tend ``islands`` (one per launcher, already registered) until cancelled, and those
         :meth:`add` ed meanwhile; raises FleetError once no endpoint is left to serve."""
         async with anyio.create_task_group() as tg:
             self._tg = tg
-            for replica in replicas:
-                self._start_tending(replica)
+            for island in islands:
+                self._start_tending(island)
             await anyio.sleep_forever()
 
-    def add(self, endpoint: str, launch: Launch, replica: Replica) -> None:
-        """Tend one more endpoint from now on (its serving ``replica``, already registered, and
+    def add(self, endpoint: str, launch: Launch, island: Island) -> None:
+        """Tend one more endpoint from now on (its serving ``island``, already registered, and
         how to start it again); needs :meth:`run` going."""
         if self._tg is None:
             raise RuntimeError("Supervisor.add needs Supervisor.run going")
         self.launchers[endpoint] = launch
-        self._start_tending(replica)
+        self._start_tending(island)
 
-    async def retire(self, endpoint: str) -> Replica | None:
-        """Stop tending ``endpoint`` (a restart in progress is abandoned); its replica, for the
+    async def retire(self, endpoint: str) -> Island | None:
+        """Stop tending ``endpoint`` (a restart in progress is abandoned); its island, for the
         caller to stop, or None when none runs (it was down, or gave up)."""
         scope, current = self._tending.pop(endpoint, (None, []))
         self.launchers.pop(endpoint, None)
@@ -140,10 +140,10 @@ class Supervisor:
             scope.cancel()
         return current[0] if current else None
 
-    def _start_tending(self, replica: Replica) -> None:
+    def _start_tending(self, island: Island) -> None:
         assert self._tg is not None
-        scope, current = anyio.CancelScope(), [replica]
-        self._tending[replica.ref.id] = scope, current
+        scope, current = anyio.CancelScope(), [island]
+        self._tending[island.ref.id] = scope, current
 
         async def tend() -> None:
             with scope:
@@ -151,42 +151,42 @@ class Supervisor:
 
         self._tg.start_soon(tend)
 
-    async def _tend(self, current: list[Replica]) -> None:
+    async def _tend(self, current: list[Island]) -> None:
         """Watch ``current[0]``, replacing it in ``current`` when it is restarted; an empty
         ``current`` while it is down."""
-        replica = current[0]
-        endpoint = replica.ref.id
+        island = current[0]
+        endpoint = island.ref.id
         while True:
-            down = await self._until_down(replica)
+            down = await self._until_down(island)
             registered = self._deregister(endpoint)
             self._died(endpoint, down)
             self._restarting.add(endpoint)
             current.clear()
             try:
-                await replica.stop()
+                await island.stop()
                 restarted = await self._restart(endpoint)
             finally:
                 self._restarting.discard(endpoint)
             if restarted is None:
                 self._give_up(endpoint)
                 return
-            replica = restarted
-            current.append(replica)
+            island = restarted
+            current.append(island)
             if registered:
-                self.pool.add(replica.ref)
+                self.pool.add(island.ref)
 
-    async def _until_down(self, replica: Replica) -> Down:
-        """The first of: the replica going down by itself, or staying unhealthy too long."""
+    async def _until_down(self, island: Island) -> Down:
+        """The first of: the island going down by itself, or staying unhealthy too long."""
         result: list[Down] = []
         async with anyio.create_task_group() as tg:
 
             async def exited() -> None:
-                result.append(await replica.down())
+                result.append(await island.down())
                 tg.cancel_scope.cancel()
 
             async def unhealthy() -> None:
                 # judged only while it is in rotation: one the user removed is not probed
-                endpoint = replica.ref.id
+                endpoint = island.ref.id
                 while not (
                     self._registered(endpoint)
                     and self.pool.unhealthy_for(endpoint) >= self.unhealthy_s
@@ -211,41 +211,41 @@ class Supervisor:
         self.pool.remove(endpoint)
         return True
 
-    async def _restart(self, endpoint: str) -> Replica | None:
-        """A new serving replica, or None once ``max_restarts`` attempts are spent."""
+    async def _restart(self, endpoint: str) -> Island | None:
+        """A new serving island, or None once ``max_restarts`` attempts are spent."""
         while self.restarts.get(endpoint, 0) < self.policy.max_restarts:
             n = self.restarts[endpoint] = self.restarts.get(endpoint, 0) + 1
             backoff = self.policy.delay(n)
-            log.info("engine_restarting", endpoint=endpoint, restart=n, backoff_s=backoff)
+            log.info("island_restarting", endpoint=endpoint, restart=n, backoff_s=backoff)
             await anyio.sleep(backoff)
             try:
-                replica = await self.launchers[endpoint]()
+                island = await self.launchers[endpoint]()
             except FleetError as exc:
                 self._died(endpoint, Down(f"restart {n} failed: {exc}"))
                 continue
             self.events.emit(
-                "engine_restarted",
+                "island_restarted",
                 endpoint=endpoint,
                 restart=n,
-                url=replica.ref.url,
+                url=island.ref.url,
                 backoff_s=backoff,
             )
-            log.info("engine_restarted", endpoint=endpoint, restart=n, url=replica.ref.url)
-            return replica
+            log.info("island_restarted", endpoint=endpoint, restart=n, url=island.ref.url)
+            return island
         return None
 
     def _died(self, endpoint: str, down: Down) -> None:
         self._last[endpoint] = down
         restarts = self.restarts.get(endpoint, 0)
         self.events.emit(
-            "engine_died",
+            "island_died",
             endpoint=endpoint,
             reason=down.reason,
             exit_code=down.exit_code,
             restarts=restarts,
         )
         log.warning(
-            "engine_died",
+            "island_died",
             endpoint=endpoint,
             reason=down.reason,
             exit_code=down.exit_code,
@@ -260,8 +260,8 @@ class Supervisor:
             f"{self.policy.max_restarts} restarts are spent"
         )
         self.gave_up.add(endpoint)
-        self.events.emit("engine_gave_up", endpoint=endpoint, restarts=n, reason=reason)
-        log.error("engine_gave_up", endpoint=endpoint, restarts=n, error=reason)
+        self.events.emit("island_gave_up", endpoint=endpoint, restarts=n, reason=reason)
+        log.error("island_gave_up", endpoint=endpoint, restarts=n, error=reason)
         if not self.pool.live() and not self._restarting:
             gone = ", ".join(sorted(self.gave_up))
             raise FleetError(

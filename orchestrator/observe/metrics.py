@@ -13,9 +13,9 @@ Metrics (all prefixed ``sprawl_``; one private registry per :class:`RunMetrics`)
 decided groups), ``waiting_routes_total`` (routing attempts that found no endpoint).
 
 Supervision of the local fleet (:mod:`orchestrator.loop.supervisor`):
-``engine_deaths_total{endpoint}`` (an engine or island exited, stayed unhealthy, or failed to come
-up on a restart), ``engine_restarts_total{endpoint}`` (restarts that came up and serve again)
-and ``engine_give_ups_total{endpoint}`` (restarts spent: out of rotation for the rest of the run).
+``island_deaths_total{endpoint}`` (an island exited, stayed unhealthy, or failed to come up on a
+restart), ``island_restarts_total{endpoint}`` (restarts that came up and serve again) and
+``island_give_ups_total{endpoint}`` (restarts spent: out of rotation for the rest of the run).
 
 The length-bias guard (:mod:`staleness.length_bias`; groups the run's stop dropped are left out):
 ``groups_decided_by_tokens_total{bucket,decision}`` and ``groups_decided_by_turns_total{bucket,
@@ -148,21 +148,21 @@ class RunMetrics(NullEvents):
 
     def _register_supervision(self, r: CollectorRegistry) -> None:
         """The local fleet's supervision: deaths, restarts, give-ups per endpoint."""
-        self.engine_deaths = Counter(
-            "sprawl_engine_deaths",
-            "Local engines or islands that went down (exited, unhealthy, failed to restart)",
+        self.island_deaths = Counter(
+            "sprawl_island_deaths",
+            "Islands that went down (exited, unhealthy, failed to restart)",
             ["endpoint"],
             registry=r,
         )
-        self.engine_restarts = Counter(
-            "sprawl_engine_restarts",
-            "Local engines or islands restarted and serving again",
+        self.island_restarts = Counter(
+            "sprawl_island_restarts",
+            "Islands restarted and serving again",
             ["endpoint"],
             registry=r,
         )
-        self.engine_give_ups = Counter(
-            "sprawl_engine_give_ups",
-            "Local engines or islands left out of rotation after fleet.max_restarts",
+        self.island_give_ups = Counter(
+            "sprawl_island_give_ups",
+            "Islands left out of rotation after fleet.max_restarts",
             ["endpoint"],
             registry=r,
         )
@@ -247,12 +247,12 @@ class RunMetrics(NullEvents):
                 self._decided(f)
             case "requeue":
                 self.requeued.inc()
-            case "engine_died":
-                self.engine_deaths.labels(f["endpoint"]).inc()
-            case "engine_restarted":
-                self.engine_restarts.labels(f["endpoint"]).inc()
-            case "engine_gave_up":
-                self.engine_give_ups.labels(f["endpoint"]).inc()
+            case "island_died":
+                self.island_deaths.labels(f["endpoint"]).inc()
+            case "island_restarted":
+                self.island_restarts.labels(f["endpoint"]).inc()
+            case "island_gave_up":
+                self.island_give_ups.labels(f["endpoint"]).inc()
             case _:
                 pass
 

@@ -83,7 +83,7 @@ class IslandActor:
         if spec.island is None:
             url = await self._reference(self.children)
         else:
-            replica = await start_island(
+            started = await start_island(
                 0,
                 spec.island,
                 self.children,
@@ -95,7 +95,7 @@ class IslandActor:
                 host=_node_ip(),
                 lora=spec.lora,
             )
-            url = replica.ref.url
+            url = started.ref.url
         self.url = url
         log.info("island_serving", island=spec.id, url=url)
         return url, self.token

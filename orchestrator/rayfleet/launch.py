@@ -1,4 +1,4 @@
-"""Islands on Ray as supervised replicas: placing an
+"""Islands on Ray, supervised: placing an
 :class:`~orchestrator.rayfleet.island.IslandActor` and watching it.
 
 :func:`connect` joins the cluster of ``fleet.ray.address`` once per process. :func:`launcher`
@@ -180,7 +180,7 @@ class RayFleet:
     device: str
     poll_interval_s: float
     lora: LoraServing | None = None
-    replicas: list[RayIsland] = field(default_factory=list)
+    islands: list[RayIsland] = field(default_factory=list)
     actors: list[Any] = field(default_factory=list)
 
     def launcher(self, island_id: str) -> Callable[[], Awaitable[RayIsland]]:
@@ -198,7 +198,7 @@ class RayFleet:
 
     @property
     def launchers(self) -> dict[str, Launch]:
-        return {r.ref.id: self.launcher(r.ref.id) for r in self.replicas}
+        return {r.ref.id: self.launcher(r.ref.id) for r in self.islands}
 
 
 @asynccontextmanager
@@ -226,7 +226,7 @@ async def ray_fleet(
         async with anyio.create_task_group() as tg:
             for i in ids:
                 tg.start_soon(one, i)
-        out.replicas = [started[i] for i in ids]
+        out.islands = [started[i] for i in ids]
         yield out
     finally:
         with anyio.CancelScope(shield=True):

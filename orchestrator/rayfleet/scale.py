@@ -106,7 +106,7 @@ class Scaler:
     async def _start(self, island: str) -> None:
         launch = self.make_launch(island)
         try:
-            replica = await launch()
+            started = await launch()
         except FleetError as exc:
             self.members.remove(island)
             self.events.emit("island_start_failed", endpoint=island, error=str(exc))
@@ -114,10 +114,10 @@ class Scaler:
             return
         finally:
             self.starting.discard(island)
-        self.pool.add(replica.ref)
-        self.supervisor.add(island, launch, replica)
-        self.events.emit("island_added", endpoint=island, url=replica.ref.url)
-        log.info("island_added", island=island, url=replica.ref.url)
+        self.pool.add(started.ref)
+        self.supervisor.add(island, launch, started)
+        self.events.emit("island_added", endpoint=island, url=started.ref.url)
+        log.info("island_added", island=island, url=started.ref.url)
 
     async def _remove(self, n: int) -> None:
         order = sorted(
@@ -140,9 +140,9 @@ class Scaler:
                 await anyio.sleep(0.1)
         if waited.cancelled_caught:
             drained = False
-        replica = await self.supervisor.retire(island)
-        if replica is not None:
-            await replica.stop()
+        retired = await self.supervisor.retire(island)
+        if retired is not None:
+            await retired.stop()
         self.members.remove(island)
         self.draining.discard(island)
         self.events.emit("island_removed", endpoint=island, drained=drained)

@@ -17,11 +17,11 @@ per event: ``seq`` (0, 1, 2, … in emission order), ``t`` (Unix time), ``kind``
 - ``version_unavailable`` — a 409 (``endpoint``, ``applied_version``); ``call_failed`` — a failed
   call (``endpoint``, ``error``, ``attempt``, ``failover``: whether it is retried elsewhere);
 - ``trainer_version`` — the trainer clock moved (``version``);
-- ``engine_died`` — a local engine or island went down (``endpoint``, ``reason``, ``exit_code``:
+- ``island_died`` — a local engine or island went down (``endpoint``, ``reason``, ``exit_code``:
   null when it did not exit by itself, ``restarts``: spent so far); it was out of rotation before
-  this was written; ``engine_restarted`` — a restart serves again under the same id
+  this was written; ``island_restarted`` — a restart serves again under the same id
   (``endpoint``, ``restart``: 1, 2, …, ``url``, ``backoff_s``: the wait before it);
-  ``engine_gave_up`` — ``fleet.max_restarts`` spent, out of rotation for the rest of the run
+  ``island_gave_up`` — ``fleet.max_restarts`` spent, out of rotation for the rest of the run
   (``endpoint``, ``restarts``, ``reason``) (:mod:`orchestrator.loop.supervisor`);
 - ``admit`` — the scheduler admitted group ``index`` (``group_id``, e.g. ``"g000012"``,
   ``task_id``, ``environment``, ``admitted`` so far, ``budget``); written to disk before the

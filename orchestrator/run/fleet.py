@@ -26,7 +26,7 @@ from orchestrator.loop.client import HttpTransport
 from orchestrator.loop.fleet import LocalFleet, fleet_supervisor, local_fleet
 from orchestrator.loop.islands import LoraServing
 from orchestrator.loop.pool import Pool
-from orchestrator.loop.supervisor import Replica
+from orchestrator.loop.supervisor import Island
 from orchestrator.rayfleet.scale import Scaler
 from orchestrator.types import EventSink
 
@@ -79,7 +79,7 @@ async def open_fleet(cfg: Config, model_dir: Path, events: EventSink) -> AsyncIt
             breaker_cooldown_s=cfg.fleet.breaker_cooldown_s,
             events=events,
         )
-        on_ray = rays.replicas if rays is not None else []
+        on_ray = rays.islands if rays is not None else []
         for ref in local.refs + [r.ref for r in on_ray] + cfg.fleet.endpoint_refs():
             pool.add(ref)
         yield _tended(cfg, pool, local, rays, events)
@@ -89,10 +89,10 @@ def _tended(
     cfg: Config, pool: Pool, local: LocalFleet, rays: RayFleet | None, events: EventSink
 ) -> RunFleet:
     """The fleet with its supervisor and scaler, as the config asks."""
-    on_ray = rays.replicas if rays is not None else []
+    on_ray = rays.islands if rays is not None else []
     # fleet.restart = false: a dead local engine stays in the pool, out of rotation;
     # Ray islands are always tended (the scaler adds and retires them), not restarted
-    tended: list[Replica] = [*(local.replicas if cfg.fleet.restart else []), *on_ray]
+    tended: list[Island] = [*(local.islands if cfg.fleet.restart else []), *on_ray]
     launchers = {**local.launchers, **(rays.launchers if rays is not None else {})}
     supervise: list[Callable[[], Coroutine[Any, Any, None]]] = []
     scaler = None

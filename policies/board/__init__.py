@@ -14,7 +14,7 @@ as bytes), :mod:`~policies.board.anchors` (an anchor's bytes), :mod:`~policies.b
 pieces of a sharded version and the manifest assembled from every rank's),
 :mod:`~policies.board.sharded_read` (a sharded version read into the full view),
 :mod:`~policies.board.stream_publish` (patches written chunk by chunk),
-:mod:`~policies.board.stream` (a replica staging them as they land), :mod:`~policies.board.plan`
+:mod:`~policies.board.stream` (a reader staging them as they land), :mod:`~policies.board.plan`
 (which patches and anchors, pure), :mod:`~policies.board.manifest` (a manifest's digest, seal
 and base-file records),
 :mod:`~policies.board.store` (the fsspec store), :mod:`~policies.board.types` (manifests and

@@ -103,7 +103,7 @@ class BoardIndex:
 
     def stream(self) -> Stream | None:
         """The version a publisher is streaming now (the run's ``STREAM``), or None: absent,
-        or unreadable (logged as ``board.stream_unreadable``; replicas then wait for the
+        or unreadable (logged as ``board.stream_unreadable``; readers then wait for the
         pointer). It never makes a version servable; only :meth:`advance` with it does, once the
         version is published and its chunks match its manifest."""
         try:
@@ -201,11 +201,11 @@ class BoardIndex:
 
     def base_files(self) -> dict[str, bytes]:
         """The run's base files (config, tokenizer: :data:`BASE_FILES` present in ``base/``),
-        read once per reader; what a replica writes next to the weights it serves.
+        read once per reader; what a reader writes next to the weights it serves.
 
         From then on every version this reader loads or advances to must record exactly these
         files (names, sizes, checksums) in its manifest: :meth:`advance` refuses any other with
-        :class:`VersionCorrupt` naming the file, so a replica never serves weights under base
+        :class:`VersionCorrupt` naming the file, so a reader never serves weights under base
         files that were not published with them. A file larger than ``MAX_BASE_FILE_BYTES`` is
         a :class:`BoardError` naming it.
         """

@@ -4,7 +4,7 @@ Squashed catch-up patches. Into each version ``v`` the publisher writes the delt
 previous version and, for every level ``j = 1 … L``, a patch from ``b_j(v) = ((v-1) // 2**j) *
 2**j`` — the newest multiple of ``2**j`` below ``v`` — when it still holds that view. For ``v`` a
 multiple of ``2**j`` this is the aligned jump ``v - 2**j → v``; otherwise a jump from the last
-``2**j`` boundary. With contiguous versions a replica ``k ≤ 2**L`` versions behind reaches any
+``2**j`` boundary. With contiguous versions a reader ``k ≤ 2**L`` versions behind reaches any
 target in at most ``floor(log2 k) + 1`` patches: it climbs from ``have`` by aligned jumps
 (``c → c + lowbit(c)``, one per set bit of ``P - have``) to ``P``, the target with the bits below
 the highest bit where ``have`` and the target differ cleared, then takes one jump ``P → want``.
@@ -108,8 +108,8 @@ def plan(manifests: Mapping[int, Manifest], have: int | None, want: int) -> Catc
 def removable(kinds: Mapping[int, str], keep_from: int, latest: int | None) -> list[int]:
     """Versions retention may delete so that every version ≥ ``keep_from`` stays reachable.
 
-    Kept: the newest anchor at or before ``keep_from`` (a fresh replica starts there) and every
-    version after it, and always ``latest``. A replica holding ``h ≥ keep_from`` needs only
+    Kept: the newest anchor at or before ``keep_from`` (a fresh reader starts there) and every
+    version after it, and always ``latest``. A reader holding ``h ≥ keep_from`` needs only
     patches stored in versions after ``h``, which are kept. Nothing is removed if no anchor is at
     or before ``keep_from``.
     """

@@ -17,7 +17,7 @@ Layout under ``<url>/<run>/``::
 Publishing (:meth:`Board.publish`) writes a delta against the previous version unless an anchor
 is due (``BoardOptions.anchor_every`` versions since the last one, or the delta bytes since it
 would pass ``anchor_fraction`` of a full view, or the publisher does not hold the previous view);
-an anchor version also stores its patches, so replicas one version behind never fetch it whole.
+an anchor version also stores its patches, so readers one version behind never fetch it whole.
 The publisher keeps the views it will patch from in memory (at most ``catchup_levels + 1``; it
 holds references, so callers must not modify a view after publishing it) and never re-reads the
 board to publish (only ``base/``, once, when :meth:`Board.create` was not called). Every
@@ -27,10 +27,10 @@ fields (:func:`~policies.board.manifest.manifest_seal`), patch names and sizes i
 Guarantees:
 
 - the delta from the previous version is streamed: ``STREAM``, then each chunk as soon as it is
-  encoded, so replicas stage chunks while the rest is encoded (:mod:`policies.board.stream`);
+  encoded, so readers stage chunks while the rest is encoded (:mod:`policies.board.stream`);
   the version is committed (manifest, pointer) as soon as the delta (and an anchor's file) is
   durable, and only then are the catch-up patches written and the manifest written again with
-  them: a replica one version behind serves the version without waiting for patches it does not
+  them: a reader one version behind serves the version without waiting for patches it does not
   need (a reader that read the manifest before plans without them);
 - bytes are durable before a manifest names them and before the pointer moves: data files, then
   the manifest, then the pointer, each written atomically (local: temp file + fsync + rename +
@@ -47,7 +47,7 @@ Guarantees:
 - damaged, truncated or missing files raise :class:`VersionCorrupt` (a :class:`BoardError`)
   naming the version and file; storage failures raise :class:`BoardError` with the URL's
   credentials and any configured secret removed (the original exception is not chained);
-- :meth:`gc` keeps every version a replica holding ``≥ keep_from`` (or starting fresh) needs.
+- :meth:`gc` keeps every version a reader holding ``≥ keep_from`` (or starting fresh) needs.
 
 A view on a device (a GPU trainer's) is never copied to the host whole when the publisher holds the
 previous version: the changes are found on the device and only they cross
@@ -184,7 +184,7 @@ class Board(BoardReader):
         sums, patches = self._stream_delta(version, side, previous, stream_id)
         manifest = self._write_version(version, latest, view_name, head, side.view, sums, patches)
         self._move_pointer(manifest)
-        if len(order) > 1:  # served already; then the patches for replicas further behind
+        if len(order) > 1:  # served already; then the patches for readers further behind
             later = {b: held[b] for b in order[1:]}
             manifest = self._write_catch_up(manifest, side.view, sums, later, stream_id)
         self._keep(manifest, held, side, sums)
@@ -352,10 +352,10 @@ class Board(BoardReader):
 
     # -- retention -------------------------------------------------------------------------------
     def gc(self, keep_from: int) -> list[int]:
-        """Delete versions no replica holding ``≥ keep_from`` (or starting fresh) needs.
+        """Delete versions no reader holding ``≥ keep_from`` (or starting fresh) needs.
 
         Keeps the newest anchor at or before ``keep_from`` and everything after it; returns
-        the versions deleted. Call it with the oldest version any live replica may still hold.
+        the versions deleted. Call it with the oldest version any live reader may still hold.
         """
         vs = self.versions()
         kinds: dict[int, str] = {}

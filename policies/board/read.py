@@ -1,7 +1,7 @@
 """Bringing a view to a version: catch-up plans, patches applied (whole, streamed in chunks, or a
 sharded version's per rank) and anchors, every step verified.
 
-:class:`BoardReader` is everything a replica (a sidecar, ``orchestrate versions``,
+:class:`BoardReader` is everything a reader (a sidecar, ``orchestrate versions``,
 ``materialize``) does with a board; it reads through :class:`~policies.board.index.BoardIndex`,
 and :class:`policies.board.Board` adds publishing and retention. The layout and the guarantees
 are in :mod:`policies.board`; sharded versions are read into the same full view
@@ -66,7 +66,7 @@ class BoardReader(BoardIndex):
     def catch_up(self, have: int | None, want: int | None = None) -> CatchUp:
         """The patches (or anchor + patches) that take a view at ``have`` to ``want``.
 
-        ``want`` defaults to the newest version; ``have=None`` means the replica holds nothing.
+        ``want`` defaults to the newest version; ``have=None`` means the reader holds nothing.
         A direct patch route is searched only when ``have`` is at most ``4 · 2**catchup_levels``
         versions behind (else the plan starts at an anchor).
         """

@@ -54,7 +54,7 @@ class Piece:
     local: torch.Tensor
     full_shape: list[int]
     publish: bool
-    """Whether this rank writes it (replicas other than the first do not)."""
+    """Whether this rank writes it (readers other than the first do not)."""
 
 
 def rank_piece(name: str, t: torch.Tensor, rank: int) -> Piece:

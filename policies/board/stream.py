@@ -1,4 +1,4 @@
-"""Streamed patches, a replica's half: a version's chunks staged as they land, checked at commit.
+"""Streamed patches, a reader's half: a version's chunks staged as they land, checked at commit.
 
 A publisher streams a version's patch chunk by chunk (:mod:`policies.board.stream_publish`): it
 announces the chunks in the run's ``STREAM`` (:class:`~policies.board.types.Stream`), writes
@@ -6,7 +6,7 @@ chunk ``i`` of the patch from ``u`` (:func:`~policies.board.types.chunk_file`) a
 encoded, and the manifest (each chunk's size and frame checksum) and then the pointer only once
 every chunk is durable.
 
-A replica holding ``u`` that sees the stream (:func:`follow`, a :class:`Follower`) fetches chunk
+A reader holding ``u`` that sees the stream (:func:`follow`, a :class:`Follower`) fetches chunk
 ``i`` by its name as soon as it exists (:func:`fetching`: up to :data:`FETCH_AHEAD` chunks ahead
 of the one it applies, asked for together, so its link carries the next chunks meanwhile and a
 round trip to the board is paid once, not once a chunk; a chunk not there yet is polled only
@@ -52,12 +52,12 @@ from policies.codec import apply_patch, read_patch_header
 from policies.errors import BoardError, PatchBaseMismatch, PatchError, VersionCorrupt
 
 POLL_S = 0.005
-"""How often a replica following a stream looks for the next chunk or the pointer."""
+"""How often a reader following a stream looks for the next chunk or the pointer."""
 CHECK_S = 0.1
 """How often it also checks that the stream is still the one it follows (``STREAM``'s id, and
 that the pointer did not reach the version without the chunk it waits for)."""
 FETCH_AHEAD = 8
-"""Chunk fetches a replica keeps in flight ahead of the one it applies: the link stays busy while
+"""Chunk fetches a reader keeps in flight ahead of the one it applies: the link stays busy while
 it applies, and a board a round trip away (an object store in another region) answers several
 requests per round trip."""
 FETCH_BYTES = 512 * 2**20

@@ -10,10 +10,10 @@ unannounced). It then encodes the chunks one after another, each a complete spra
 its tensors (:func:`policies.codec.encode_patch` with the base's digest and the target's
 checksums), and writes chunk ``i`` of the patch from ``u`` to
 ``versions/<v>/from-<u:08d>/<i:05d>.patch`` (:func:`~policies.board.types.chunk_file`) as soon as
-it is encoded, while the next :data:`ENCODE_AHEAD` are encoded. A replica's half (following a
+it is encoded, while the next :data:`ENCODE_AHEAD` are encoded. A reader's half (following a
 stream, and what it checks) is :mod:`policies.board.stream`.
 
-Guarantees: chunk ``i`` is written only after chunk ``i - 1`` (a replica waiting for chunk ``i``
+Guarantees: chunk ``i`` is written only after chunk ``i - 1`` (a reader waiting for chunk ``i``
 polls it only once the one before has landed), each through the caller's ``write`` (atomic, as
 every board write); :func:`write_chunks` returns each patch's record for the manifest (every
 chunk's size and frame checksum, :attr:`~policies.board.types.PatchRef.chunks`) and never writes

@@ -20,7 +20,7 @@ MAX_VERSION = 2**63 - 1
 FORMAT = 7
 """The one manifest format this sprawl writes and reads: the whole manifest sealed (base files,
 patch names and sizes included), tensor and piece checksums ``sum-128``
-(:mod:`policies.codec.digests`: a replica verifies a patch from the words it writes), a sharded
+(:mod:`policies.codec.digests`: a reader verifies a patch from the words it writes), a sharded
 version's :attr:`Manifest.shards` and a streamed patch's :attr:`PatchRef.chunks` where they
 apply. A manifest of another format is refused (:class:`policies.errors.BoardFormatError` says
 how to proceed); the policy is in ``docs/board.md``."""
@@ -73,13 +73,13 @@ class BoardOptions(BaseModel):
     """Write a full view (anchor) at least every this many versions (1: every version)."""
     anchor_fraction: float = Field(default=0.5, gt=0, le=100)
     """Also write an anchor once the delta bytes since the last anchor would exceed this fraction
-    of a full view (a fresh replica then reads at most ``1 + fraction`` views' worth of bytes)."""
+    of a full view (a fresh reader then reads at most ``1 + fraction`` views' worth of bytes)."""
     catchup_levels: int = Field(default=4, ge=0, le=16)
-    """Squashed catch-up patches spanning up to ``2**levels`` versions; a replica up to that many
+    """Squashed catch-up patches spanning up to ``2**levels`` versions; a reader up to that many
     versions behind applies at most ``log2(k) + 1`` patches. The publisher keeps up to
     ``levels + 1`` views in memory."""
     retain_versions: int | None = Field(default=None, ge=1)
-    """After each publish, drop versions no replica within this many versions of the newest can
+    """After each publish, drop versions no reader within this many versions of the newest can
     need (``Board.gc(latest - retain_versions + 1)``); None keeps every version."""
     zstd_level: int = Field(default=1, ge=1, le=22)
     """zstd level of patch sections."""
@@ -125,7 +125,7 @@ def patch_file(base: int) -> str:
 
 def chunk_file(base: int, index: int) -> str:
     """The name of chunk ``index`` of the patch ``base`` → v inside version v's directory (a
-    streamed patch): deterministic, so a replica can fetch chunk ``i``
+    streamed patch): deterministic, so a reader can fetch chunk ``i``
     before the manifest exists."""
     return f"from-{base:08d}/{index:05d}.patch"
 
@@ -202,12 +202,12 @@ class ShardEntry(BaseModel):
 class Stream(BaseModel):
     """The run's ``STREAM`` object: the version a publisher is streaming now (written before its
     first chunk). It never makes a version servable — only the manifest and the pointer do —;
-    it tells replicas which chunks to fetch while the rest is encoded."""
+    it tells readers which chunks to fetch while the rest is encoded."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     version: StrictInt = Field(ge=0, le=MAX_VERSION)
     id: str
-    """New for every publish attempt: a replica that sees another id stops following this one."""
+    """New for every publish attempt: a reader that sees another id stops following this one."""
     bases: dict[int, str]
     """The patches being streamed: base version → that version's digest."""
     chunks: list[list[str]]
@@ -287,7 +287,7 @@ class Step(BaseModel):
 
 
 class CatchUp(BaseModel):
-    """How to go from the version a replica holds to the one it wants."""
+    """How to go from the version a reader holds to the one it wants."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     have: int | None

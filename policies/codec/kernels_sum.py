@@ -12,7 +12,7 @@ pass at all: the compiled scan (:func:`policies.codec.kernels_scan.scan_changes`
 word's terms while the word is in L1, and since the checksum is a sum, the scan jobs of one
 tensor add their parts (:func:`finish_sum` adds the short last word and the byte count).
 
-Why a sum: a replica that writes a patch into a view updates the checksum of what it holds from
+Why a sum: a reader that writes a patch into a view updates the checksum of what it holds from
 the words it writes alone — each word's term subtracted before its write and added after
 (:func:`add_word_changes`, called by :mod:`policies.codec.kernels_apply`) — instead of hashing the
 whole tensor again. Like xxh3 it is a checksum: it catches damage and decoding errors (a

@@ -22,7 +22,7 @@ copy. Guarantee: the result equals ``target`` bit for bit whenever ``base_host``
 have been modified since); names that alias one storage in ``target`` alias one host tensor. Given
 the ``sum-128`` checksums of ``base_host``, it also returns the copy's, each patched tensor's from
 its base's and the words its changes write (:func:`policies.codec.kernels_sum.scatter_summing`, as
-a replica checks a patch), with no pass over the copy (only tensors copied whole are hashed). Every
+a reader checks a patch), with no pass over the copy (only tensors copied whole are hashed). Every
 byte :func:`scan_tensor` and :func:`host_copy` move to the host from another device is counted in
 :data:`host_bytes` (a publish logs them as ``to_host_bytes``).
 

@@ -2,7 +2,7 @@
 
 numba compiles a kernel the first time a process calls it with types it has not seen, and keeps
 the machine code in its on-disk cache (:mod:`policies.codec.kernels`). On a machine where sprawl
-never ran, the first version a publisher encoded took 9.1 s and the first a replica applied 8.5 s
+never ran, the first version a publisher encoded took 9.1 s and the first a reader applied 8.5 s
 (the `small` model; the next ones 0.03–0.04 s and 0.01 s), so a fresh clone's first run served
 its first versions seconds late. :func:`warm_up` encodes and applies a small patch of every unit
 width a view has (1, 2, 4 and 8 bytes), in every way a run does (the checksum summed by the scan

@@ -14,7 +14,7 @@ may run on (its affinity):
   :class:`Pool`'s: a small model's patch (50 tensors) applied in 4.8–5.6 ms at the median
   against 5.4–5.7 on the :class:`Pool` (alternated, same minimum).
 
-A streamed publish encodes a version as dozens of chunk patches and a replica applies as many; a
+A streamed publish encodes a version as dozens of chunk patches and a reader applies as many; a
 pool started per patch cost a thread start and new per-thread scan buffers
 (:func:`policies.codec.changes.start_changes`) each time, and two patches encoded at once ran two
 pools on the same cores.

@@ -22,7 +22,7 @@ Guarantees:
 - every response carries the versions applied at its start and its end;
 - a version that fails verification is never activated: the old one keeps serving, the failure is
   logged and counted, and the sidecar moves on to the next newer version when one appears; a
-  replica serving nothing yet starts on the newest version that verifies (each newer one it
+  island serving nothing yet starts on the newest version that verifies (each newer one it
   skips is logged as ``version_skipped`` with the reason) and keeps following the board; an
   activation the engine fails (e.g. an external engine briefly unreachable) is logged, counted
   and retried with exponential backoff (``poll_interval_s`` × 2^n, at most 60 s), the old version
@@ -219,7 +219,7 @@ class Sidecar:
         )
 
     async def _stage_newest_good(self, target: int) -> int | None:
-        """Stage ``target``; a replica serving nothing yet falls back to the newest older version
+        """Stage ``target``; an island serving nothing yet falls back to the newest older version
         that stages (each one skipped is logged as ``version_skipped`` with why), so a damaged
         newest version never keeps it from serving. The version staged, or None."""
         candidates = [target]

@@ -76,7 +76,7 @@ def test_islands_on_ray_are_replaced_and_scaled_during_a_run(
             ray.init(address=address, namespace="sprawl-demo", log_to_driver=False)
             [victim] = [n for n in ray.util.list_named_actors() if n.startswith("ray-0.")]
             ray.kill(ray.get_actor(victim))
-            _wait_for(proc, lines, '"engine_restarted"')
+            _wait_for(proc, lines, '"island_restarted"')
 
             three = _fleet(run_dir, "scale", "3", "--wait")["islands"]
             serving = [("ray-0", "serving"), ("ray-1", "serving"), ("ray-2", "serving")]
@@ -94,9 +94,9 @@ def test_islands_on_ray_are_replaced_and_scaled_during_a_run(
         ray.shutdown()
 
     events = read_events(run_dir)
-    fleet = [e for e in events if e["kind"].startswith(("engine_", "island_"))]
+    fleet = [e for e in events if e["kind"].startswith("island_")]
     kinds = [(e["kind"], e["endpoint"]) for e in fleet]
-    assert kinds[:2] == [("engine_died", "ray-0"), ("engine_restarted", "ray-0")], kinds
+    assert kinds[:2] == [("island_died", "ray-0"), ("island_restarted", "ray-0")], kinds
     assert "its actor died" in fleet[0]["reason"]
     assert ("island_added", "ray-2") in kinds
     removed = {e["endpoint"]: e for e in fleet if e["kind"] == "island_removed"}

@@ -29,10 +29,10 @@ def _metrics(run_dir: Path) -> str:
 
 
 def _served_by_replacement(run_dir: Path, endpoint: str) -> bool:
-    """Whether a call was served by ``endpoint`` after its ``engine_restarted`` event."""
+    """Whether a call was served by ``endpoint`` after its ``island_restarted`` event."""
     restarted = None
     for e in read_events(run_dir):
-        if e["kind"] == "engine_restarted" and e["endpoint"] == endpoint:
+        if e["kind"] == "island_restarted" and e["endpoint"] == endpoint:
             restarted = e["seq"]
         elif restarted is not None and e["kind"] == "served" and e["endpoint"] == endpoint:
             return True
@@ -76,7 +76,7 @@ def test_a_killed_engine_is_replaced_and_the_run_accounts_for_every_group(
         elif '"trainer_step"' in line and killed is None:
             killed = started["engine-0"][0]
             os.kill(killed, signal.SIGKILL)
-        elif '"engine_restarted"' in line and not metrics:
+        elif '"island_restarted"' in line and not metrics:
             metrics = _metrics(run_dir)  # while the run goes on
         if metrics and not stopped and time.monotonic() - checked > 0.5:
             checked = time.monotonic()
@@ -98,8 +98,8 @@ def test_a_killed_engine_is_replaced_and_the_run_accounts_for_every_group(
     assert not any(alive(pid) for pids in started.values() for pid in pids)
 
     events = read_events(run_dir)
-    mine = [e for e in events if e["kind"].startswith("engine_")]
-    assert [e["kind"] for e in mine] == ["engine_died", "engine_restarted"], mine
+    mine = [e for e in events if e["kind"].startswith("island_")]
+    assert [e["kind"] for e in mine] == ["island_died", "island_restarted"], mine
     died, restarted = mine
     assert died["endpoint"] == restarted["endpoint"] == "engine-0"
     assert died["exit_code"] == -signal.SIGKILL
@@ -110,8 +110,8 @@ def test_a_killed_engine_is_replaced_and_the_run_accounts_for_every_group(
     between = [e for e in events if died["seq"] < e["seq"] < restarted["seq"]]
     assert not [e for e in between if e["kind"] == "route" and e["chosen"] == "engine-0"]
 
-    assert 'sprawl_engine_deaths_total{endpoint="engine-0"} 1.0' in metrics
-    assert 'sprawl_engine_restarts_total{endpoint="engine-0"} 1.0' in metrics
+    assert 'sprawl_island_deaths_total{endpoint="engine-0"} 1.0' in metrics
+    assert 'sprawl_island_restarts_total{endpoint="engine-0"} 1.0' in metrics
 
     acc = account(run_dir)  # the groups in flight at the stop are recorded as dropped
     assert acc.ok, acc.problems
@@ -156,7 +156,7 @@ def test_a_run_whose_last_engine_used_up_its_restarts_stops_with_one_line(
         "restarts (fleet.max_restarts = 0)"
     )
     run_dir = tmp_path / "demo"
-    kinds = [e["kind"] for e in read_events(run_dir) if e["kind"].startswith("engine_")]
-    assert kinds == ["engine_died", "engine_gave_up"]
+    kinds = [e["kind"] for e in read_events(run_dir) if e["kind"].startswith("island_")]
+    assert kinds == ["island_died", "island_gave_up"]
     acc = account(run_dir)  # the groups in flight are recorded as dropped by the stop
     assert acc.ok, acc.problems

@@ -1,4 +1,4 @@
-"""A publisher held mid-stream and a replica's staging watched, for tests of streamed publish
+"""A publisher held mid-stream and an island's staging watched, for tests of streamed publish
 (policies/board/stream_publish.py, policies/board/stream.py)."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class AskedTogether:
 
 
 class Staging:
-    """Records what a replica following a stream applies: it wraps
+    """Records what an island following a stream applies: it wraps
     ``policies.board.stream.apply_frame`` (what :class:`~policies.board.stream.Follower` applies
     each chunk with) for the test's duration, and wakes whoever waits for a tensor to be
     staged."""

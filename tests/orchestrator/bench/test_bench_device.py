@@ -28,7 +28,7 @@ CODEC_ROW = {
 }  # fmt: skip
 PUBLISH = {
     "view_bytes", "density", "anchor_s", "publish_s", "kind", "patch_bytes", "changed",
-    "bytes_written", "to_host_bytes", "to_host_vs_patch", "replica_load_s", "replica_advance_s",
+    "bytes_written", "to_host_bytes", "to_host_vs_patch", "reader_load_s", "reader_advance_s",
     "exact",
 }  # fmt: skip
 TRAINER_MODEL = {
@@ -120,7 +120,7 @@ def test_the_tiny_cpu_run_writes_every_part_with_the_device_runs_fields(
 
 
 class _Flipping(BoardReader):
-    """A replica whose advance from a version it holds leaves one bit of the view wrong."""
+    """An island whose advance from a version it holds leaves one bit of the view wrong."""
 
     def advance(
         self,

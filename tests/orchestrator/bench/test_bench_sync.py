@@ -55,7 +55,7 @@ def test_adam_step_moves_values_by_one_ulp_and_stays_finite() -> None:
     ("argv", "named"),
     [
         (["--repeats", "0"], "--repeats: must be at least 1"),
-        (["--replicas", "0"], "--replicas: must be at least 1"),
+        (["--islands", "0"], "--islands: must be at least 1"),
         (["--link-mbit", "0"], "--link-mbit: must be > 0"),
         (["--link-rtt-ms", "-1"], "--link-rtt-ms: must be >= 0"),
         (["--density", "1.5"], "--density: must be in (0, 1]"),

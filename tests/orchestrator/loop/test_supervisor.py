@@ -1,4 +1,4 @@
-"""The supervisor's state machine with scripted replicas, on trio's mock clock: deregistered
+"""The supervisor's state machine with scripted islands, on trio's mock clock: deregistered
 before anything else, restarted after a doubling backoff, bounded, re-registered under its id,
 counted in events and metrics, and the run stopped only when no endpoint is left."""
 
@@ -14,7 +14,7 @@ from orchestrator.loop.pool import Pool
 from orchestrator.loop.supervisor import RestartPolicy, Supervisor
 from orchestrator.observe.metrics import RunMetrics, Tee
 from tests.support.fakes import ScriptedTransport
-from tests.support.replicas import Events, Fleet
+from tests.support.islands import Events, Fleet
 
 pytestmark = pytest.mark.anyio
 
@@ -32,7 +32,7 @@ async def _setup(
     pool = Pool(transport, version_wait_s=30.0, poll_interval_s=1.0)
     fleet = Fleet(pool)
     for e in endpoints:
-        pool.add(fleet.replica(e).ref)
+        pool.add(fleet.island(e).ref)
     await pool.refresh_all()
     supervisor = Supervisor(
         pool,
@@ -71,7 +71,7 @@ async def test_a_dead_engine_leaves_rotation_first_and_comes_back_under_its_id()
     ep = pool.endpoints["engine-0"]
     assert not ep.removed
     assert ep.ref.url == "http://engine-0/1"
-    assert events.kinds() == ["engine_died", "engine_restarted"]
+    assert events.kinds() == ["island_died", "island_restarted"]
     died, restarted = events.seen[0][2], events.seen[1][2]
     assert died["exit_code"] == -9
     assert died["restarts"] == 0
@@ -82,8 +82,8 @@ async def test_a_dead_engine_leaves_rotation_first_and_comes_back_under_its_id()
         "backoff_s": 1.0,
     }
     text = metrics.exposition().decode()
-    assert 'sprawl_engine_deaths_total{endpoint="engine-0"} 1.0' in text
-    assert 'sprawl_engine_restarts_total{endpoint="engine-0"} 1.0' in text
+    assert 'sprawl_island_deaths_total{endpoint="engine-0"} 1.0' in text
+    assert 'sprawl_island_restarts_total{endpoint="engine-0"} 1.0' in text
 
 
 async def test_restarts_are_bounded_with_a_doubling_backoff_and_the_run_goes_on() -> None:
@@ -100,15 +100,15 @@ async def test_restarts_are_bounded_with_a_doubling_backoff_and_the_run_goes_on(
     assert launches == [1.0, 3.0, 6.0]  # waits 1, 2, then 3 (the cap): 3 restarts, no more
     assert not fleet.in_rotation("engine-0")
     assert supervisor.gave_up == {"engine-0"}
-    assert events.kinds() == ["engine_died"] * 4 + ["engine_gave_up"]
-    assert [f["restarts"] for _, k, f in events.seen if k == "engine_died"] == [0, 1, 2, 3]
+    assert events.kinds() == ["island_died"] * 4 + ["island_gave_up"]
+    assert [f["restarts"] for _, k, f in events.seen if k == "island_died"] == [0, 1, 2, 3]
     assert "restart 1 failed" in events.seen[1][2]["reason"]
     gave_up = events.seen[-1][2]
     assert gave_up["restarts"] == 3
     assert "fleet.max_restarts = 3" in gave_up["reason"]
     text = metrics.exposition().decode()
-    assert 'sprawl_engine_deaths_total{endpoint="engine-0"} 4.0' in text
-    assert 'sprawl_engine_give_ups_total{endpoint="engine-0"} 1.0' in text
+    assert 'sprawl_island_deaths_total{endpoint="engine-0"} 4.0' in text
+    assert 'sprawl_island_give_ups_total{endpoint="engine-0"} 1.0' in text
 
 
 async def test_the_run_fails_in_one_line_when_no_endpoint_is_left() -> None:
@@ -124,7 +124,7 @@ async def test_the_run_fails_in_one_line_when_no_endpoint_is_left() -> None:
         ),
     ):
         await supervisor.run(list(fleet.current.values()))
-    assert events.kinds() == ["engine_died", "engine_died", "engine_gave_up"]
+    assert events.kinds() == ["island_died", "island_died", "island_gave_up"]
 
 
 async def test_an_engine_whose_health_checks_keep_failing_is_replaced() -> None:
@@ -153,7 +153,7 @@ async def test_an_engine_whose_health_checks_keep_failing_is_replaced() -> None:
         tg.cancel_scope.cancel()
     assert hung.stopped  # killed, though it never exited
     died = events.seen[0]
-    assert died[1] == "engine_died"
+    assert died[1] == "island_died"
     assert died[2]["exit_code"] is None
     assert "fleet.unhealthy_s" in died[2]["reason"]
     assert died[0] - t0 == 5.0  # judged at the check 5 s after the first failed one
@@ -171,15 +171,15 @@ async def test_an_endpoint_the_user_removed_is_restarted_but_left_out_of_rotatio
         fleet.current["engine-0"].die(0)
         await anyio.sleep(5)
         tg.cancel_scope.cancel()
-    assert events.kinds() == ["engine_died", "engine_restarted"]
+    assert events.kinds() == ["island_died", "island_restarted"]
     assert not fleet.in_rotation("engine-0")
 
 
 async def test_an_endpoint_added_again_keeps_its_count_of_calls_served() -> None:
     pool, fleet, _, _, _ = await _setup(["engine-0"])
-    pool.endpoints["engine-0"].served[0] = 7  # calls its first replica served
+    pool.endpoints["engine-0"].served[0] = 7  # calls its first island served
     pool.remove("engine-0")
-    pool.add(fleet.replica("engine-0").ref)
+    pool.add(fleet.island("engine-0").ref)
     ep = pool.endpoints["engine-0"]
     assert ep.served == {0: 7}
     assert not ep.healthy

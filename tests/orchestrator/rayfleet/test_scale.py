@@ -1,4 +1,4 @@
-"""The Ray scaler's state machine with scripted replicas, on trio's mock clock: islands added get
+"""The Ray scaler's state machine with scripted islands, on trio's mock clock: islands added get
 new ids, join the pool and are supervised; removal takes the newest first, out of rotation at
 once, waits for the calls in flight (up to ``fleet.ray.drain_timeout_s``), then stops them; a
 start that fails is an event, not a loop; the admin API scales it."""
@@ -24,7 +24,7 @@ from orchestrator.loop.supervisor import RestartPolicy, Supervisor
 from orchestrator.rayfleet.launch import connect
 from orchestrator.rayfleet.scale import Scaler
 from tests.support.fakes import ScriptedTransport
-from tests.support.replicas import Events, Fleet
+from tests.support.islands import Events, Fleet
 
 pytestmark = pytest.mark.anyio
 IDS = [f"ray-{i}" for i in range(6)]
@@ -42,7 +42,7 @@ async def _scaler(
     events = Events()
     pool = Pool(ScriptedTransport({i: 0 for i in IDS}), version_wait_s=30.0, poll_interval_s=1.0)
     fleet = Fleet(pool)
-    first = [fleet.replica(f"ray-{i}") for i in range(n)]
+    first = [fleet.island(f"ray-{i}") for i in range(n)]
     for r in first:
         pool.add(r.ref)
     await pool.refresh_all()
@@ -90,7 +90,7 @@ async def test_islands_added_get_new_ids_join_the_pool_and_are_supervised() -> N
         assert fleet.in_rotation("ray-2")
         assert fleet.launches["ray-2"] == 2
     assert events.kinds() == [
-        "island_added", "island_added", "engine_died", "engine_restarted"
+        "island_added", "island_added", "island_died", "island_restarted"
     ]  # fmt: skip
 
 
@@ -137,7 +137,7 @@ async def test_an_island_that_cannot_start_is_an_event_and_is_not_retried() -> N
         scaler.scale(2)
         await anyio.sleep(5)
         assert _states(scaler) == [("ray-0", "serving")]
-        assert fleet.launches.get("ray-1", 0) == 0  # the launch raised before a replica
+        assert fleet.launches.get("ray-1", 0) == 0  # the launch raised before an island
         [failed] = [f for _, k, f in events.seen if k == "island_start_failed"]
         assert failed["endpoint"] == "ray-1"
         assert "exited before it was ready" in failed["error"]

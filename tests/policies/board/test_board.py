@@ -402,9 +402,9 @@ def test_gc_keeps_what_a_live_replica_needs(make_board: MakeBoard) -> None:
     assert board.gc(7) == list(range(5))
     assert board.versions() == list(range(5, 13))
     view = {n: t.clone() for n, t in states[7].items()}
-    board.advance(view, 7, 12)  # a replica holding keep_from catches up by patches
+    board.advance(view, 7, 12)  # a reader holding keep_from catches up by patches
     assert _same(view, states[12])
-    assert _same(board.load(7)[1], states[7])  # a fresh replica starts at anchor 5
+    assert _same(board.load(7)[1], states[7])  # a fresh reader starts at anchor 5
     with pytest.raises(BoardError, match="version 3"):
         board.load(3)
 

@@ -329,7 +329,7 @@ def test_a_fifo_in_an_object_s_place_is_refused_not_waited_on(tmp_path: Path, re
     reader = Board(str(tmp_path / "board"), "run")
     with pytest.raises(VersionCorrupt, match="not a regular file"):
         reader.store.read(str(path), 1 << 20)
-    if rel == "STREAM":  # what a replica does with it: nothing is streamed (logged)
+    if rel == "STREAM":  # what a reader does with it: nothing is streamed (logged)
         assert reader.stream() is None
     elif rel == "POINTER":
         with pytest.raises(BoardError):

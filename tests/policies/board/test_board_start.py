@@ -1,4 +1,4 @@
-"""Which version a starting replica serves (the reference engine + sidecar, over HTTP)."""
+"""Which version a starting reader serves (the reference engine + sidecar, over HTTP)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ async def test_a_damaged_newest_version_starts_the_replica_on_the_newest_good_on
     publish_scaled(board, 2, tiny_model_dir, scale=0.25)
     damage(board, 2)
     with capture_logs() as logs:
-        with anyio.fail_after(60):  # before #19 item 15 the replica never listened
+        with anyio.fail_after(60):  # before #19 item 15 the reader never listened
             async with engine(board) as url:
                 assert (await policy(url))["applied_version"] == 1
                 publisher = Board(board.url, board.run)
@@ -67,7 +67,7 @@ async def test_a_replica_never_serves_a_tampered_base_file(
     with capture_logs() as logs:
         with anyio.move_on_after(3):  # it waits for a version that records its base files
             async with engine(board):
-                raise AssertionError("the replica listened on a tampered config.json")
+                raise AssertionError("the reader listened on a tampered config.json")
     refused = {e["version"]: e["error"] for e in logs if e["event"] == "version_refused"}
     assert sorted(refused) == [0, 1]
     for version, error in refused.items():

@@ -1,4 +1,4 @@
-"""Streamed publish: replicas stage chunks while the publisher encodes the rest, and never serve a
+"""Streamed publish: readers stage chunks while the publisher encodes the rest, and never serve a
 version before it is published (policies/board/stream.py)."""
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ def test_a_version_is_served_before_the_patches_for_replicas_further_behind_are_
         write(path, data)
         rel = path.removeprefix(f"{board.root}/")
         written.append(rel)
-        if rel == "POINTER":  # what a replica reads the moment the version is committed
+        if rel == "POINTER":  # what a reader reads the moment the version is committed
             seen["at commit"] = make_board().manifest(3)
 
     monkeypatch.setattr(board, "_write", record)
@@ -368,7 +368,7 @@ def test_a_chunk_not_written_yet_is_polled_only_after_the_one_before_it_landed(
     one, two = chunk_file(0, 1), chunk_file(0, 2)
 
     def publisher() -> None:
-        # chunk 1 once the replica has polled it a while; the rest once it polls chunk 2
+        # chunk 1 once the reader has polled it a while; the rest once it polls chunk 2
         assert chunks.until(lambda: len(chunks.asked(one)) >= 20)
         chunks.write({one: b"\x01"})
         assert chunks.until(lambda: any(one in written for written in chunks.asked(two)))
@@ -435,7 +435,7 @@ def test_fetching_keeps_the_bytes_in_flight_within_its_budget(
 def test_a_published_version_is_caught_up_with_the_next_chunks_in_flight(
     tmp_path: Path,
 ) -> None:
-    """Chunks of a version already published (a replica catching up) cross while the one
+    """Chunks of a version already published (a reader catching up) cross while the one
     before them is applied, asked for together."""
     v0 = _view(0)
     v1 = _step(v0, 1)
@@ -483,7 +483,7 @@ def test_a_replica_asks_for_the_pointer_and_the_stream_together(tmp_path: Path) 
     t = threading.Thread(target=follow)
     t.start()
     assert together.both.wait(30)
-    gate.go.set()  # the version is published only once the replica follows its stream
+    gate.go.set()  # the version is published only once the reader follows its stream
     publish.join(30)
     t.join(30)
     assert isinstance(done[0], Manifest), done
@@ -553,7 +553,7 @@ def test_the_commit_is_watched_while_the_last_chunks_are_applied(
 
 def test_a_slow_publisher_is_not_taken_for_a_stalled_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every chunk, and the commit, come within the stall timeout of the one before, though the
-    whole stream takes longer: the replica keeps following (its stall clocks count from the
+    whole stream takes longer: the reader keeps following (its stall clocks count from the
     last progress, not from when it first asked)."""
     _stub_apply(monkeypatch)
     monkeypatch.setattr(board_stream, "STALL_S", 0.5)
@@ -564,7 +564,7 @@ def test_a_slow_publisher_is_not_taken_for_a_stalled_one(monkeypatch: pytest.Mon
 
     def publisher() -> None:
         # the pace under test (each step well within STALL_S, all of them past it), not a wait
-        # for the replica: its stall clock is real time
+        # for the reader: its stall clock is real time
         for i in range(4):
             time.sleep(0.3)
             chunks.write({chunk_file(0, i): bytes([i])})

@@ -104,7 +104,7 @@ def test_changes_bunched_into_bitmask_and_dense_chunks_are_checked_from_the_word
 
 def test_a_patch_that_misses_a_change_fails_the_check_made_from_the_words_written() -> None:
     """The publisher's checksum is of the whole target, not of the changes its scan found: a
-    patch that leaves one change out fails the replica's check."""
+    patch that leaves one change out fails the reader's check."""
     gen = torch.Generator().manual_seed(0)
     base = torch.randn(64, 48, generator=gen).to(torch.bfloat16)
     target = base.clone()

@@ -188,14 +188,14 @@ def test_twenty_chained_patches_equal_the_direct_target() -> None:
             nxt["layers.0.norm.weight"] = nxt["layers.0.norm.weight"].float()  # dtype change
         states.append(nxt)
     patches = [encode_patch(a, b) for a, b in itertools.pairwise(states)]
-    replica = {k: v.clone() for k, v in states[0].items()}
-    replica["lm_head.weight"] = replica["embed.weight"]
-    digest = state_digest(replica)
+    reader = {k: v.clone() for k, v in states[0].items()}
+    reader["lm_head.weight"] = reader["embed.weight"]
+    digest = state_digest(reader)
     for p in patches:
-        apply_patch(replica, p, base_digest=digest)
+        apply_patch(reader, p, base_digest=digest)
         digest = read_patch_header(p).target_digest
-    assert _states_equal(replica, states[-1])
-    assert replica["lm_head.weight"] is replica["embed.weight"]
+    assert _states_equal(reader, states[-1])
+    assert reader["lm_head.weight"] is reader["embed.weight"]
     direct = encode_patch(states[0], states[-1])
     fresh = {k: v.clone() for k, v in states[0].items()}
     assert _states_equal(apply_patch(fresh, direct), states[-1])

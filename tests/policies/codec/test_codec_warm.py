@@ -1,4 +1,4 @@
-"""``warm_up`` compiles every kernel a version needs: a publish and a replica's apply after it
+"""``warm_up`` compiles every kernel a version needs: a publish and a reader's apply after it
 compile nothing more (policies/codec/warm.py)."""
 
 from __future__ import annotations

@@ -221,15 +221,15 @@ def test_views_reconstruct_exactly_through_the_codec(
     s1 = _adam_step(s0, seed + 1)
     s2 = _adam_step(s1, seed + 2)
     v0, v1, v2 = (build_view(s, spec) for s in (s0, s1, s2))
-    replica = {k: v.clone() for k, v in v0.items()}
+    reader = {k: v.clone() for k, v in v0.items()}
     for prev, nxt in ((v0, v1), (v1, v2)):
         patch = encode_patch(prev, nxt)
-        apply_patch(replica, patch)
-        assert state_digest(replica) == read_patch_header(patch).target_digest
-    assert replica.keys() == v2.keys()
+        apply_patch(reader, patch)
+        assert state_digest(reader) == read_patch_header(patch).target_digest
+    assert reader.keys() == v2.keys()
     for k in v2:
-        assert replica[k].dtype == v2[k].dtype
-        assert torch.equal(_bits(replica[k]), _bits(v2[k])), k
+        assert reader[k].dtype == v2[k].dtype
+        assert torch.equal(_bits(reader[k]), _bits(v2[k])), k
 
 
 @pytest.mark.parametrize("kind", QUANTIZED)

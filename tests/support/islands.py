@@ -1,4 +1,4 @@
-"""Scripted replicas of supervised endpoints, and an event sink that keeps the fleet's events:
+"""Scripted islands of supervised endpoints, and an event sink that keeps the fleet's events:
 for the supervisor's and the Ray scaler's state-machine tests."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import anyio
 
 from orchestrator.errors import FleetError
 from orchestrator.loop.pool import Pool
-from orchestrator.loop.supervisor import Down, Replica
+from orchestrator.loop.supervisor import Down, Island
 from orchestrator.types import EndpointRef, NullEvents
 
 
@@ -19,7 +19,7 @@ class Events(NullEvents):
         self.seen: list[tuple[float, str, dict[str, Any]]] = []
 
     def emit(self, kind: str, **fields: Any) -> None:
-        if kind.startswith(("engine_", "island_")):
+        if kind.startswith("island_"):
             self.seen.append((anyio.current_time(), kind, fields))
 
     def kinds(self) -> list[str]:
@@ -28,7 +28,7 @@ class Events(NullEvents):
 
 @dataclass
 class Fleet:
-    """Scripted replicas: each launch of an endpoint either comes up (a new url) or fails; the
+    """Scripted islands: each launch of an endpoint either comes up (a new url) or fails; the
     journal records, with the time, every launch, every stop and whether the endpoint was in
     the pool's rotation when it was stopped."""
 
@@ -36,23 +36,23 @@ class Fleet:
     fail: dict[str, int] = field(default_factory=dict)
     """Endpoint → how many of its next launches fail."""
     journal: list[tuple[float, str, str, bool]] = field(default_factory=list)
-    current: dict[str, FakeReplica] = field(default_factory=dict)
+    current: dict[str, FakeIsland] = field(default_factory=dict)
     launches: dict[str, int] = field(default_factory=dict)
 
-    def replica(self, endpoint: str) -> FakeReplica:
+    def island(self, endpoint: str) -> FakeIsland:
         n = self.launches.get(endpoint, 0)
         self.launches[endpoint] = n + 1
-        r = FakeReplica(EndpointRef(id=endpoint, url=f"http://{endpoint}/{n}"), self)
+        r = FakeIsland(EndpointRef(id=endpoint, url=f"http://{endpoint}/{n}"), self)
         self.current[endpoint] = r
         return r
 
     def launcher(self, endpoint: str) -> Any:
-        async def launch() -> Replica:
+        async def launch() -> Island:
             self.journal.append((anyio.current_time(), "launch", endpoint, False))
             if self.fail.get(endpoint, 0) > 0:
                 self.fail[endpoint] -= 1
                 raise FleetError(f"{endpoint} exited before it was ready (code 1)")
-            return self.replica(endpoint)
+            return self.island(endpoint)
 
         return launch
 
@@ -62,7 +62,7 @@ class Fleet:
 
 
 @dataclass
-class FakeReplica:
+class FakeIsland:
     ref: EndpointRef
     fleet: Fleet
     exit: anyio.Event = field(default_factory=anyio.Event)
