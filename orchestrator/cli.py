@@ -119,7 +119,7 @@ def _init_model(argv: list[str]) -> int:
         tool_parser=args.tool_parser,
     )
     if args.sft_steps > 0:
-        from policies.train.sft import warm_start
+        from orchestrator.warm_start import warm_start
 
         warm_start(out, steps=args.sft_steps, seed=args.seed)
     sys.stdout.write(f"{out}\n")
@@ -244,7 +244,7 @@ accessible: reported in one line naming the path, like a :data:`USER_ERRORS` err
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "train": _delegate("orchestrator.train_worker"),
-    "fleet": _delegate("orchestrator.fleet_cli"),
+    "fleet": _delegate("orchestrator.fleet.cli"),
     "init-model": _init_model,
     "serve": _serve,
     "versions": _versions,

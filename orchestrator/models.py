@@ -2,7 +2,7 @@
 
 :func:`ensure_model` returns ``model.path`` when it holds a model; otherwise, with ``model.init``
 set, it builds sprawl's own model of that size there (:func:`policies.model.build.init_model`),
-warm-started by SFT when ``[model.warm_start]`` is set (:func:`policies.train.sft.warm_model`:
+warm-started by SFT when ``[model.warm_start]`` is set (:func:`orchestrator.warm_start.warm_model`:
 built once in a temp directory and renamed into place, reused by later runs while its
 ``sft.json`` records the same recipe, refused when it records another). The warm start writes
 calculator episodes, so it needs a calculator among the run's environments; its last phase
@@ -57,7 +57,7 @@ def ensure_model(cfg: Config) -> Path:
             f"model.warm_start: the SFT warm start writes {CALCULATOR} episodes, and no "
             "environment of this run is the calculator; remove [model.warm_start]"
         )
-    from policies.train.sft import sft_phases, warm_model
+    from orchestrator.warm_start import sft_phases, warm_model
 
     phases = sft_phases(warm.steps, warm.focus_steps, max_operand)
     if not path.exists():

@@ -36,13 +36,12 @@ LAYERS: dict[str, int] = {
     "orchestrator.record": 8,
     "orchestrator.loop": 9,
     "orchestrator.observe": 10,
-    "orchestrator.rayfleet": 10,  # islands on Ray: their actors, the scaler
+    "orchestrator.fleet": 10,  # islands: started, supervised, on Ray; the fleet CLI
     "orchestrator.run": 11,
     "orchestrator.offline": 12,
     "orchestrator.train_worker": 13,
     "orchestrator.bench": 13,
     "orchestrator.chaos": 13,
-    "orchestrator.fleet_cli": 13,
     "orchestrator.cli": 14,
 }
 

@@ -2,8 +2,8 @@
 adds per call with many islands registered.
 
 On a real Ray cluster (``--address``, default a head node it starts on loopback with
-:func:`~orchestrator.rayfleet.cluster.ray_head`) and sprawl's tiny model, through the run's own
-parts (pool, supervisor, :class:`~orchestrator.rayfleet.scale.Scaler`):
+:func:`~orchestrator.fleet.ray_cluster.ray_head`) and sprawl's tiny model, through the run's own
+parts (pool, supervisor, :class:`~orchestrator.fleet.ray_scale.Scaler`):
 
 - ``fleet_up_s``: from asking for ``--islands`` islands (what ``orchestrate fleet up`` does) to
   every one serving (actor placed, engine started on the board's version, registered and
@@ -33,12 +33,12 @@ from rich.console import Console
 from orchestrator.bench.scheduler import throughput
 from orchestrator.bench.trainer import bf16_view
 from orchestrator.config import FleetConfig, RayFleetConfig, RayResourcesConfig
+from orchestrator.fleet.local import fleet_supervisor
+from orchestrator.fleet.ray_cluster import ray_head
+from orchestrator.fleet.ray_launch import ray_fleet
+from orchestrator.fleet.ray_scale import Scaler
 from orchestrator.loop.client import HttpTransport
-from orchestrator.loop.fleet import fleet_supervisor
 from orchestrator.loop.pool import Pool
-from orchestrator.rayfleet.cluster import ray_head
-from orchestrator.rayfleet.launch import ray_fleet
-from orchestrator.rayfleet.scale import Scaler
 from orchestrator.types import NULL_EVENTS
 from policies.board import Board
 from policies.wire.logs import configure

@@ -120,7 +120,7 @@ class RayResourcesConfig(Section):
 
 class RayFleetConfig(Section):
     """``[fleet.ray]``: rollout islands as Ray actors, placed by their resources, supervised
-    by the run (:mod:`orchestrator.rayfleet`)."""
+    by the run (:mod:`orchestrator.fleet`)."""
 
     address: str = "auto"
     """The Ray cluster (``ray.init(address=…)``): ``auto`` is the one this machine joined with

@@ -55,9 +55,9 @@ class RunConfig(Section):
 
 
 class WarmStartConfig(Section):
-    """SFT on ideal calculator episodes before RL (:mod:`policies.train.sft`), for a model
+    """SFT on ideal calculator episodes before RL (:mod:`orchestrator.warm_start`), for a model
     sprawl builds (``model.init``): a random model almost never writes a tool call, so RL on it
-    has nothing to reinforce. The recipe is :func:`policies.train.sft.sft_phases`."""
+    has nothing to reinforce. The recipe is :func:`orchestrator.warm_start.sft_phases`."""
 
     steps: int = Field(default=1800, ge=0)
     """SFT steps on operands 2..99: the tool-call format and copying numbers."""

@@ -8,8 +8,8 @@
 - :mod:`~orchestrator.loop.batcher` — the staleness decision per group, batches of groups;
 - :mod:`~orchestrator.loop.train_sink` — the trainer in this process or behind batch files;
 - :mod:`~orchestrator.loop.rl` — :func:`rl_loop`, the one wiring of the pieces above;
-- :mod:`~orchestrator.loop.fleet` — local engines as subprocesses, with
-  :mod:`~orchestrator.loop.islands` (vLLM, llama.cpp), :mod:`~orchestrator.loop.children` (their
-  processes) and :mod:`~orchestrator.loop.guard` (an engine group that dies with the orchestrator);
-- :mod:`~orchestrator.loop.admin` — the admin API (fleet add / remove / list, ``/metrics``).
+- :mod:`~orchestrator.loop.admin` — the admin API (fleet add / remove / list, ``/metrics``);
+- :mod:`~orchestrator.loop.feed` — the batch feed an external trainer pulls from.
+
+The fleet the loop routes to is started and supervised by :mod:`orchestrator.fleet`.
 """

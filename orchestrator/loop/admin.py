@@ -10,7 +10,7 @@ Routes (JSON; every route but ``/health`` requires ``Authorization: Bearer <toke
 - ``DELETE /v1/fleet/{id}`` — stop routing to an endpoint (its in-flight calls finish);
 - ``GET /v1/fleet/ray`` — the run's Ray islands (``[fleet.ray]``): the target count and each
   island's state; ``POST /v1/fleet/ray`` ``{"islands": N}`` — scale them (202: the change
-  happens in the background, :mod:`orchestrator.rayfleet.scale`); both 404 in a run without
+  happens in the background, :mod:`orchestrator.fleet.ray_scale`); both 404 in a run without
   ``[fleet.ray]``;
 - ``GET /health``; ``GET /metrics`` (Prometheus: calls, failures, 409s, latency, versions and
   health per endpoint, trainer version, admissions, decisions — see
@@ -30,7 +30,7 @@ exhaust the run's file descriptors.
 Once it listens, :func:`serve_admin` writes ``admin.json`` (``{"url", "token"}``) into the run
 directory, readable by its owner only (mode 0600, replaced atomically): that file is how
 ``orchestrate fleet add|remove|list|up|scale|down --orchestrator RUN_DIR`` (the client,
-:mod:`orchestrator.fleet_cli`) finds the API and its token.
+:mod:`orchestrator.fleet.cli`) finds the API and its token.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ async def _body(model: type[M], request: web.Request) -> M | web.Response:
 
 
 class Islands(Protocol):
-    """The run's Ray islands (:class:`orchestrator.rayfleet.scale.Scaler`)."""
+    """The run's Ray islands (:class:`orchestrator.fleet.ray_scale.Scaler`)."""
 
     def scale(self, target: int) -> dict[str, Any]: ...
 

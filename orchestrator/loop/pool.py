@@ -19,7 +19,7 @@ Per endpoint:
 - health: a reconcile task reads ``GET /v1/policy`` from every endpoint every ``poll_interval_s``;
   :meth:`Pool.unhealthy_for` says how long an endpoint's checks have been failing and
   :meth:`Pool.checked` waits for its next one (what the supervisor of the local fleet,
-  :mod:`orchestrator.loop.supervisor`, acts on).
+  :mod:`orchestrator.fleet.supervisor`, acts on).
 
 Failover: a failed call marks its endpoint unhealthy and is retried once on another endpoint
 (the caller sends the same token prefix, so the episode continues bit-exactly). A 409 updates

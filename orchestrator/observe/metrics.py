@@ -12,7 +12,7 @@ Metrics (all prefixed ``sprawl_``; one private registry per :class:`RunMetrics`)
 ``admitted_groups_total``, ``groups_total{decision}``, ``group_lag`` (histogram of the lag of
 decided groups), ``waiting_routes_total`` (routing attempts that found no endpoint).
 
-Supervision of the local fleet (:mod:`orchestrator.loop.supervisor`):
+Supervision of the local fleet (:mod:`orchestrator.fleet.supervisor`):
 ``island_deaths_total{endpoint}`` (an island exited, stayed unhealthy, or failed to come up on a
 restart), ``island_restarts_total{endpoint}`` (restarts that came up and serve again) and
 ``island_give_ups_total{endpoint}`` (restarts spent: out of rotation for the rest of the run).

@@ -21,7 +21,7 @@ Everything else comes from ``--config`` plus any ``--section.key VALUE`` overrid
 ``scheduler.max_concurrent_episodes`` is raised to what the lag budget can admit, so that rollout
 really runs ahead of the trainer in the lag arms. Outputs in ``--out``:
 
-- ``model/`` — the warm-started model (:func:`policies.train.sft.sft_phases`: SFT on operands
+- ``model/`` — the warm-started model (:func:`orchestrator.warm_start.sft_phases`: SFT on operands
   2..99, then on the run's ``environment.args.max_operand``), built once and reused while
   ``model/sft.json`` records the same phases;
 - ``runs/s<seed>/<arm>/`` — each run's directory (trajectory log, board, checkpoints);
@@ -132,7 +132,7 @@ def run_lag_experiment(
 ) -> tuple[list[ArmResult], str]:
     """Run every arm for every seed; write CSV, PNG and summary.json into ``out``; return the
     results and the verdict. ``steps`` defaults to the config's ``trainer.max_steps``."""
-    from policies.train.sft import sft_phases, warm_model
+    from orchestrator.warm_start import sft_phases, warm_model
 
     if seeds < 1:
         raise ConfigError(f"--seeds must be at least 1, got {seeds}")

@@ -22,7 +22,7 @@ per event: ``seq`` (0, 1, 2, … in emission order), ``t`` (Unix time), ``kind``
   this was written; ``island_restarted`` — a restart serves again under the same id
   (``endpoint``, ``restart``: 1, 2, …, ``url``, ``backoff_s``: the wait before it);
   ``island_gave_up`` — ``fleet.max_restarts`` spent, out of rotation for the rest of the run
-  (``endpoint``, ``restarts``, ``reason``) (:mod:`orchestrator.loop.supervisor`);
+  (``endpoint``, ``restarts``, ``reason``) (:mod:`orchestrator.fleet.supervisor`);
 - ``admit`` — the scheduler admitted group ``index`` (``group_id``, e.g. ``"g000012"``,
   ``task_id``, ``environment``, ``admitted`` so far, ``budget``); written to disk before the
   group's first model call; a re-run of a dropped group's task also names ``requeued_from``

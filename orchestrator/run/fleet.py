@@ -1,7 +1,7 @@
 """The run's fleet, opened and closed in one place.
 
 :func:`open_fleet` opens, in this order, the HTTP session of the request lane, the local
-engines and islands (:func:`~orchestrator.loop.fleet.local_fleet`) and the islands on Ray
+engines and islands (:func:`~orchestrator.fleet.local.local_fleet`) and the islands on Ray
 (``[fleet.ray]``), and yields a :class:`RunFleet` once every one of them serves: the pool
 routing over them and the remote endpoints (``fleet.endpoints``), and what tends them while the
 run goes on (the supervisor, the Ray islands' scaler). On exit, whatever the cause, they close in
@@ -22,16 +22,16 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from orchestrator.config import Config
+from orchestrator.fleet.islands import LoraServing
+from orchestrator.fleet.local import LocalFleet, fleet_supervisor, local_fleet
+from orchestrator.fleet.ray_scale import Scaler
+from orchestrator.fleet.supervisor import Island
 from orchestrator.loop.client import HttpTransport
-from orchestrator.loop.fleet import LocalFleet, fleet_supervisor, local_fleet
-from orchestrator.loop.islands import LoraServing
 from orchestrator.loop.pool import Pool
-from orchestrator.loop.supervisor import Island
-from orchestrator.rayfleet.scale import Scaler
 from orchestrator.types import EventSink
 
 if TYPE_CHECKING:
-    from orchestrator.rayfleet.launch import RayFleet
+    from orchestrator.fleet.ray_launch import RayFleet
 
 
 @dataclass
@@ -127,7 +127,7 @@ async def _ray_islands(cfg: Config, lora: LoraServing | None) -> AsyncIterator[R
     if cfg.fleet.ray is None:
         yield None
         return
-    from orchestrator.rayfleet.launch import ray_fleet
+    from orchestrator.fleet.ray_launch import ray_fleet
 
     async with ray_fleet(
         cfg.fleet.ray,

@@ -16,6 +16,7 @@ import structlog
 
 from environments.verifiers_adapter import VerifiersEnvironment
 from orchestrator.config import Config
+from orchestrator.fleet.ray_scale import Scaler
 from orchestrator.loop.admin import serve_admin
 from orchestrator.loop.batcher import Batcher
 from orchestrator.loop.chat import ModelChat
@@ -31,7 +32,6 @@ from orchestrator.observe.live import LiveView
 from orchestrator.observe.metrics import RunMetrics
 from orchestrator.observe.scalars import Scalars
 from orchestrator.observe.summary import RunSummary
-from orchestrator.rayfleet.scale import Scaler
 from orchestrator.record import resume
 from orchestrator.record.trajlog import TrajectoryLog
 from orchestrator.run.environments import RunEnvironment

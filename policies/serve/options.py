@@ -4,7 +4,7 @@ engine behind a lane) and ``orchestrate sidecar`` (a lane in front of another en
 Each model is the one definition of its command's settings: the command's flags are generated
 from it (:mod:`policies.wire.flags`), and every process that starts the command — the local
 fleet, an island, a Ray actor — builds the same model and turns it into argv
-(:func:`orchestrator.loop.children.sprawl_command`), so a default, a bound and an error message
+(:func:`orchestrator.fleet.children.sprawl_command`), so a default, a bound and an error message
 live here only. Importing this module is cheap (no torch): the run config takes its
 vocabularies (``VLLMUpdate``, ``KVOnUpdate``, …) from here.
 

@@ -26,7 +26,7 @@ from orchestrator.config import load_config
 from orchestrator.models import calculator_max_operand
 from orchestrator.observe.trend import quarters
 from orchestrator.record.frames import read_log
-from policies.train.sft import sft_phases
+from orchestrator.warm_start import sft_phases
 from tests.support.models import warm_model_copy
 from tests.support.processes import orchestrate_cmd
 

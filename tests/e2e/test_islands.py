@@ -145,7 +145,7 @@ def test_one_run_on_reference_vllm_and_llamacpp(tmp_path: Path, small_model_dir:
     stdout = out.read_text()
     assert "status:    interrupted" in stdout
 
-    for name in ("orchestrator.cli serve", "orchestrator.loop.guard", "vllm.entrypoints"):
+    for name in ("orchestrator.cli serve", "orchestrator.fleet.guard", "vllm.entrypoints"):
         assert name in cmdlines
     assert "llama-server" in cmdlines
     assert not _left_behind(seen, within_s=0)

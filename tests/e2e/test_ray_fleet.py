@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.rayfleet.cluster import ray_head
+from orchestrator.fleet.ray_cluster import ray_head
 from orchestrator.record.accounting import account
 from orchestrator.record.events import read_events
 from tests.support.processes import orchestrate_cmd

@@ -9,8 +9,8 @@ from typing import Any
 import anyio
 
 from orchestrator.errors import FleetError
+from orchestrator.fleet.supervisor import Down, Island
 from orchestrator.loop.pool import Pool
-from orchestrator.loop.supervisor import Down, Island
 from orchestrator.types import EndpointRef, NullEvents
 
 

@@ -20,9 +20,9 @@ import tokenizers
 import torch
 import transformers
 
+from orchestrator.warm_start import Phase, warm_model
 from policies.model.build import init_model
 from policies.model.sizes import ModelSize
-from policies.train.sft import Phase, warm_model
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = (
@@ -66,11 +66,11 @@ def model_copy(
     return into
 
 
-WARM_SOURCES = (*SOURCES, "policies/train/sft.py", "environments/calculator.py")
+WARM_SOURCES = (*SOURCES, "orchestrator/warm_start.py", "environments/calculator.py")
 
 
 def warm_model_copy(into: Path, phases: list[Phase], seed: int = 0) -> Path:
-    """A copy of the tiny model warm-started by ``phases`` (``policies.train.sft.warm_model``,
+    """A copy of the tiny model warm-started by ``phases`` (``orchestrator.warm_start.warm_model``,
     the model ``[model.warm_start]`` builds), cached like :func:`model_copy`: SFT on CPU is
     deterministic for a (model, phases, seed)."""
     root = Path(os.environ.get("SPRAWL_MODEL_CACHE", Path.home() / ".cache" / "sprawl" / "models"))

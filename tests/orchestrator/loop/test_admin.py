@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 from orchestrator.errors import SprawlError
-from orchestrator.fleet_cli import AdminAddress, _call, admin_address
+from orchestrator.fleet.cli import AdminAddress, _call, admin_address
 from orchestrator.loop.admin import serve_admin
 from orchestrator.loop.pool import Pool
 from orchestrator.types import EndpointRef

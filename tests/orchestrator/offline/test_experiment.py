@@ -21,8 +21,8 @@ from orchestrator.offline.experiment_arms import (
 )
 from orchestrator.offline.experiment_verdict import checks, interval95, verdict
 from orchestrator.record.frames import FrameWriter
+from orchestrator.warm_start import sft_phases, warm_model
 from policies.errors import ModelBuildError
-from policies.train.sft import sft_phases, warm_model
 
 DEMO = Path("configs/demo.toml")
 LOOP = Path("tests/support/loop.toml")  # the small loop most e2e tests run

@@ -13,8 +13,8 @@ import pytest
 
 from orchestrator.config import VLLMIslandConfig, load_config
 from orchestrator.errors import ConfigError, FleetError
-from orchestrator.loop.children import Children
-from orchestrator.loop.islands import LoraServing, start_island
+from orchestrator.fleet.children import Children
+from orchestrator.fleet.islands import LoraServing, start_island
 from policies.serve.backends.vllm_launch import vllm_lora_rank
 from policies.train.config import LoraConfig
 

@@ -26,7 +26,7 @@ When an endpoint gives up and the pool has no live endpoint left and none is bei
 one line instead of waiting for endpoints that will not come.
 
 The supervisor knows nothing of processes: an island is anything that can say when it went down
-and be stopped (local subprocesses: :class:`~orchestrator.loop.children.LocalIsland`). Not
+and be stopped (local subprocesses: :class:`~orchestrator.fleet.children.LocalIsland`). Not
 covered: endpoints it did not start (``fleet.endpoints``, admin additions) are never restarted.
 """
 

@@ -24,8 +24,8 @@ import anyio
 import structlog
 
 from orchestrator.errors import FleetError
+from orchestrator.fleet.supervisor import Launch, Supervisor
 from orchestrator.loop.pool import Pool
-from orchestrator.loop.supervisor import Launch, Supervisor
 from orchestrator.types import EventSink
 
 log = structlog.get_logger(__name__)

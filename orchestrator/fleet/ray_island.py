@@ -1,7 +1,7 @@
 """One rollout island as a Ray actor: its engine (and sidecar) as child processes of the actor.
 
 :class:`IslandActor` runs on the node Ray picks from the island's resources
-(:mod:`orchestrator.rayfleet.launch` starts it). :meth:`~IslandActor.start` puts the run's
+(:mod:`orchestrator.fleet.ray_launch` starts it). :meth:`~IslandActor.start` puts the run's
 secrets into the actor process's environment (never into Ray's ``runtime_env``, which the
 dashboard shows, nor onto a command line), starts the engine with a bearer token of its own
 (``$SPRAWL_TOKEN``), and returns its URL once it serves; :meth:`~IslandActor.health` says whether
@@ -23,8 +23,8 @@ import structlog
 from pydantic import BaseModel, ConfigDict
 
 from orchestrator.config import IslandConfig
-from orchestrator.loop.children import Child, Children, read_ready, sprawl_command
-from orchestrator.loop.islands import LoraServing, start_island
+from orchestrator.fleet.children import Child, Children, read_ready, sprawl_command
+from orchestrator.fleet.islands import LoraServing, start_island
 from policies.serve.options import ServeOptions
 
 log = structlog.get_logger(__name__)
@@ -60,7 +60,7 @@ class Secrets:
 
 
 class IslandActor:
-    """A Ray actor (:mod:`orchestrator.rayfleet.launch` applies ``ray.remote`` with the island's
+    """A Ray actor (:mod:`orchestrator.fleet.ray_launch` applies ``ray.remote`` with the island's
     resources)."""
 
     def __init__(self, spec: IslandSpec, creds: Secrets) -> None:

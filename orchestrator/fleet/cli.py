@@ -2,7 +2,7 @@
 
 - ``list|add|remove --orchestrator URL|RUN_DIR``: the pool's endpoints;
 - ``up|scale N|down --orchestrator URL|RUN_DIR`` (or ``--config X``, whose run directory it
-  is): the run's Ray islands (``[fleet.ray]``, :mod:`orchestrator.rayfleet`). ``up`` asks for
+  is): the run's Ray islands (``[fleet.ray]``, :mod:`orchestrator.fleet`). ``up`` asks for
   ``fleet.ray.islands`` of the config (or ``--islands``), ``down`` for none; removal drains
   first. With ``--wait`` the command returns once the islands are as asked (or fails naming
   those that are not, after ``--wait-s``).

@@ -5,7 +5,7 @@ an ``orchestrate sidecar`` subprocess, as endpoints of the pool.
   materialized into ``<island dir>/model`` (a run of LoRA versions, :class:`LoraServing`: vLLM
   starts on the base model instead, with run-time LoRA adapters, and the sidecar loads each
   version as one); the vLLM API server is started on it under
-  :mod:`orchestrator.loop.guard` (its engine core and workers die with the orchestrator) with the
+  :mod:`orchestrator.fleet.guard` (its engine core and workers die with the orchestrator) with the
   flags of :func:`~policies.serve.backends.vllm_launch.vllm_command`; once its ``/health``
   answers, ``orchestrate sidecar --engine-kind vllm`` is started in front of it, writing staged
   versions under ``<island dir>/versions``.
@@ -13,12 +13,12 @@ an ``orchestrate sidecar`` subprocess, as endpoints of the pool.
   and reaps its own ``llama-server``; GGUFs and the server's log are under ``<island dir>``.
 
 Sidecars run with ``--parent-stdin``; every process is a
-:class:`~orchestrator.loop.children.Children` child (sidecar logs ``<log dir>/<id>.log``, vLLM's
+:class:`~orchestrator.fleet.children.Children` child (sidecar logs ``<log dir>/<id>.log``, vLLM's
 ``<log dir>/<id>-engine.log``). The engine environments are built on first use when not configured
 (``scripts/build-vllm-env.sh``, ``scripts/build-llama-server.sh``; cached outside the clone).
 
 An island that dies mid-run is restarted whole by the supervisor
-(:mod:`orchestrator.loop.supervisor`, ``fleet.restart``): :func:`start_island` again, after its
+(:mod:`orchestrator.fleet.supervisor`, ``fleet.restart``): :func:`start_island` again, after its
 processes are stopped. Not covered: GPUs (every island serves on CPU).
 """
 
@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict
 
 from orchestrator.config import IslandConfig, LlamaCppIslandConfig, VLLMIslandConfig
 from orchestrator.errors import FleetError
-from orchestrator.loop.children import Child, Children, LocalIsland, read_ready, sprawl_command
+from orchestrator.fleet.children import Child, Children, LocalIsland, read_ready, sprawl_command
 from orchestrator.types import EndpointRef
 from policies.errors import EngineError, PolicyError
 from policies.serve.options import SidecarOptions
@@ -175,7 +175,7 @@ async def _vllm_engine(
     )  # fmt: skip
     engine = await children.spawn(
         f"{island_id}-engine",
-        [sys.executable, "-m", "orchestrator.loop.guard", *argv],
+        [sys.executable, "-m", "orchestrator.fleet.guard", *argv],
         env=vllm_env(lora=lora is not None, routed_experts=spec.routed_experts),
         ready_line=False,
         grace_s=30.0,  # longer than the guard's own grace for vLLM

@@ -4,14 +4,14 @@ Each reference engine is ``orchestrate serve --board … --port 0 --parent-stdin
 port, writes one JSON line ``{"url": …}`` to stdout when it serves, logs to
 ``<run dir>/logs/engine-<i>.log``, and exits when its stdin closes — so engines never outlive the
 orchestrator, even when it is killed. Islands (``[[fleet.islands]]``: vLLM, llama.cpp, each
-behind a sidecar) are started beside them by :mod:`orchestrator.loop.islands`. Everything starts
+behind a sidecar) are started beside them by :mod:`orchestrator.fleet.islands`. Everything starts
 concurrently; the fleet is yielded once every endpoint serves, as a :class:`LocalFleet`: one
-:class:`~orchestrator.loop.children.LocalIsland` per endpoint and, per endpoint id, how to start
-it again — what the supervisor (:mod:`orchestrator.loop.supervisor`) needs to replace one that
+:class:`~orchestrator.fleet.children.LocalIsland` per endpoint and, per endpoint id, how to start
+it again — what the supervisor (:mod:`orchestrator.fleet.supervisor`) needs to replace one that
 dies (:func:`fleet_supervisor`). A replacement is started exactly as the first one (same
 endpoint id, same log, appended to), so it starts on the board's newest version. On exit every
 child gets SIGTERM, then SIGKILL of what is left of its process group, and is reaped
-(:class:`~orchestrator.loop.children.Children`).
+(:class:`~orchestrator.fleet.children.Children`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import anyio
 import structlog
 
 from orchestrator.config import FleetConfig, IslandConfig
-from orchestrator.loop.children import Children, LocalIsland, read_ready, sprawl_command
-from orchestrator.loop.islands import LoraServing, island_ids, start_island
+from orchestrator.fleet.children import Children, LocalIsland, read_ready, sprawl_command
+from orchestrator.fleet.islands import LoraServing, island_ids, start_island
+from orchestrator.fleet.supervisor import Launch, RestartPolicy, Supervisor
 from orchestrator.loop.pool import Pool
-from orchestrator.loop.supervisor import Launch, RestartPolicy, Supervisor
 from orchestrator.types import EndpointRef, EventSink
 from policies.serve.options import ServeOptions
 

@@ -17,12 +17,12 @@ from trio.testing import MockClock
 
 from orchestrator.config import RayFleetConfig
 from orchestrator.errors import FleetError, SprawlError
-from orchestrator.fleet_cli import _call
+from orchestrator.fleet.cli import _call
+from orchestrator.fleet.ray_launch import connect
+from orchestrator.fleet.ray_scale import Scaler
+from orchestrator.fleet.supervisor import RestartPolicy, Supervisor
 from orchestrator.loop.admin import serve_admin
 from orchestrator.loop.pool import Pool
-from orchestrator.loop.supervisor import RestartPolicy, Supervisor
-from orchestrator.rayfleet.launch import connect
-from orchestrator.rayfleet.scale import Scaler
 from tests.support.fakes import ScriptedTransport
 from tests.support.islands import Events, Fleet
 

@@ -20,9 +20,9 @@ import pytest
 
 from orchestrator.config import RayFleetConfig, RayResourcesConfig, VLLMIslandConfig
 from orchestrator.errors import FleetError
-from orchestrator.loop.islands import LoraServing
-from orchestrator.rayfleet.cluster import RayHead, ray_head
-from orchestrator.rayfleet.launch import connect, launcher
+from orchestrator.fleet.islands import LoraServing
+from orchestrator.fleet.ray_cluster import RayHead, ray_head
+from orchestrator.fleet.ray_launch import connect, launcher
 from policies.board import Board
 from policies.train.config import LoraConfig, TrainerConfig
 from policies.train.samples import TrainSample

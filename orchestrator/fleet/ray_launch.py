@@ -1,8 +1,8 @@
 """Islands on Ray, supervised: placing an
-:class:`~orchestrator.rayfleet.island.IslandActor` and watching it.
+:class:`~orchestrator.fleet.ray_island.IslandActor` and watching it.
 
 :func:`connect` joins the cluster of ``fleet.ray.address`` once per process. :func:`launcher`
-gives the :data:`~orchestrator.loop.supervisor.Launch` of one island id: it places a new actor
+gives the :data:`~orchestrator.fleet.supervisor.Launch` of one island id: it places a new actor
 with the island's resources (``fleet.ray.resources``; Ray's own restarts off, the supervisor
 replaces), starts its engine and returns a :class:`RayIsland` once it serves, or raises
 :class:`~orchestrator.errors.FleetError` naming the island, the resources it asked for and the
@@ -29,9 +29,9 @@ import structlog
 
 from orchestrator.config import RayFleetConfig
 from orchestrator.errors import FleetError
-from orchestrator.loop.islands import LoraServing
-from orchestrator.loop.supervisor import Down, Launch
-from orchestrator.rayfleet.island import IslandActor, IslandSpec, Secrets
+from orchestrator.fleet.islands import LoraServing
+from orchestrator.fleet.ray_island import IslandActor, IslandSpec, Secrets
+from orchestrator.fleet.supervisor import Down, Launch
 from orchestrator.types import EndpointRef
 
 log = structlog.get_logger(__name__)

@@ -10,8 +10,8 @@ from trio.testing import MockClock
 
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError, FleetError
+from orchestrator.fleet.supervisor import RestartPolicy, Supervisor
 from orchestrator.loop.pool import Pool
-from orchestrator.loop.supervisor import RestartPolicy, Supervisor
 from orchestrator.observe.metrics import RunMetrics, Tee
 from tests.support.fakes import ScriptedTransport
 from tests.support.islands import Events, Fleet

@@ -3,7 +3,7 @@
 Every child is started in a session of its own (so it leads a process group), with a pipe on its
 stdin that the orchestrator never writes to, and its stderr (stdout too, when it has no ready
 line) appended to ``<log dir>/<name>.log``. A child started with ``--parent-stdin`` (or under
-:mod:`orchestrator.loop.guard`) exits when that pipe closes, so no child outlives the
+:mod:`orchestrator.fleet.guard`) exits when that pipe closes, so no child outlives the
 orchestrator, even when it is killed.
 
 :class:`Children` guarantees, on exit, whatever raised: each child gets SIGTERM and its grace
@@ -18,7 +18,7 @@ from :mod:`policies.serve.options`, its secrets in the environment, never in arg
 fleet, its islands and Ray islands build one command line in one way.
 
 A :class:`LocalIsland` is the children of one endpoint (a reference engine; an island's sidecar
-and engine) as the supervisor (:mod:`orchestrator.loop.supervisor`) sees it: down when any of
+and engine) as the supervisor (:mod:`orchestrator.fleet.supervisor`) sees it: down when any of
 them exits.
 """
 
@@ -42,7 +42,7 @@ from anyio.abc import Process
 from anyio.streams.text import TextReceiveStream
 
 from orchestrator.errors import FleetError
-from orchestrator.loop.supervisor import Down
+from orchestrator.fleet.supervisor import Down
 from orchestrator.types import EndpointRef
 from policies.serve.options import ServeOptions, SidecarOptions
 from policies.wire.flags import secret_env, to_argv

@@ -9,7 +9,7 @@ from pathlib import Path
 import anyio
 from transformers import PreTrainedTokenizerBase
 
-from policies.train.sft import calculator_env, format_score, ideal_example, warm_start
+from orchestrator.warm_start import calculator_env, format_score, ideal_example, warm_start
 from policies.wire.chat_tokens import ChatTokens
 from policies.wire.toolcalls import parse_assistant
 

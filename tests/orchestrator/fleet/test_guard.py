@@ -18,7 +18,7 @@ def test_a_sigkilled_guard_takes_its_command_with_it() -> None:
     """(a vLLM server outlived its guard whenever Ray SIGKILLed the guard by pid: re-parented
     to PID 1, it ran on after every test run of a Ray island)"""
     guard = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.loop.guard", "sleep", "600"],
+        [sys.executable, "-m", "orchestrator.fleet.guard", "sleep", "600"],
         stdin=subprocess.PIPE,
         start_new_session=True,
     )

@@ -1,4 +1,5 @@
-"""``python -m orchestrator.loop.guard CMD …``: an engine whose processes die with the orchestrator.
+"""``python -m orchestrator.fleet.guard CMD …``: an engine whose processes die with the
+orchestrator.
 
 vLLM's API server forks an engine core and workers that do not notice when the server is
 killed. The local fleet therefore starts such an engine under this guard, in a new session (the
@@ -84,7 +85,7 @@ def _sweep_group() -> None:
 
 def main(argv: list[str]) -> int:
     if not argv:
-        sys.stderr.write("usage: python -m orchestrator.loop.guard CMD [ARG ...]\n")
+        sys.stderr.write("usage: python -m orchestrator.fleet.guard CMD [ARG ...]\n")
         return 2
     return anyio.run(guard, argv)
 
