@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 
 from orchestrator.config.sections import Section
 from orchestrator.types import EndpointRef
@@ -23,8 +23,8 @@ from policies.serve.types import QuiesceMode
 class EndpointConfig(Section):
     url: str = Field(pattern=r"^https?://")
     """Base URL of a rollout endpoint speaking the request lane."""
-    token: str | None = None
-    """Bearer token for this endpoint."""
+    token: SecretStr | None = None
+    """Bearer token for this endpoint (never written out: ``**********`` in config.json)."""
     weight: float = Field(default=1.0, gt=0)
     """Relative capacity of this endpoint."""
 
@@ -197,7 +197,12 @@ class FleetConfig(Section):
 
     def endpoint_refs(self) -> list[EndpointRef]:
         return [
-            EndpointRef(id=f"remote-{i}", url=e.url.rstrip("/"), token=e.token, weight=e.weight)
+            EndpointRef(
+                id=f"remote-{i}",
+                url=e.url.rstrip("/"),
+                token=e.token.get_secret_value() if e.token is not None else None,
+                weight=e.weight,
+            )
             for i, e in enumerate(self.endpoints)
         ]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from policies.board.types import BoardOptions, check_run_name
 from policies.errors import BoardError
@@ -150,9 +150,10 @@ class AdminConfig(Section):
     """Address the admin API binds."""
     port: int = Field(default=0, ge=0, le=65535)
     """Port of the admin API; 0 picks a free one (written to ``<run dir>/admin.json``)."""
-    token: str | None = Field(default=None, min_length=1)
+    token: SecretStr | None = Field(default=None, min_length=1)
     """Bearer token the admin API requires (every route but /health); unset: a random one per
-    run. Either way it is written with the URL to ``<run dir>/admin.json`` (mode 0600)."""
+    run. Either way it is written with the URL to ``<run dir>/admin.json`` (mode 0600), and
+    only there (``**********`` in config.json and the trajectory log's run.json)."""
 
 
 class LogConfig(Section):

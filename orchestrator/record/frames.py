@@ -159,6 +159,16 @@ def scan_frames(data: bytes) -> tuple[list[bytes], int]:
     return payloads, pos
 
 
+def write_private(path: Path, text: str) -> None:
+    """``text`` into ``path``, readable by its owner only (mode 0600 from its creation), replacing
+    it atomically: for files that may hold what a config holds (``config.json``, ``run.json``)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    tmp.replace(path)
+
+
 def read_regular(path: Path) -> bytes:
     """The bytes of ``path``, which must be a regular file (a FIFO, device or socket in its place
     is :class:`TrajlogError`, never waited on: opened without blocking, checked on the open

@@ -24,7 +24,7 @@ import structlog
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from orchestrator.errors import TrajlogError
-from orchestrator.record.frames import FrameWriter, iter_records, read_regular
+from orchestrator.record.frames import FrameWriter, iter_records, read_regular, write_private
 from orchestrator.types import NULL_EVENTS, Batch, Episode, EventSink, Group, GroupDecision
 
 if TYPE_CHECKING:
@@ -118,9 +118,7 @@ class TrajectoryLog:
         self.run = run
         if not (append and (directory / "run.json").exists()):
             header = RunRecord(run=run, started_at=time.time(), config=config)
-            tmp = directory / "run.json.tmp"
-            tmp.write_text(header.model_dump_json(indent=2))
-            tmp.replace(directory / "run.json")
+            write_private(directory / "run.json", header.model_dump_json(indent=2))
         kw: dict[str, Any] = {"rotate_bytes": rotate_bytes, "fsync": fsync}
         self._episodes = FrameWriter(directory, "episodes", **kw)
         self._batches = FrameWriter(directory, "batches", **kw)

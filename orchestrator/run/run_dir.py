@@ -2,7 +2,8 @@
 
 A new run never replaces an earlier run's directory unless ``run.overwrite`` says so; the
 refusal names when that run started. A fresh directory holds ``config.json``, the resolved
-config, before anything else is written.
+config, before anything else is written: its secrets (tokens) masked, the file readable by its
+owner only.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from orchestrator.config import Config
 from orchestrator.errors import ConfigError
 from orchestrator.record import resume
+from orchestrator.record.frames import write_private
 
 
 def prepare_run_dir(cfg: Config) -> Path:
@@ -30,7 +32,7 @@ def prepare_run_dir(cfg: Config) -> Path:
             )
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    write_private(run_dir / "config.json", cfg.model_dump_json(indent=2))  # secrets masked
     return run_dir
 
 

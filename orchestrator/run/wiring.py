@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 import structlog
+from pydantic import SecretStr
 
 from environments.verifiers_adapter import VerifiersEnvironment
 from orchestrator.config import Config
@@ -38,6 +39,11 @@ from orchestrator.run.environments import RunEnvironment
 from orchestrator.types import Batch, EventSink, Group, GroupDecision, SamplingParams
 
 log = structlog.get_logger(__name__)
+
+
+def secret(value: SecretStr | None) -> str | None:
+    """A config secret's value, where it is used (it is written out only as ``**********``)."""
+    return value.get_secret_value() if value is not None else None
 
 
 class RunLoop:
@@ -127,7 +133,7 @@ class RunLoop:
                             self.pool,
                             host=cfg.admin.host,
                             port=cfg.admin.port,
-                            token=cfg.admin.token,
+                            token=secret(cfg.admin.token),
                             admin_file=cfg.run_dir / "admin.json",
                             metrics=metrics,
                             islands=islands,
@@ -142,7 +148,7 @@ class RunLoop:
                             feed,
                             host=cfg.trainer.feed.host,
                             port=cfg.trainer.feed.port,
-                            token=cfg.trainer.feed.token,
+                            token=secret(cfg.trainer.feed.token),
                             feed_file=cfg.run_dir / "feed.json",
                             task_status=task_status,
                         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 FLOAT_VIEWS = ("bfloat16", "float16", "float32")
 """``served_view`` values that are a plain cast of the weights (no scales)."""
@@ -26,9 +26,10 @@ class FeedConfig(BaseModel):
     """Address the batch feed binds (``0.0.0.0`` to reach it from another machine)."""
     port: int = Field(default=0, ge=0, le=65535)
     """Port of the batch feed; 0 picks a free one (written to ``<run dir>/feed.json``)."""
-    token: str | None = Field(default=None, min_length=1)
+    token: SecretStr | None = Field(default=None, min_length=1)
     """Bearer token the batch feed requires; unset: a random one per run. Either way it is written
-    with the URL to ``<run dir>/feed.json`` (mode 0600)."""
+    with the URL to ``<run dir>/feed.json`` (mode 0600), and only there (``**********`` in
+    config.json and the trajectory log's run.json)."""
 
 
 class LoraConfig(BaseModel):

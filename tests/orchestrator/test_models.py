@@ -51,3 +51,31 @@ def test_an_earlier_run_is_kept_unless_asked(
     )
     assert replaced == run_dir
     assert not (run_dir / "trajectories").exists()
+
+
+def test_secrets_never_reach_the_files_a_run_writes(tmp_path: Path) -> None:
+    """Tokens set in the config are masked in config.json and the trajectory log's run.json,
+    which are readable by their owner only; the config still hands the real values to use."""
+    from orchestrator.record.trajlog import TrajectoryLog
+    from orchestrator.run.wiring import secret
+
+    overrides = {
+        "run.root": str(tmp_path),
+        "admin.token": "adm1n-s3cret",
+        "trainer.feed.token": "f33d-s3cret",
+        "fleet.endpoints": [{"url": "http://127.0.0.1:9", "token": "3ndp0int-s3cret"}],
+    }
+    cfg = load_config(DEMO, overrides)
+    run_dir = prepare_run_dir(cfg)
+    log = TrajectoryLog(
+        run_dir / "trajectories", run=cfg.run.name, config=cfg.model_dump(mode="json")
+    )
+    log.close()
+    for path in (run_dir / "config.json", run_dir / "trajectories" / "run.json"):
+        text = path.read_text()
+        assert "s3cret" not in text, path
+        assert "**********" in text
+        assert path.stat().st_mode & 0o777 == 0o600, path
+    assert secret(cfg.admin.token) == "adm1n-s3cret"
+    assert secret(cfg.trainer.feed.token) == "f33d-s3cret"
+    assert [e.token for e in cfg.fleet.endpoint_refs()] == ["3ndp0int-s3cret"]
