@@ -5,10 +5,17 @@ path: ``--trainer.max_steps 2`` sets ``[trainer] max_steps = 2``; its value is r
 value when it parses as one (``2``, ``1e-3``, ``true``, ``"x"``, ``[1, 2]``) and as a plain string
 otherwise. Any unknown key or bad value fails before anything starts, with a :class:`ConfigError`
 naming the key and where it came from (the file, or the command line).
+
+Hostile files are bounded: the file must be a regular file of at most :data:`MAX_FILE_BYTES`
+(a FIFO is refused, never waited on), and a value may nest arrays and tables at most
+:data:`MAX_DEPTH` deep (deeper is refused naming the key, before it can exhaust the parser's
+recursion or a later serialization).
 """
 
 from __future__ import annotations
 
+import os
+import stat
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -17,6 +24,11 @@ from pydantic import ValidationError
 
 from orchestrator.config.tree import Config
 from orchestrator.errors import ConfigError
+
+MAX_FILE_BYTES = 16 << 20
+"""The largest config file read."""
+MAX_DEPTH = 32
+"""How deep arrays and tables may nest in a config (sections included)."""
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:
@@ -45,6 +57,44 @@ def _toml_value(text: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+    except RecursionError:
+        raise ConfigError(f"a command-line value nests deeper than {MAX_DEPTH} levels") from None
+
+
+def _read(path: Path) -> dict[str, Any]:
+    """The TOML of the regular file ``path`` (module docstring's bounds)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"{path}: not a regular file")
+        if info.st_size > MAX_FILE_BYTES:
+            raise ConfigError(f"{path}: {info.st_size} bytes, more than a config may hold")
+        raw = f.read(MAX_FILE_BYTES + 1)
+    try:
+        return tomllib.loads(raw.decode())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nests deeper than {MAX_DEPTH} levels") from None
+
+
+def _check_depth(value: Any, key: str, source: str, depth: int = 0) -> None:
+    if depth > MAX_DEPTH:
+        raise ConfigError(f"{source}: {key}: nested more than {MAX_DEPTH} levels deep")
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else ()
+    )
+    for k, v in items:
+        if isinstance(v, dict | list):
+            _check_depth(v, f"{key}.{k}" if key else str(k), source, depth + 1)
 
 
 def load_config(path: Path | None, overrides: dict[str, Any] | None = None) -> Config:
@@ -53,14 +103,11 @@ def load_config(path: Path | None, overrides: dict[str, Any] | None = None) -> C
     source = "defaults"
     if path is not None:
         source = str(path)
-        try:
-            data = tomllib.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+        data = _read(path)
+        _check_depth(data, "", source)
     from_cli: set[str] = set()
     for dotted, value in (overrides or {}).items():
+        _check_depth({dotted: value}, "", "command line")
         _set_dotted(data, dotted, value)
         from_cli.add(dotted)
     try:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -225,3 +226,37 @@ def test_router_replay_needs_an_engine_of_the_fleet_that_returns_routing(tmp_pat
         ["--trainer.router_replay", "true", "--fleet.local_engines", "1"]
     )
     assert load_config(path, with_reference).trainer.router_replay
+
+
+@pytest.mark.parametrize(
+    ("body", "complaint"),
+    [
+        ("x = " + "[" * 100_000 + "]" * 100_000 + "\n", "nests deeper than 32 levels"),
+        ("x = " + "{a = " * 50_000 + "1" + "}" * 50_000 + "\n", "nests deeper than 32 levels"),
+        (
+            "[environment.args]\n"
+            + "".join(f"[environment.args{'.a' * i}]\n" for i in range(1, 60)),
+            "environment.args.a.a",
+        ),
+    ],
+    ids=["deep_arrays", "deep_inline_tables", "deep_tables_under_args"],
+)
+@pytest.mark.usefixtures("cli_logging")
+def test_a_hostile_config_file_is_one_line_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], body: str, complaint: str
+) -> None:
+    path = tmp_path / "hostile.toml"
+    path.write_text(body)
+    with pytest.raises(ConfigError, match=complaint):
+        load_config(path)
+    assert main(["--config", str(path), "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().startswith(f"orchestrate: error: {path}")
+
+
+def test_a_fifo_in_place_of_a_config_is_refused_not_waited_on(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    os.mkfifo(path)
+    with pytest.raises(ConfigError, match="not a regular file"):
+        load_config(path)
