@@ -49,7 +49,7 @@ masters there is no fp32 copy: AdamW updates smaller than half a bf16 ulp are ro
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import structlog
@@ -57,6 +57,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from policies.board import Board, Manifest
+from policies.codec.digests import StorageKey, storage_key
 from policies.codec.views import ViewSpec, build_view, weight_sources
 from policies.errors import CheckpointError, ScoringError
 from policies.model.moe import replay_routing, routers
@@ -87,6 +88,21 @@ from staleness.loss import group_advantages, normaliser
 log = structlog.get_logger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def tied_once(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with each tensor once: a name whose tensor is another's (the same storage,
+    offset, shape, stride and dtype: tied weights) is left out. Tensors that merely share an
+    address — empty ones, or two views of one storage — are all kept."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[StorageKey] = set()
+    for name, t in state.items():
+        key = storage_key(t)
+        if t.numel() and key in seen:
+            continue
+        seen.add(key)
+        out[name] = t.detach()
+    return out
 
 
 class Trainer:
@@ -158,13 +174,7 @@ class Trainer:
         (:func:`policies.train.lora.adapter_view`)."""
         if self.config.lora is not None:
             return adapter_view(self.model, self.config.lora, DTYPES[self.config.served_view])
-        state: dict[str, torch.Tensor] = {}
-        seen: set[int] = set()
-        for name, t in self.model.state_dict().items():
-            if t.data_ptr() in seen:  # tied weights are shipped once
-                continue
-            seen.add(t.data_ptr())
-            state[name] = t.detach()
+        state = tied_once(self.model.state_dict())
         spec = view_spec(self.config)
         if spec is None:
             dtype = DTYPES[self.config.served_view]

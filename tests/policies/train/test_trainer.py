@@ -398,3 +398,19 @@ def test_staleness_loss_options_reach_the_step(tmp_path: Path, tiny_model_dir: P
 def test_trainer_loss_agg_moved_to_staleness() -> None:
     with pytest.raises(ValueError, match=r"staleness\.loss_agg"):
         TrainerConfig(loss_agg="seq_mean")  # type: ignore[call-arg]
+
+
+def test_tied_weights_are_served_once_and_tensors_that_only_share_an_address_are_kept() -> None:
+    from policies.train.trainer import tied_once
+
+    embed = torch.randn(8, 4)
+    storage = torch.arange(12.0)
+    state = {
+        "embed.weight": embed,
+        "lm_head.weight": embed,  # tied: the same tensor
+        "a.empty": torch.empty(0),
+        "b.empty": torch.empty(0),  # empty tensors share address 0
+        "first_half": storage[:6],
+        "whole": storage,  # the same address, another shape
+    }
+    assert list(tied_once(state)) == ["embed.weight", "a.empty", "b.empty", "first_half", "whole"]
