@@ -60,10 +60,16 @@ class Seen:
 
 
 def _failed_calls(endpoint: str) -> Evidence:
+    """Calls to ``endpoint`` failed, or it was marked unhealthy, or (its calls done a moment
+    before the fault struck) the supervisor saw its island die."""
+
     def seen(s: Seen) -> str | None:
         n = sum(e["endpoint"] == endpoint for e in s.events("call_failed"))
         down = sum(e["id"] == endpoint and not e["healthy"] for e in s.events("endpoint"))
-        return f"{n} failed calls, {down}× marked unhealthy" if n or down else None
+        died = sum(e["endpoint"] == endpoint for e in s.events("island_died"))
+        if not (n or down or died):
+            return None
+        return f"{n} failed calls, {down}× marked unhealthy" + (f", died {died}×" if died else "")
 
     return seen
 
