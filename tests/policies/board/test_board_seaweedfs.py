@@ -1,0 +1,117 @@
+"""The board on a real object store: SeaweedFS's S3 API on loopback (tests/support/seaweedfs.py).
+
+What holds (docs/reliability.md, "On a real object store"): versions published through the S3
+API (deltas in chunks, anchors, catch-up patches) are followed and loaded bit-exactly.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from policies.board import WEIGHTS, Board, BoardReader, stream_publish
+from policies.board.types import chunk_file
+from tests.support.boards import adam_like_step
+from tests.support.seaweedfs import BUCKET, Weed, seaweedfs
+
+State = dict[str, torch.Tensor]
+NAMES = [f"layers.{i}.weight" for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def weed() -> Iterator[Weed]:
+    with seaweedfs() as server:
+        yield server
+
+
+@pytest.fixture
+def server(weed: Weed) -> Iterator[Weed]:
+    """The module's server, running and answering (a failed test may have left it stopped)."""
+    if weed.proc is None:
+        weed.start()
+    weed.resume()
+    yield weed
+    if weed.proc is not None:
+        weed.resume()
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One tensor per chunk: a delta is several objects, written one after the other."""
+    monkeypatch.setattr(stream_publish, "CHUNK_VIEW_BYTES", 1)
+
+
+def _url() -> str:
+    return f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}"
+
+
+def _view(seed: int) -> State:
+    gen = torch.Generator().manual_seed(seed)
+    view = {n: torch.randn(64, 256, generator=gen).to(torch.bfloat16) for n in NAMES}
+    view["norm.bias"] = torch.randn(256, generator=gen)
+    return view
+
+
+def _chain(n: int) -> list[State]:
+    states = [_view(0)]
+    for v in range(1, n):
+        states.append(adam_like_step(states[-1], v, density=0.02, float_noise=1e-3))
+    return states
+
+
+def _same(a: State, b: State) -> bool:
+    return set(a) == set(b) and all(
+        a[k].dtype == b[k].dtype
+        and torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))
+        for k in a
+    )
+
+
+def _objects_whole(reader: BoardReader) -> None:
+    """Every version the reader can list has every object its manifest names, at its size."""
+    for v in reader.versions():
+        m = reader.manifest(v)
+        vdir = f"{reader.root}/versions/{v:08d}"
+        files = {WEIGHTS: m.bytes} if m.kind == "anchor" else {}
+        for p in m.patches:
+            if p.chunks:
+                files.update({chunk_file(p.base, i): c.bytes for i, c in enumerate(p.chunks)})
+            else:
+                files[p.file] = p.bytes
+        for rel, size in files.items():
+            assert reader.fs.size(f"{vdir}/{rel}") == size, f"version {v}: {rel}"
+
+
+# -- 1. publish and follow through the S3 API ------------------------------------------------------
+
+
+def test_a_run_published_through_s3_is_followed_bit_exactly(server: Weed) -> None:
+    url = _url()
+    pub = Board(url, "run", storage_options=server.options(), anchor_every=3)
+    reader = BoardReader(url, "run", storage_options=server.options())
+    states = _chain(7)
+    held: State = {}
+    for v, state in enumerate(states):
+        pub.publish(v, state, view_name="bfloat16")
+        assert reader.latest() == v
+        if v == 0:
+            held = reader.load(0)[1]
+        else:
+            assert reader.catch_up(v - 1, v).anchor is None  # a patch, not a reload
+            reader.advance(held, v - 1, v)
+        assert _same(held, state), f"version {v}"
+    kinds = [reader.manifest(v).kind for v in reader.versions()]
+    assert kinds == ["anchor", "delta", "delta", "anchor", "delta", "delta", "anchor"]
+    assert reader.manifest(2).patches[0].chunks  # the delta went up chunk by chunk
+    _objects_whole(reader)
+    late = BoardReader(url, "run", storage_options=server.options())
+    assert _same(late.load(5)[1], states[5])  # an anchor and its deltas
+    lagging = late.load(1)[1]
+    plan = late.catch_up(1, 6)
+    assert plan.anchor is None
+    assert len(plan.steps) <= 3  # squashed catch-up patches
+    late.advance(lagging, 1, 6)
+    assert _same(lagging, states[6])
