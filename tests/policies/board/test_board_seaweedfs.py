@@ -6,19 +6,33 @@ API (deltas in chunks, anchors, catch-up patches) are followed and loaded bit-ex
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
+from structlog.testing import capture_logs
 
 from policies.board import WEIGHTS, Board, BoardReader, stream_publish
+from policies.board import store as board_store
 from policies.board.types import chunk_file
-from tests.support.boards import adam_like_step
+from policies.errors import BoardError
+from policies.serve.backends.reference import ReferenceBackend
+from policies.serve.engine import Engine
+from policies.serve.sidecar import Sidecar
+from tests.support.boards import adam_like_step, publish_scaled
 from tests.support.seaweedfs import BUCKET, Weed, seaweedfs
 
 State = dict[str, torch.Tensor]
 NAMES = [f"layers.{i}.weight" for i in range(4)]
+CALL_BOUND_S = 20.0
+"""How long a poll may take on a paused server with a 1 s read timeout (three tries and
+botocore's backoff: 4–5 s; before they were bounded, one read of the pointer took 308 s)."""
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +99,32 @@ def _objects_whole(reader: BoardReader) -> None:
             assert reader.fs.size(f"{vdir}/{rel}") == size, f"version {v}: {rel}"
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+@contextmanager
+def resumed_after(weed: Weed, seconds: float) -> Iterator[None]:
+    """Resume a paused server after ``seconds`` whatever happens: a call that would wait for it
+    longer returns then, and the test fails on its clock instead of hanging."""
+    timer = threading.Timer(seconds, weed.resume)
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _timed(fn: Callable[[], object]) -> tuple[Exception | None, float]:
+    """What ``fn`` raised (None if nothing) and how long it took."""
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:
+        return exc, time.monotonic() - start
+    return None, time.monotonic() - start
+
+
 # -- 1. publish and follow through the S3 API ------------------------------------------------------
 
 
@@ -115,3 +155,57 @@ def test_a_run_published_through_s3_is_followed_bit_exactly(server: Weed) -> Non
     assert len(plan.steps) <= 3  # squashed catch-up patches
     late.advance(lagging, 1, 6)
     assert _same(lagging, states[6])
+
+
+# -- 3. a paused server while a replica polls ------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_paused_store_fails_a_replica_s_polls_within_a_bound_and_it_catches_up(
+    server: Weed, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # what every s3:// board gets (policies.board.store), with a read timeout of 1 s, not 15
+    monkeypatch.setattr(board_store, "S3_READ_TIMEOUT_S", 1.0)
+    url = _url()
+    pub = Board(url, "run", storage_options=server.options())
+    pub.create(tiny_model_dir)
+    publish_scaled(pub, 0, tiny_model_dir)
+    views = [pub.load(0)[1]]
+    for v in (1, 2):
+        views.append(adam_like_step(views[-1], seed=v, density=0.05))
+    engine = Engine(tiny_model_dir, dtype=torch.bfloat16)
+    board = Board(url, "run", storage_options=server.options())
+    sidecar = Sidecar(
+        ReferenceBackend(engine), board, poll_interval_s=3600, registry=CollectorRegistry()
+    )
+    try:
+        await sidecar.reconcile()
+        pub.publish(1, views[1], view_name="bfloat16")
+        await sidecar.reconcile()
+        assert sidecar.applied_version == 1
+        server.pause()
+        with capture_logs() as logs:
+            for _ in range(2):  # each poll fails on its own; none waits for the server
+                with resumed_after(server, CALL_BOUND_S + 5):
+                    start = time.monotonic()
+                    await sidecar.reconcile()
+                    took = time.monotonic() - start
+                assert took < CALL_BOUND_S
+            with resumed_after(server, CALL_BOUND_S + 5):
+                error, took = _timed(lambda: pub.publish(2, views[2], view_name="bfloat16"))
+        assert took < CALL_BOUND_S
+        assert isinstance(error, BoardError)
+        assert str(error).startswith(f"board {url}: ")
+        assert "timeout" in str(error).lower()
+        unreadable = [e for e in logs if e["event"] == "board_unreadable"]
+        assert len(unreadable) == 2
+        assert sidecar.applied_version == 1  # the old version keeps serving
+        assert sidecar.state == "serving"
+        server.resume()
+        pub.publish(2, views[2], view_name="bfloat16")
+        await sidecar.reconcile()
+        assert sidecar.applied_version == 2
+        live = engine.live_tensors()
+        assert all(torch.equal(_bits(live[k]), _bits(t)) for k, t in views[2].items() if k in live)
+    finally:
+        engine.close()
