@@ -5,8 +5,9 @@ the same directory + fsync + rename + directory fsync; object stores: one PUT); 
 returns the object's bytes as stored, never more than the caller's limit plus one
 (``FileNotFoundError`` if absent; locally, anything but a regular file is refused, never waited
 on); every other storage
-failure becomes :class:`BoardError` whose message has the URL's credentials, configured secrets
-and ``AWS_*`` credentials from the environment removed, and which does not chain the original
+failure becomes :class:`BoardError` whose message — the object's path and the backend's error
+included — has the URL's credentials (user, password, query string), configured secrets and
+``AWS_*`` credentials from the environment removed, and which does not chain the original
 exception (tracebacks cannot leak it either).
 
 Every call to an ``s3://`` board is bounded: a connection must open within
@@ -33,6 +34,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 import fsspec
 
@@ -117,11 +119,23 @@ class Store:
         self.local = any(p in ("file", "local") for p in protocols)
         self.bytes_read = 0
         """Bytes read from the board so far (what crossed the link, for a remote board)."""
+        # the URL's own credentials too: the backend may keep them in its paths (s3fs takes
+        # ``s3://key:secret@bucket`` for a bucket name) and echo them in its errors
+        split = urlsplit(url)
         self._secrets = [
             str(v)
             for k, v in _flatten(storage_options or {})
             if any(s in k.lower() for s in _SECRET_KEYS) and v
         ] + [os.environ[k] for k in _SECRET_ENV if os.environ.get(k)]
+        if split.scheme and split.netloc:
+            self._secrets += [s for s in (split.username, split.password, split.query) if s]
+
+    def _scrub(self, text: str) -> str:
+        """``text`` with every secret the URL, the storage options or the environment hold
+        replaced by ``***``."""
+        for s in self._secrets:
+            text = text.replace(s, "***")
+        return text
 
     def call(self, what: str, fn: Callable[[], T]) -> T:
         """Run a storage call; convert third-party failures to :class:`BoardError` (scrubbed)."""
@@ -130,10 +144,8 @@ class Store:
         except (FileNotFoundError, PolicyError):
             raise
         except Exception as exc:  # any fsspec backend's error: converted at the edge
-            msg = f"{type(exc).__name__}: {exc}"
-            for s in self._secrets:
-                msg = msg.replace(s, "***")
-            raise BoardError(f"board {self.safe_url}: {what} failed: {msg}") from None
+            msg = f"{what} failed: {type(exc).__name__}: {exc}"
+            raise BoardError(f"board {self.safe_url}: {self._scrub(msg)}") from None
 
     def read(self, path: str, limit: int) -> bytes:
         """The object's bytes, at most ``limit + 1`` of them: a result longer than ``limit``
@@ -153,7 +165,8 @@ class Store:
         try:
             self.call(f"writing {path}", lambda: self._put(path, data))
         except FileNotFoundError:  # a missing bucket or directory: the board is unusable
-            raise BoardError(f"board {self.safe_url}: writing {path} failed: not found") from None
+            msg = f"writing {path} failed: not found"
+            raise BoardError(f"board {self.safe_url}: {self._scrub(msg)}") from None
 
     def _put(self, path: str, data: bytes) -> None:
         if not self.local:

@@ -13,16 +13,22 @@ credentials appear in no log line, error, metric, command output or object a run
 from __future__ import annotations
 
 import fnmatch
+import json
+import logging
+import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 from structlog.testing import capture_logs
 
 from policies.board import WEIGHTS, Board, BoardReader, stream_publish
@@ -33,6 +39,7 @@ from policies.serve.backends.reference import ReferenceBackend
 from policies.serve.engine import Engine
 from policies.serve.sidecar import Sidecar
 from tests.support.boards import adam_like_step, publish_scaled
+from tests.support.s3 import KEY, SECRET
 from tests.support.seaweedfs import BUCKET, Weed, seaweedfs
 
 State = dict[str, torch.Tensor]
@@ -286,3 +293,120 @@ async def test_a_paused_store_fails_a_replica_s_polls_within_a_bound_and_it_catc
         assert all(torch.equal(_bits(live[k]), _bits(t)) for k, t in views[2].items() if k in live)
     finally:
         engine.close()
+
+
+# -- 4. credentials --------------------------------------------------------------------------------
+
+WRONG_SECRET = "sprawl-wrong-secret-do-not-log-5678"
+
+
+def _leaks(text: str | bytes) -> list[str]:
+    data = text.encode() if isinstance(text, str) else text
+    return [s for s in (KEY, SECRET, WRONG_SECRET) if s.encode() in data]
+
+
+def _aws_env(monkeypatch: pytest.MonkeyPatch, weed: Weed) -> None:
+    """Credentials and endpoint in the environment, as ``orchestrate`` takes them."""
+    for name, value in [
+        ("AWS_ACCESS_KEY_ID", KEY),
+        ("AWS_SECRET_ACCESS_KEY", SECRET),
+        ("AWS_ENDPOINT_URL", weed.endpoint),
+        ("AWS_DEFAULT_REGION", "us-east-1"),
+    ]:
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.anyio
+async def test_credentials_appear_in_no_log_error_or_metric(
+    server: Weed,
+    tiny_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The publisher's credentials come as storage options, a replica's from the environment;
+    a replica with a wrong secret, a store that is not there and a URL holding credentials
+    give errors."""
+    _aws_env(monkeypatch, server)
+    url = _url()
+    errors: list[BoardError] = []
+    engine = Engine(tiny_model_dir, dtype=torch.bfloat16)
+    try:
+        with capture_logs() as logs, caplog.at_level(logging.WARNING):
+            pub = Board(url, "run", storage_options=server.options())
+            pub.create(tiny_model_dir)
+            publish_scaled(pub, 0, tiny_model_dir)
+            registry, other_registry = CollectorRegistry(), CollectorRegistry()
+            replica = Board(url, "run")
+            sidecar = Sidecar(
+                ReferenceBackend(engine), replica, poll_interval_s=3600, registry=registry
+            )
+            await sidecar.reconcile()
+            pub.publish(
+                1, adam_like_step(pub.load(0)[1], seed=1, density=0.05), view_name="bfloat16"
+            )
+            await sidecar.reconcile()
+            assert sidecar.applied_version == 1
+            refused = Board(url, "run", storage_options=server.options(secret=WRONG_SECRET))
+            failing = Sidecar(
+                ReferenceBackend(engine), refused, poll_interval_s=3600, registry=other_registry
+            )
+            await failing.reconcile()  # logs board_unreadable
+            gone = server.options(client_kwargs={"endpoint_url": "http://127.0.0.1:1"})
+            in_url = f"s3://{KEY}:{SECRET}@{BUCKET}/p"  # s3fs takes no credentials from a URL
+            calls = [Board(url, "run", storage_options=gone).latest]
+            for board in (refused, Board(in_url, "run", storage_options=server.options())):
+                calls += [board.latest, partial(board.store.write, f"{board.root}/x", b"x")]
+            for call in calls:
+                with pytest.raises(BoardError, match=r"^board s3://") as info:
+                    call()
+                errors.append(info.value)
+        assert any(e["event"] == "board_unreadable" for e in logs)
+        metrics = generate_latest(registry) + generate_latest(other_registry)
+    finally:
+        engine.close()
+    assert not _leaks(repr(logs)), "structlog events"
+    assert not _leaks(caplog.text), "stdlib log records"
+    for e in errors:
+        assert not _leaks(str(e) + repr(e)), str(e)
+        assert e.__cause__ is None
+        assert e.__suppress_context__
+    assert not _leaks(metrics), "the sidecar's metrics"
+
+
+def test_credentials_appear_in_nothing_the_command_line_prints_or_a_run_writes(
+    server: Weed,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    cli_logging: None,
+) -> None:
+    from orchestrator.cli import main
+
+    _aws_env(monkeypatch, server)
+    url, states = _url(), _chain(2)
+    pub = Board(url, "run", storage_options=server.options())
+    for v, state in enumerate(states):
+        pub.publish(v, state, view_name="bfloat16")
+    capsys.readouterr()
+    board_args = ["--board", url, "--run", "run"]
+    assert main(["versions", *board_args, "--json"]) == 0
+    assert [row["version"] for row in json.loads(capsys.readouterr().out)] == [0, 1]
+    out = tmp_path / "ckpt"
+    assert main(["materialize", *board_args, "--version", "1", "--out", str(out)]) == 0
+    cli = capsys.readouterr()
+    refused = subprocess.run(  # a process of its own: it reads the environment afresh
+        [sys.executable, "-m", "orchestrator.cli", "versions", *board_args],
+        env={**os.environ, "AWS_SECRET_ACCESS_KEY": WRONG_SECRET},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 2
+    assert refused.stderr.startswith(f"orchestrate: error: board {url}: "), refused.stderr
+    assert not _leaks(cli.out + cli.err + refused.stdout + refused.stderr)
+    assert sorted(f.name for f in out.iterdir()) == [WEIGHTS]
+    assert not _leaks((out / WEIGHTS).read_bytes())
+    written = pub.fs.find(pub.root)  # pointer, stream, manifests, anchor, chunks
+    assert f"{pub.root}/versions/00000001/manifest.json" in written
+    for path in written:
+        assert not _leaks(pub.fs.cat_file(path)), path
