@@ -5,9 +5,21 @@ the same directory + fsync + rename + directory fsync; object stores: one PUT); 
 returns the object's bytes as stored, never more than the caller's limit plus one
 (``FileNotFoundError`` if absent; locally, anything but a regular file is refused, never waited
 on); every other storage
-failure becomes :class:`BoardError` whose message has the URL's credentials, configured secrets
-and ``AWS_*`` credentials from the environment removed, and which does not chain the original
+failure becomes :class:`BoardError` whose message — the object's path and the backend's error
+included — has the URL's credentials (user, password, query string), configured secrets and
+``AWS_*`` credentials from the environment removed, and which does not chain the original
 exception (tracebacks cannot leak it either).
+
+Every call to an ``s3://`` board is bounded: a connection must open within
+:data:`S3_CONNECT_TIMEOUT_S` and a response must not stall for :data:`S3_READ_TIMEOUT_S` (each
+read of the socket, so a large object that keeps arriving is never cut), and a call is tried at
+most :data:`S3_MAX_ATTEMPTS` times (botocore's ``standard`` retry mode, with its backoff: failed
+connections, timeouts, throttling and 5xx answers), s3fs's own retry loop being off. A store that
+hangs (a paused server: the kernel accepts the connection, nothing answers) therefore costs a
+call at most ``3 × 15 s`` plus ~3 s of backoff before it is a :class:`BoardError`; unbounded, a
+read was tried 125 times (s3fs's retries, nested twice, around botocore's), 308 s with a 1 s
+read timeout and over half an hour with 15 s. ``storage_options["config_kwargs"]`` (botocore's
+``Config``) overrides any of these fields.
 
 Not covered: listing consistency on eventually consistent stores beyond what the store offers
 (fsspec's listings cache is off unless ``storage_options`` turn it on).
@@ -22,6 +34,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 import fsspec
 
@@ -32,6 +45,14 @@ T = TypeVar("T")
 _SECRET_KEYS = ("key", "secret", "token", "password")
 _SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 
+
+S3_CONNECT_TIMEOUT_S = 5.0
+"""Seconds an ``s3://`` board's call waits for a connection (``config_kwargs.connect_timeout``)."""
+S3_READ_TIMEOUT_S = 15.0
+"""Seconds an ``s3://`` board's call waits for the next bytes of a response
+(``config_kwargs.read_timeout``)."""
+S3_MAX_ATTEMPTS = 3
+"""Tries of one ``s3://`` board call, the first included (``config_kwargs.retries``)."""
 
 _CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][\w+.-]*://)[^/@\s]+@")
 _QUERY = re.compile(r"\?\S*")
@@ -49,6 +70,15 @@ def _flatten(d: Mapping[str, object], prefix: str = "") -> Iterator[tuple[str, o
             yield from _flatten(v, f"{prefix}{k}.")
         else:
             yield f"{prefix}{k}", v
+
+
+def _s3_config() -> dict[str, object]:
+    """botocore ``Config`` fields that bound every call (module docstring)."""
+    return {
+        "connect_timeout": S3_CONNECT_TIMEOUT_S,
+        "read_timeout": S3_READ_TIMEOUT_S,
+        "retries": {"mode": "standard", "total_max_attempts": S3_MAX_ATTEMPTS},
+    }
 
 
 def _read_regular(path: str, most: int) -> bytes:
@@ -77,17 +107,35 @@ class Store:
         # Another process publishes under us: a cached listing would hide versions written
         # after it (fsspec answers "not found" from a parent listing it holds), so none is kept.
         options = {"use_listings_cache": False, **dict(storage_options or {})}
+        s3 = fsspec.core.split_protocol(url)[0] in ("s3", "s3a")
+        if s3:
+            given = options.get("config_kwargs")
+            options["config_kwargs"] = _s3_config() | (given if isinstance(given, dict) else {})
         self.fs, self.root = fsspec.core.url_to_fs(url, **options)
+        if s3:  # botocore retries (above); s3fs's own loop would multiply them (5 × 5 for reads)
+            self.fs.retries = 1
         self.root = self.root.rstrip("/")
         protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else self.fs.protocol
         self.local = any(p in ("file", "local") for p in protocols)
         self.bytes_read = 0
         """Bytes read from the board so far (what crossed the link, for a remote board)."""
+        # the URL's own credentials too: the backend may keep them in its paths (s3fs takes
+        # ``s3://key:secret@bucket`` for a bucket name) and echo them in its errors
+        split = urlsplit(url)
         self._secrets = [
             str(v)
             for k, v in _flatten(storage_options or {})
             if any(s in k.lower() for s in _SECRET_KEYS) and v
         ] + [os.environ[k] for k in _SECRET_ENV if os.environ.get(k)]
+        if split.scheme and split.netloc:
+            self._secrets += [s for s in (split.username, split.password, split.query) if s]
+
+    def _scrub(self, text: str) -> str:
+        """``text`` with every secret the URL, the storage options or the environment hold
+        replaced by ``***``."""
+        for s in self._secrets:
+            text = text.replace(s, "***")
+        return text
 
     def call(self, what: str, fn: Callable[[], T]) -> T:
         """Run a storage call; convert third-party failures to :class:`BoardError` (scrubbed)."""
@@ -96,10 +144,8 @@ class Store:
         except (FileNotFoundError, PolicyError):
             raise
         except Exception as exc:  # any fsspec backend's error: converted at the edge
-            msg = f"{type(exc).__name__}: {exc}"
-            for s in self._secrets:
-                msg = msg.replace(s, "***")
-            raise BoardError(f"board {self.safe_url}: {what} failed: {msg}") from None
+            msg = f"{what} failed: {type(exc).__name__}: {exc}"
+            raise BoardError(f"board {self.safe_url}: {self._scrub(msg)}") from None
 
     def read(self, path: str, limit: int) -> bytes:
         """The object's bytes, at most ``limit + 1`` of them: a result longer than ``limit``
@@ -119,7 +165,8 @@ class Store:
         try:
             self.call(f"writing {path}", lambda: self._put(path, data))
         except FileNotFoundError:  # a missing bucket or directory: the board is unusable
-            raise BoardError(f"board {self.safe_url}: writing {path} failed: not found") from None
+            msg = f"writing {path} failed: not found"
+            raise BoardError(f"board {self.safe_url}: {self._scrub(msg)}") from None
 
     def _put(self, path: str, data: bytes) -> None:
         if not self.local:
