@@ -114,12 +114,14 @@ class Weed:
             f"-s3.config={self.root / 's3.json'}",
             f"-filer.localSocket={self.root / 'filer.sock'}",
             f"-s3.localSocket={self.root / 's3.sock'}",
-            "-s3.port.iceberg=0",
+            "-s3.port.iceberg=0",  # no other listeners (they have fixed default ports)
             "-s3.port.lance=0",
             "-master.telemetry=false",
+            # a restart on the same data elects its one master in about a second, not ten, and
+            # before the volume server's first heartbeat (a missed one costs 5 s more)
             "-master.electionTimeout=1s",
             "-master.raftBootstrap",
-            "-master.volumeSizeLimitMB=64",
+            "-master.volumeSizeLimitMB=64",  # small sparse volume files, 32 of them at most
             "-volume.max=32",
             "-volume.preStopSeconds=0",
             *flags,
