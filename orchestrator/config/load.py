@@ -67,10 +67,12 @@ def _read(path: Path) -> dict[str, Any]:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        what = "Is a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+        raise ConfigError(f"{path}: {what}")
     with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise ConfigError(f"{path}: not a regular file")
         if info.st_size > MAX_FILE_BYTES:
             raise ConfigError(f"{path}: {info.st_size} bytes, more than a config may hold")
         raw = f.read(MAX_FILE_BYTES + 1)
