@@ -26,7 +26,6 @@ config fails in well under a second.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +37,7 @@ from anyio.abc import TaskStatus
 
 from orchestrator.config import load_config, parse_overrides
 from orchestrator.errors import SprawlError
-from policies.wire.lifetime import cancel_on_signal, stdin_closed
+from policies.wire.lifetime import serve_until_stopped
 from policies.wire.logs import configure
 
 if TYPE_CHECKING:
@@ -167,16 +166,9 @@ async def _serve_until_stopped(options: ServeOptions, tls: ssl.SSLContext | None
                 max_adapters=o.max_adapters, task_status=task_status,
             )  # fmt: skip
 
-    async with anyio.create_task_group() as tg:
-        port = await tg.start(serve)
-        scheme = "https" if tls else "http"
-        sys.stdout.write(json.dumps({"url": f"{scheme}://{o.host}:{port}"}) + "\n")
-        sys.stdout.flush()
-        tg.start_soon(cancel_on_signal, tg.cancel_scope)
-        if o.parent_stdin:
-            await stdin_closed()
-            log.info("parent_gone")
-            tg.cancel_scope.cancel()
+    await serve_until_stopped(
+        serve, host=o.host, https=tls is not None, parent_stdin=o.parent_stdin
+    )
 
 
 def _versions(argv: list[str]) -> int:

@@ -5,7 +5,8 @@ closes when the orchestrator exits for any reason, SIGKILL included. A child tha
 :func:`stdin_closed` (``--parent-stdin``) beside its work therefore never outlives the
 orchestrator. :func:`cancel_on_signal` turns SIGINT / SIGTERM into a cancellation, so the
 child's own cleanup (``finally`` blocks, context managers) runs instead of Python's default
-exit.
+exit. :func:`serve_until_stopped` is both, around a serving command: its ready line
+(``{"url": …}`` on stdout, what the parent waits for) once it listens.
 
 Not covered: a parent that keeps the pipe open while hung (the fleet's SIGTERM → SIGKILL covers
 that one).
@@ -13,11 +14,18 @@ that one).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import anyio
+import structlog
+from anyio.abc import TaskStatus
+
+log = structlog.get_logger(__name__)
 
 
 async def stdin_closed() -> None:
@@ -39,3 +47,24 @@ async def cancel_on_signal(scope: anyio.CancelScope) -> None:
         async for _ in signals:
             scope.cancel()
             return
+
+
+async def serve_until_stopped(
+    serve: Callable[[TaskStatus[int]], Coroutine[Any, Any, None]],
+    *,
+    host: str,
+    https: bool,
+    parent_stdin: bool,
+) -> None:
+    """Run ``serve`` (started with its bound port); print the ready line once it listens; stop
+    at SIGINT or SIGTERM, or (``parent_stdin``) when the parent goes away."""
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(serve)
+        scheme = "https" if https else "http"
+        sys.stdout.write(json.dumps({"url": f"{scheme}://{host}:{port}"}) + "\n")
+        sys.stdout.flush()
+        tg.start_soon(cancel_on_signal, tg.cancel_scope)
+        if parent_stdin:
+            await stdin_closed()
+            log.info("parent_gone")
+            tg.cancel_scope.cancel()

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import ssl
-import sys
 import tempfile
 from pathlib import Path
 from typing import get_args
@@ -64,7 +63,7 @@ from policies.serve.server import run_lane, tls_context
 from policies.serve.sidecar import Sidecar
 from policies.serve.types import QuiesceMode
 from policies.wire.flags import add_flags, parse_flags
-from policies.wire.lifetime import cancel_on_signal, stdin_closed
+from policies.wire.lifetime import serve_until_stopped
 
 log = structlog.get_logger(__name__)
 KINDS = get_args(EngineKind)
@@ -261,40 +260,34 @@ def main(argv: list[str]) -> int:
     limits = args.limits()
 
     async def run() -> None:
-        async with anyio.create_task_group() as tg:
-            bound = await tg.start(
-                lambda task_status: serve_sidecar(
-                    engine_url=args.engine_url,
-                    engine_kind=args.engine_kind,
-                    board_url=args.board,
-                    run=args.run,
-                    host=args.host,
-                    port=args.port,
-                    token=args.token,
-                    api_key=args.engine_api_key,
-                    activation=args.activation,
-                    poll_interval_s=args.poll_interval,
-                    materialize_dir=args.materialize_dir,
-                    version=args.version,
-                    model=args.model,
-                    tls=tls,
-                    llama=llama,
-                    limits=limits,
-                    max_adapters=args.max_adapters,
-                    vllm_update=args.vllm_update,
-                    kv_on_update=args.kv_on_update,
-                    sglang_update=args.sglang_update,
-                    task_status=task_status,
-                )
-            )
-            scheme = "https" if tls else "http"
-            sys.stdout.write(json.dumps({"url": f"{scheme}://{args.host}:{bound}"}) + "\n")
-            sys.stdout.flush()
-            tg.start_soon(cancel_on_signal, tg.cancel_scope)
-            if args.parent_stdin:
-                await stdin_closed()
-                log.info("parent_gone")
-                tg.cancel_scope.cancel()
+        await serve_until_stopped(
+            lambda task_status: serve_sidecar(
+                engine_url=args.engine_url,
+                engine_kind=args.engine_kind,
+                board_url=args.board,
+                run=args.run,
+                host=args.host,
+                port=args.port,
+                token=args.token,
+                api_key=args.engine_api_key,
+                activation=args.activation,
+                poll_interval_s=args.poll_interval,
+                materialize_dir=args.materialize_dir,
+                version=args.version,
+                model=args.model,
+                tls=tls,
+                llama=llama,
+                limits=limits,
+                max_adapters=args.max_adapters,
+                vllm_update=args.vllm_update,
+                kv_on_update=args.kv_on_update,
+                sglang_update=args.sglang_update,
+                task_status=task_status,
+            ),
+            host=args.host,
+            https=tls is not None,
+            parent_stdin=args.parent_stdin,
+        )
 
     try:
         anyio.run(run)
