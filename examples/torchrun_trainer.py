@@ -20,6 +20,8 @@ restarted job starts from ``--model``, so pair it with a fresh run).
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -107,3 +109,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Skip the interpreter's finalisation: gloo's run-loop thread may still be freeing the last
+    # collective's work (a decref under the GIL), which a finalising interpreter turns into a
+    # libstdc++ abort (pytorch/pytorch#179291).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

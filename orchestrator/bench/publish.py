@@ -200,7 +200,11 @@ def main(argv: list[str]) -> int:
     if args.worker:
         cores = [int(c) for c in args.cores.split(",")]
         sys.stdout.write(json.dumps(worker(args.board, args.size_mb, args.density, cores)) + "\n")
-        return 0
+        sys.stdout.flush()
+        # gloo's run-loop thread frees the last barrier's work (a decref, under the GIL) after the
+        # barrier has returned; an interpreter already finalising kills that thread mid-unwind and
+        # libstdc++ aborts the rank (1 run in 6 here). A worker has nothing left to clean up.
+        os._exit(0)
     result = run(args.ranks, args.size_mb, args.density)
     if args.json:
         sys.stdout.write(json.dumps(result) + "\n")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -101,3 +102,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Skip the interpreter's finalisation: gloo's run-loop thread may still be freeing the last
+    # collective's work (a decref under the GIL), which a finalising interpreter turns into a
+    # libstdc++ abort (pytorch/pytorch#179291).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
