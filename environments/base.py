@@ -145,8 +145,10 @@ class Environment:
         out: list[Message] = []
         for err in reply.errors:
             state.bad_calls += 1
-            # named, as templates that look up a tool message's function require (gpt-oss-like)
-            out.append({"role": "tool", "name": MALFORMED_CALL, "content": f"error: {err.message}"})
+            # named, as templates that look up a tool message's function require (gpt-oss-like),
+            # with the id the dialect gave it where its template requires one (Mistral's)
+            message = {"role": "tool", "name": MALFORMED_CALL, "content": f"error: {err.message}"}
+            out.append({**message, "tool_call_id": err.id} if err.id else message)
         cap = self.config.max_tool_calls_per_turn
         for i, call in enumerate(reply.tool_calls):
             if i >= cap:

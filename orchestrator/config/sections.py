@@ -77,7 +77,8 @@ class ModelConfig(Section):
     is built once and reused by later runs while its ``sft.json`` records the same recipe."""
     tool_parser: str | None = None
     """How the model writes tool calls (``hermes``, ``llama3_json``, ``mistral``,
-    ``qwen3_coder``); None: from ``<path>/sprawl.json``, else detected from the chat template."""
+    ``qwen3_coder``, ``openai``: gpt-oss's harmony); None: from ``<path>/sprawl.json``, else
+    detected from the chat template."""
     max_context: int | None = Field(default=None, ge=64)
     """Tokens an episode's sequence may reach; None: the model's ``max_position_embeddings``
     (engines that serve less bound it further)."""

@@ -18,7 +18,13 @@ Guarantees:
   parsing, the pool) is sprawl's: logged with its traceback (``episode_orchestrator_error``),
   counted (``sprawl_episodes_orchestrator_error``) and recorded as ``orchestrator_error``;
 - the environment's :meth:`~environments.base.Environment.metadata` of a finished episode is kept
-  on it as JSON values (an exception there is the episode's error, like a reward function's).
+  on it as JSON values (an exception there is the episode's error, like a reward function's);
+- a model turn longer than :data:`INLINE_PARSE_TOKENS` is decoded and its tool calls parsed in a
+  worker thread (at most :data:`PARSE_THREADS` at a time per runner), so a long or hostile turn
+  never holds the event loop and the other episodes with it; the parser reads at most
+  :data:`~policies.wire.toolcalls.MAX_TURN_CHARS` characters of it, in linear time. Call ids are
+  seeded by the episode and turn (``id_seed``), so the alphanumeric ids Mistral's templates
+  require are reproducible.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Literal
 
 import anyio
@@ -49,9 +56,16 @@ from orchestrator.types import (
 from policies.wire.chat_tokens import ChatTokens
 from policies.wire.lane import GenerateChoice, GenerateRequest, VersionBounds
 from policies.wire.tool_parsers.types import ToolParser
-from policies.wire.toolcalls import to_openai_message
+from policies.wire.toolcalls import ParsedAssistant, to_openai_message
 
 log = structlog.get_logger(__name__)
+
+INLINE_PARSE_TOKENS = 1024
+"""A turn of at most this many tokens is decoded and parsed on the event loop (well under a
+millisecond); a longer one in a worker thread."""
+PARSE_THREADS = 2
+"""Worker threads one runner parses long turns in at a time (parsing holds the GIL: more would
+not be faster)."""
 
 
 class EnvironmentFailed(Exception):
@@ -144,6 +158,7 @@ class EpisodeRunner:
         self.episode_timeout_s = episode_timeout_s
         self.max_context = max_context
         self.interrupted: list[Episode] = []  # in flight when the run was cancelled
+        self._parse_threads: anyio.CapacityLimiter | None = None  # made in the event loop
 
     async def run(
         self,
@@ -275,11 +290,7 @@ class EpisodeRunner:
             choice = await self._call(ids, rec, bounds, seed)
             if choice is None:
                 return "context"
-            parsed = self.parser.parse(
-                self.chat.assistant_text(choice.token_ids, self.parser.markers),
-                first_id=sum(len(m.get("tool_calls") or []) for m in state.messages),
-                tools=self.chat.tools,
-            )
+            parsed = await self._parse(choice.token_ids, state, f"{rec['id']}:{turn}")
             state.messages.append(to_openai_message(parsed))
             with environment_code():
                 reply = await self.env.respond(state, parsed)
@@ -343,6 +354,23 @@ class EpisodeRunner:
         )
         ids.extend(choice.token_ids)
         return choice
+
+    async def _parse(
+        self, sampled: list[int], state: EpisodeState, id_seed: str
+    ) -> ParsedAssistant:
+        """The sampled turn as the tool parser reads it, off the event loop when it is long
+        (module docstring); ids count on from the calls already in ``state.messages``."""
+        first_id = sum(len(m.get("tool_calls") or []) for m in state.messages)
+        read = partial(self._read, sampled, first_id, id_seed)
+        if len(sampled) <= INLINE_PARSE_TOKENS:
+            return read()
+        if self._parse_threads is None:
+            self._parse_threads = anyio.CapacityLimiter(PARSE_THREADS)
+        return await anyio.to_thread.run_sync(read, limiter=self._parse_threads)
+
+    def _read(self, sampled: list[int], first_id: int, id_seed: str) -> ParsedAssistant:
+        text = self.chat.assistant_text(sampled, self.parser.markers)
+        return self.parser.parse(text, first_id=first_id, tools=self.chat.tools, id_seed=id_seed)
 
     def _history_rewritten(self, state: EpisodeState) -> bool:
         """Whether the template would re-render the episode's earlier turns differently from

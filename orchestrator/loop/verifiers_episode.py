@@ -91,11 +91,7 @@ class VerifiersRunner(EpisodeRunner):
             if choice is None:
                 raise _Stopped("context")
             last = choice.token_ids
-            parsed = self.parser.parse(
-                self.chat.assistant_text(last, self.parser.markers),
-                first_id=sum(len(m.get("tool_calls") or []) for m in state.messages),
-                tools=self.chat.tools,
-            )
+            parsed = await self._parse(last, state, f"{rec['id']}:{state.turn}")
             return Sampled(
                 parsed=parsed,
                 prompt_token_ids=prompt,

@@ -73,7 +73,7 @@ _CALL_PROBE: list[dict[str, Any]] = [
         "role": "assistant",
         "tool_calls": [
             {
-                "id": "call_0",
+                "id": "call00000",  # 9 alphanumerics: Mistral's templates refuse other ids
                 "type": "function",
                 "function": {"name": "probe", "arguments": {"x": _SENTINEL}},
             }

@@ -238,9 +238,12 @@ class OpenAIRoutes:
         self, req: ChatCompletionRequest, prompt: list[int], prefill: str, gen: Generation
     ) -> ChatCompletionResponse:
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        response_id = f"chatcmpl-{uuid.uuid4().hex[:16]}"
         choices = []
         for c in gen.choices:
-            parsed = self.parser.parse(prefill + self._decode_reply(c.token_ids), tools=tools)
+            text = prefill + self._decode_reply(c.token_ids)
+            # the response's id seeds call ids (Mistral's: 9 alphanumerics, distinct per reply)
+            parsed = self.parser.parse(text, tools=tools, id_seed=f"{response_id}:{c.index}")
             finish = c.finish_reason
             finish_out = "tool_calls" if parsed.tool_calls and finish == "stop" else finish
             logprobs = None
@@ -261,7 +264,7 @@ class OpenAIRoutes:
                 )
             )
         return ChatCompletionResponse(
-            id=f"chatcmpl-{uuid.uuid4().hex[:16]}", choices=choices, **self._envelope(gen, prompt)
+            id=response_id, choices=choices, **self._envelope(gen, prompt)
         )
 
     # -- completions ----------------------------------------------------------------------------

@@ -37,6 +37,7 @@ through the template would show a later model call less. docs/environments.md sa
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -56,9 +57,17 @@ _PROBE: list[Message] = [
 ]
 _USER_PROBE: list[Message] = [{"role": "user", "content": "y"}]
 _MARKER = re.compile("\x00sprawl-text-([0-9]+)\x00")
-_TOOL_PROBE: list[Message] = [
-    {"role": "tool", "tool_call_id": "call_0", "name": "probe", "content": "y"},
+_TOOL_PROBE: list[Message] = [  # an id of 9 alphanumerics: Mistral's templates refuse others
+    {"role": "tool", "tool_call_id": "call00000", "name": "probe", "content": "y"},
 ]
+
+
+def _index(ids: list[int], token: int, start: int) -> int:
+    """``ids.index(token, start)``, or -1."""
+    try:
+        return ids.index(token, start)
+    except ValueError:
+        return -1
 
 
 def control_texts(tokenizer: PreTrainedTokenizerBase) -> list[str]:
@@ -131,7 +140,9 @@ class ChatTokens:
             raise SprawlError(f"{source} has no chat template (tokenizer_config.json)")
         self._special_ids = set(tokenizer.all_special_ids)
         ids = [tokenizer.convert_tokens_to_ids(t) for t in _CHANNEL_TOKENS]
-        self._channels = ids if all(i in self._special_ids for i in ids) else []
+        self._channels = [i for i in ids if isinstance(i, int) and i in self._special_ids]
+        if len(self._channels) < len(ids):
+            self._channels = []
         self._specials = sorted(tokenizer.all_special_tokens, key=len, reverse=True)
         self._control = control_texts(tokenizer)
         # a template that ends an assistant turn with a special token, even a different one when
@@ -154,10 +165,15 @@ class ChatTokens:
 
     def _probe_suffix(self, new_messages: list[Message], *, generation_prompt: bool = True) -> str:
         """What the template writes after a plain assistant turn's content, ``new_messages``
-        included: the closing, the new messages, the next generation prompt."""
+        included: the closing, the new messages, the next generation prompt. Tool results that
+        the template renders only after their call come after the calling turn instead
+        (:meth:`_tool_suffix`)."""
         try:
             text = self._render([*_PROBE, *new_messages], generation_prompt=generation_prompt)
         except Exception as exc:  # jinja2's TemplateError, or the template's raise_exception
+            if any(m.get("role") == "tool" for m in new_messages) and generation_prompt:
+                with contextlib.suppress(SprawlError):  # else: the plain probe's error
+                    return self._tool_suffix(new_messages)
             roles = ", ".join(m["role"] for m in new_messages) or "nothing"
             raise SprawlError(
                 f"{self.name} cannot render an assistant turn followed by {roles}: {exc}"
@@ -169,6 +185,38 @@ class ChatTokens:
                 "follow, so sprawl cannot find where the environment's messages begin"
             )
         return text[at + len(_SENTINEL) :]
+
+    def _tool_suffix(self, new_messages: list[Message]) -> str:
+        """What the template writes after an assistant turn that made the calls ``new_messages``
+        answer, for templates that render a tool result only after its call (gpt-oss names a
+        result's function after the last call): the template's own closing of that turn, the
+        messages, the next generation prompt. The turn's calls are rebuilt from the results."""
+        calls = [
+            {
+                "id": m.get("tool_call_id") or _TOOL_PROBE[0]["tool_call_id"],
+                "type": "function",
+                "function": {"name": m.get("name") or "probe", "arguments": {}},
+            }
+            for m in new_messages
+            if m.get("role") == "tool"
+        ]
+        probe = [_PROBE[0], {"role": "assistant", "content": "", "tool_calls": calls}]
+        try:
+            before = self._render(probe, generation_prompt=False)
+            text = self._render([*probe, *new_messages], generation_prompt=True)
+        except Exception as exc:  # jinja2's TemplateError, or the template's raise_exception
+            raise SprawlError(
+                f"{self.name} cannot render tool results after the calls they answer: {exc}"
+            ) from None
+        head = before.rstrip()  # up to the template's closing of the calling turn
+        closing = next((t for t in self._specials if head.endswith(t)), "")
+        head = head[: len(head) - len(closing)]
+        if not text.startswith(head):
+            raise SprawlError(
+                f"{self.name} renders an assistant turn's calls differently when their results "
+                "follow, so sprawl cannot find where the results begin"
+            )
+        return text[len(head) :]
 
     def _leading_special(self, text: str) -> str | None:
         stripped = text.lstrip()
@@ -202,28 +250,33 @@ class ChatTokens:
         left out except ``markers`` (a dialect's call markers, e.g. ``[TOOL_CALLS]``, may be
         special tokens) and ``<think>`` / ``</think>``. A turn written in gpt-oss's channels
         (``<|channel|>analysis<|message|>…<|end|><|start|>assistant<|channel|>final<|message|>…``)
-        reads as its analysis text, ``</think>``, then the other channels' text."""
-        if self._channels and self._channels[0] in sampled:
+        reads as its analysis text, ``</think>``, then the other channels' text, unless
+        ``markers`` keep ``<|channel|>`` (the ``openai`` parser reads harmony itself)."""
+        markers = tuple(markers)
+        if self._channels and self._channels[0] in sampled and _CHANNEL_TOKENS[0] not in markers:
             return self._channel_text(sampled, markers)
         keep = {self.tokenizer.convert_tokens_to_ids(m) for m in (*markers, *REASONING_MARKERS)}
         ids = [i for i in sampled if i not in self._special_ids or i in keep]
         return str(self.tokenizer.decode(ids, skip_special_tokens=False))
 
     def _channel_text(self, sampled: list[int], markers: Iterable[str]) -> str:
+        """Each ``<|channel|>NAME…<|message|>TEXT`` up to the next special token, in one pass
+        (positions only move forward: a turn of repeated channel tokens is read once)."""
         channel, message = self._channels
         analysis: list[str] = []
         other: list[str] = []
-        rest = sampled
-        while channel in rest:  # <|channel|>NAME…<|message|>TEXT, up to the next special token
-            rest = rest[rest.index(channel) + 1 :]
-            split = rest.index(message) if message in rest else len(rest)
-            header, body = rest[:split], rest[split + 1 :]
-            end = next((k for k, i in enumerate(body) if i in self._special_ids), len(body))
-            name = str(self.tokenizer.decode(header, skip_special_tokens=True)).strip()
-            (analysis if name.startswith("analysis") else other).append(
-                self.assistant_text(body[:end], markers)
+        pos = 0
+        while (at := _index(sampled, channel, pos)) != -1:
+            split = _index(sampled, message, at + 1)
+            split = len(sampled) if split == -1 else split
+            end = split + 1
+            while end < len(sampled) and sampled[end] not in self._special_ids:
+                end += 1
+            name = str(self.tokenizer.decode(sampled[at + 1 : split], skip_special_tokens=True))
+            (analysis if name.strip().startswith("analysis") else other).append(
+                self.assistant_text(sampled[split + 1 : end], markers)
             )
-            rest = body[end:]
+            pos = max(end, split)
         content = "".join(other)
         return f"{''.join(analysis)}{THINK_CLOSE}{content}" if analysis else content
 

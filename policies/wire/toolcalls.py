@@ -33,6 +33,11 @@ Guarantees of :func:`parse_assistant` (and of every parser in ``tool_parsers``):
   equal (after ``json.loads``) to the ones rendered.
 - Ids are deterministic: ``call_{first_id}``, ``call_{first_id + 1}``, … in text order, counting
   only well-formed calls. A multi-turn caller passes ``first_id`` to keep ids unique per episode.
+  (:func:`call_id` also makes the 9-character alphanumeric ids Mistral's templates require.)
+- It reads at most ``max_chars`` characters (:data:`MAX_TURN_CHARS` by default), in time linear in
+  them: every search resumes where the last one stopped (:class:`Finder`), never from each opener
+  again. Text beyond the bound is one :class:`ToolCallError` saying so (:func:`bounded`), and
+  malformed calls past the :data:`MAX_TURN_ERRORS` th are one error counting them.
 
 Leniency, on purpose: a missing ``"arguments"`` means ``{}``; arguments given as a JSON *string*
 that decodes to an object (an OpenAI habit some models copy) are accepted.
@@ -46,9 +51,12 @@ the reasoning and still closes it with ``</think>``.
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass
-from typing import Any
+import string
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Literal
 
 Message = dict[str, Any]
 """An OpenAI-shaped chat message (``role``, ``content``, ``tool_calls``, …): the one ``Message``
@@ -164,10 +172,12 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ToolCallError:
-    """A malformed call, in any dialect: the raw text and what was wrong with it."""
+    """A malformed call, in any dialect: the raw text and what was wrong with it; ``id``: the id
+    a tool message answering it carries, where the dialect's template requires one (else "")."""
 
     raw: str
     message: str
+    id: str = ""
 
 
 @dataclass(frozen=True)
@@ -178,6 +188,82 @@ class ParsedAssistant:
     tool_calls: tuple[ToolCall, ...]
     errors: tuple[ToolCallError, ...]
     reasoning: str = ""
+
+
+MAX_TURN_CHARS = 1 << 20
+"""The most characters of one assistant turn a tool-call parser reads (``max_chars``): 1 MiB, a
+quarter of a million tokens at four characters a token, far above any turn's ``max_tokens``."""
+
+MAX_TURN_ERRORS = 64
+"""The most malformed calls of one turn kept one by one; the rest are one error counting them
+(each kept error becomes a tool message the environment sends back)."""
+
+IdStyle = Literal["call", "alphanumeric"]
+"""How a dialect's call ids look: ``call_{index}``, or 9 characters of ``[0-9A-Za-z]`` (what
+Mistral's templates require of every id, in calls and in tool results alike)."""
+
+_ALPHANUMERIC = string.digits + string.ascii_letters
+
+
+def call_id(style: IdStyle, index: int, seed: str = "") -> str:
+    """The id of call ``index`` in the ``style`` of its dialect: ``call_{index}``, or 9
+    alphanumeric characters drawn from a hash of ``seed`` and ``index`` (deterministic: the same
+    episode and index give the same id; two indices of one seed collide with odds of about 1 in
+    10**16)."""
+    if style == "call":
+        return f"call_{index}"
+    digest = hashlib.blake2b(f"{seed}\x00{index}".encode(), digest_size=9).digest()
+    return "".join([_ALPHANUMERIC[b % 62] for b in digest])
+
+
+def capped(
+    errors: list[ToolCallError],
+    dropped: int,
+    over: ToolCallError | None,
+    ident: Callable[[int], str] = lambda k: "",
+) -> tuple[ToolCallError, ...]:
+    """A turn's errors as kept: the first :data:`MAX_TURN_ERRORS`, one counting the ``dropped``
+    ones after them, and ``over`` (:func:`bounded`); ``ident(k)``: the id of error ``k`` where
+    the dialect gives errors ids."""
+    kept = list(errors)
+    if dropped:
+        message = f"{dropped} more malformed calls after the first {MAX_TURN_ERRORS}: not kept"
+        kept.append(ToolCallError("", message, ident(len(kept))))
+    if over:
+        kept.append(replace(over, id=ident(len(kept))))
+    return tuple(kept)
+
+
+def bounded(text: str, max_chars: int) -> tuple[str, ToolCallError | None]:
+    """The first ``max_chars`` characters of ``text``, and the error recording the rest (None
+    when there is none): text past the bound is a malformed turn, never read."""
+    if len(text) <= max_chars:
+        return text, None
+    message = (
+        f"the turn is {len(text)} characters; tool calls are read from the first {max_chars} "
+        "only (MAX_TURN_CHARS)"
+    )
+    return text[:max_chars], ToolCallError(text[max_chars:], message)
+
+
+class Finder:
+    """Where each string next occurs in ``text`` at or after a position, for a scan whose
+    positions only grow: a search resumes from the occurrence the last one found, so each string
+    is searched for across the text once in all (searching again from every opener, as in
+    ``<tool_call>`` repeated, reads the text once per opener: quadratic)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self._found: dict[str, tuple[int, int]] = {}  # needle -> (searched from, found at or -1)
+
+    def __call__(self, needle: str, pos: int) -> int:
+        """``text.find(needle, pos)``."""
+        start, at = self._found.get(needle, (len(self.text) + 1, -1))
+        if start <= pos and (at == -1 or at >= pos):
+            return at
+        at = self.text.find(needle, pos)
+        self._found[needle] = (pos, at)
+        return at
 
 
 def split_reasoning(text: str) -> tuple[str, str]:
@@ -225,21 +311,34 @@ def _decode_call(body: str) -> tuple[str, str] | str:
     return call_fields(obj)
 
 
-def parse_assistant(text: str, *, first_id: int = 0) -> ParsedAssistant:
+def parse_assistant(
+    text: str, *, first_id: int = 0, max_chars: int = MAX_TURN_CHARS
+) -> ParsedAssistant:
     """Split generated assistant text into reasoning, content, tool calls and malformed blocks:
     the ``hermes`` parser of :mod:`policies.wire.tool_parsers`."""
+    text, over = bounded(text, max_chars)
     reasoning, text = split_reasoning(text)
+    find = Finder(text)
     pieces: list[str] = []
     calls: list[ToolCall] = []
     errors: list[ToolCallError] = []
+    dropped = 0
+
+    def error(raw: str, message: str) -> None:
+        nonlocal dropped
+        if len(errors) < MAX_TURN_ERRORS:
+            errors.append(ToolCallError(raw, message))
+        else:
+            dropped += 1
+
     pos = 0
     while pos < len(text):
-        start = text.find(TOOL_CALL_OPEN, pos)
-        stray = text.find(TOOL_CALL_CLOSE, pos)
+        start = find(TOOL_CALL_OPEN, pos)
+        stray = find(TOOL_CALL_CLOSE, pos)
         if stray != -1 and (start == -1 or stray < start):
             pieces.append(text[pos:stray])
             end = stray + len(TOOL_CALL_CLOSE)
-            errors.append(ToolCallError(TOOL_CALL_CLOSE, "</tool_call> without an opening tag"))
+            error(TOOL_CALL_CLOSE, "</tool_call> without an opening tag")
             pos = end
             continue
         if start == -1:
@@ -247,23 +346,23 @@ def parse_assistant(text: str, *, first_id: int = 0) -> ParsedAssistant:
             break
         pieces.append(text[pos:start])
         body_start = start + len(TOOL_CALL_OPEN)
-        close = text.find(TOOL_CALL_CLOSE, body_start)
-        reopen = text.find(TOOL_CALL_OPEN, body_start)
+        close = find(TOOL_CALL_CLOSE, body_start)
+        reopen = find(TOOL_CALL_OPEN, body_start)
         if close == -1 or (reopen != -1 and reopen < close):
             stop = len(text) if reopen == -1 else reopen
-            errors.append(ToolCallError(text[start:stop], "<tool_call> block is never closed"))
+            error(text[start:stop], "<tool_call> block is never closed")
             pos = stop
             continue
         end = close + len(TOOL_CALL_CLOSE)
         decoded = _decode_call(text[body_start:close].strip())
         if isinstance(decoded, str):
-            errors.append(ToolCallError(text[start:end], decoded))
+            error(text[start:end], decoded)
         else:
             name, arguments = decoded
-            calls.append(ToolCall(f"call_{first_id + len(calls)}", name, arguments))
+            calls.append(ToolCall(call_id("call", first_id + len(calls)), name, arguments))
         pos = end
     content = "\n".join(p.strip() for p in pieces if p.strip())
-    return ParsedAssistant(content, tuple(calls), tuple(errors), reasoning)
+    return ParsedAssistant(content, tuple(calls), capped(errors, dropped, over), reasoning)
 
 
 def to_openai_message(parsed: ParsedAssistant) -> dict[str, object]:

@@ -1,7 +1,9 @@
 """``orchestrate --config configs/guess.toml --model.path M`` on a tiny model built with each
 family's test template (``examples/chat_templates/``): the run finishes, its episodes are
 multi-turn, none is an ``env_error``, and every logged sequence holds each call's sampled tokens
-where its loss mask says."""
+where its loss mask says. ``configs/retrieval.toml`` (an environment with tools) starts and runs
+on the templates whose tool calls have rules of their own: Mistral's ids, gpt-oss's harmony
+calls (issue #42: both exited 2 at start-up)."""
 
 from __future__ import annotations
 
@@ -44,3 +46,21 @@ def test_guess_runs_on_each_familys_template(tmp_path: Path, family: str) -> Non
             assert mask[at : at + n] == [1] * n
             sampled += n
         assert sum(mask) == sampled
+
+
+@pytest.mark.parametrize("family", ["mistral_like", "gptoss_like"])
+def test_retrieval_runs_on_templates_with_their_own_call_rules(tmp_path: Path, family: str) -> None:
+    template = ROOT / "examples" / "chat_templates" / f"{family}.jinja"
+    model = model_copy("tiny", tmp_path / "model", chat_template=template)
+    extra = ("--trainer.max_steps", "1")
+    cmd = orchestrate_cmd(tmp_path, model, *extra, config="configs/retrieval.toml")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "steps:     1" in proc.stdout
+    records = [
+        r["episode"]
+        for r in read_log(tmp_path / "retrieval" / "trajectories")
+        if r["type"] == "episode"
+    ]
+    assert records
+    assert not [r["error"] for r in records if r["stop_reason"].endswith("_error")]

@@ -12,15 +12,24 @@ docstring gives the dialect's specifics):
 - ``mistral`` — ``[TOOL_CALLS]`` then a JSON list of ``{"name": …, "arguments": {…}}``, or the
   newer ``[TOOL_CALLS]name[ARGS]{…}`` form, repeated per call;
 - ``qwen3_coder`` — Qwen3-Coder XML: ``<tool_call><function=NAME><parameter=P>VALUE</parameter>
-  …</function></tool_call>``.
+  …</function></tool_call>``;
+- ``openai`` — gpt-oss's harmony messages: ``<|channel|>commentary to=functions.NAME
+  <|constrain|>json<|message|>{…}<|call|>``, reasoning in the ``analysis`` channel (module
+  ``harmony``: vLLM names this parser ``openai``).
 
 Guarantees (every parser): it never raises on model text; a malformed call becomes a
 :class:`~policies.wire.toolcalls.ToolCallError` with the raw text and a message naming what was
-wrong; reasoning is split off first (:func:`~policies.wire.toolcalls.split_reasoning`) and calls
-are parsed only from the rest; ``content`` is the text outside calls, pieces stripped and joined
-by a newline; ids are ``call_{first_id + k}`` over well-formed calls; arguments are canonical JSON
-(``json.dumps(..., ensure_ascii=False)``). ``prefill`` gives the start of a call, which an engine
-prefills to enforce ``tool_choice`` ``"required"`` or a named function. What the parsers share is
+wrong; reasoning is split off first (:func:`~policies.wire.toolcalls.split_reasoning`; harmony's
+is its ``analysis`` channel) and calls are parsed only from the rest; ``content`` is the text
+outside calls, pieces stripped and joined by a newline; ids are ``call_{first_id + k}`` over
+well-formed calls, except ``mistral``'s, which are 9 alphanumeric characters drawn from
+``id_seed`` and the index (:func:`~policies.wire.toolcalls.call_id`: what Mistral's templates
+accept); arguments are canonical JSON (``json.dumps(..., ensure_ascii=False)``). A parser reads
+at most ``max_chars`` characters (:data:`~policies.wire.toolcalls.MAX_TURN_CHARS`, 1 MiB, by
+default), in time linear in them: searches resume where the last one stopped, never again from
+each opener; the text past the bound is one malformed call saying so. ``prefill`` gives the
+start of a call, which an engine prefills to enforce ``tool_choice`` ``"required"`` or a named
+function. What the parsers share is
 in :mod:`~policies.wire.tool_parsers.types` (``Tools``, the ``ToolParser`` protocol) and
 :mod:`~policies.wire.tool_parsers.turn` (the turn a parser assembles).
 
@@ -36,14 +45,23 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from policies.wire.errors import SprawlError
+from policies.wire.tool_parsers.harmony import CHANNEL, ENDS, HarmonyParser
 from policies.wire.tool_parsers.hermes import HermesParser
 from policies.wire.tool_parsers.llama3_json import PYTHON_TAG, Llama3JsonParser
 from policies.wire.tool_parsers.mistral import TOOL_CALLS, MistralParser
 from policies.wire.tool_parsers.qwen3_coder import FUNCTION_OPEN, Qwen3CoderParser
 from policies.wire.tool_parsers.types import ToolParser
+from policies.wire.toolcalls import TOOL_CALL_OPEN
 
 TOOL_PARSERS: Mapping[str, ToolParser] = {
-    p.name: p for p in (HermesParser(), Llama3JsonParser(), MistralParser(), Qwen3CoderParser())
+    p.name: p
+    for p in (
+        HermesParser(),
+        Llama3JsonParser(),
+        MistralParser(),
+        Qwen3CoderParser(),
+        HarmonyParser(),
+    )
 }
 """Every parser by its vLLM ``--tool-call-parser`` name."""
 
@@ -63,12 +81,15 @@ def detect_tool_parser(chat_template: str | None) -> str:
 
     Checked in order: ``<function=`` → ``qwen3_coder`` (before ``hermes``: both write
     ``<tool_call>``), ``[TOOL_CALLS]`` → ``mistral``, ``<|python_tag|>`` or an ``ipython`` role
-    with ``"parameters"`` → ``llama3_json``, ``<tool_call>`` → ``hermes``. Anything else, and no
+    with ``"parameters"`` → ``llama3_json``, harmony's ``<|channel|>`` and ``<|call|>`` without
+    ``<tool_call>`` → ``openai`` (gpt-oss), ``<tool_call>`` → ``hermes``. Anything else, and no
     template, → ``hermes`` (the default: sprawl's own dialect, and Qwen's).
     """
     template = chat_template or ""
     if FUNCTION_OPEN in template:
         return "qwen3_coder"
+    if CHANNEL in template and ENDS[1] in template and TOOL_CALL_OPEN not in template:
+        return "openai"
     if TOOL_CALLS in template:
         return "mistral"
     if PYTHON_TAG in template or ("ipython" in template and '"parameters"' in template):

@@ -10,7 +10,12 @@ from __future__ import annotations
 import json
 
 from policies.wire.tool_parsers.types import Tools
-from policies.wire.toolcalls import TOOL_CALL_OPEN, ParsedAssistant, parse_assistant
+from policies.wire.toolcalls import (
+    MAX_TURN_CHARS,
+    TOOL_CALL_OPEN,
+    ParsedAssistant,
+    parse_assistant,
+)
 
 
 class HermesParser:
@@ -19,8 +24,16 @@ class HermesParser:
     name = "hermes"
     markers = (TOOL_CALL_OPEN,)
 
-    def parse(self, text: str, *, first_id: int = 0, tools: Tools | None = None) -> ParsedAssistant:
-        return parse_assistant(text, first_id=first_id)
+    def parse(
+        self,
+        text: str,
+        *,
+        first_id: int = 0,
+        tools: Tools | None = None,
+        id_seed: str = "",
+        max_chars: int = MAX_TURN_CHARS,
+    ) -> ParsedAssistant:
+        return parse_assistant(text, first_id=first_id, max_chars=max_chars)
 
     def prefill(self, function: str | None = None) -> str:
         if function is None:

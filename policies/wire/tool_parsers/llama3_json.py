@@ -4,7 +4,9 @@
 Text after ``<|python_tag|>`` must start with a call. Without the tag, a JSON object is a call
 only when it has ``"name"`` and ``"parameters"`` or ``"arguments"``; any other text (JSON or not)
 is content, except a ``{"name":`` that does not decode, which is an error. A malformed element
-runs to the next ``;{`` (or the end), so later calls are still read.
+runs to the next ``;{`` after where the decoder gave up (or the end), so later calls are still
+read. Linear: text that does not decode is content up to where the decoder gave up, and the scan
+goes on from there (a call nested inside JSON that does not decode is not read).
 
 Not covered: Llama's built-in ``<|python_tag|>`` Python calls (``brave_search.call(…)``:
 reported as malformed).
@@ -15,13 +17,15 @@ from __future__ import annotations
 import json
 import re
 
-from policies.wire.tool_parsers.turn import Turn, decode_at, skip_ws
+from policies.wire.tool_parsers.turn import Turn, Undecodable, begin_turn, decode_at, skip_ws
 from policies.wire.tool_parsers.types import Tools
-from policies.wire.toolcalls import ParsedAssistant, call_fields, split_reasoning
+from policies.wire.toolcalls import MAX_TURN_CHARS, ParsedAssistant, call_fields, split_reasoning
 
 PYTHON_TAG = "<|python_tag|>"
 
 _CALL_START = re.compile(r'\{\s*"name"\s*:')
+# where a JSON object may start ({} or {"key":); a brace that cannot start one is text, undecoded
+_OBJECT_START = re.compile(r'\{(?=\s*(?:\}|"(?:[^"\\]|\\.)*"\s*:))')
 _NEXT_CALL = re.compile(r";\s*\{")
 
 
@@ -42,9 +46,17 @@ class Llama3JsonParser:
     name = "llama3_json"
     markers = (PYTHON_TAG,)
 
-    def parse(self, text: str, *, first_id: int = 0, tools: Tools | None = None) -> ParsedAssistant:
+    def parse(
+        self,
+        text: str,
+        *,
+        first_id: int = 0,
+        tools: Tools | None = None,
+        id_seed: str = "",
+        max_chars: int = MAX_TURN_CHARS,
+    ) -> ParsedAssistant:
+        text, turn = begin_turn(text, max_chars, first_id)
         reasoning, rest = split_reasoning(text)
-        turn = Turn(first_id)
         head, *tagged = rest.split(PYTHON_TAG)
         self._scan(head, 0, turn)
         for segment in tagged:
@@ -58,10 +70,11 @@ class Llama3JsonParser:
     def _scan(self, segment: str, pos: int, turn: Turn) -> None:
         """Content from ``pos`` on, with the call-shaped JSON objects in it read as calls."""
         at = pos
-        while (brace := segment.find("{", at)) != -1:
+        while (found := _OBJECT_START.search(segment, at)) is not None:
+            brace = found.start()
             decoded = decode_at(segment, brace)
-            if isinstance(decoded, str) and not _CALL_START.match(segment, brace):
-                at = brace + 1
+            if isinstance(decoded, Undecodable) and not _CALL_START.match(segment, brace):
+                at = decoded.stop  # what the decoder read is content: not read again
                 continue
             if isinstance(decoded, tuple) and not _is_llama_call(decoded[0]):
                 at = decoded[1]
@@ -74,10 +87,10 @@ class Llama3JsonParser:
         """Read the call at ``pos`` and any ``;``-separated calls after it; return the end."""
         while True:
             decoded = decode_at(segment, pos)
-            if isinstance(decoded, str):
-                found = _NEXT_CALL.search(segment, pos)
+            if isinstance(decoded, Undecodable):
+                found = _NEXT_CALL.search(segment, decoded.stop)
                 end = found.start() if found else len(segment)
-                turn.error(prefix + segment[pos:end], decoded)
+                turn.error(prefix + segment[pos:end], decoded.message)
             else:
                 obj, end = decoded
                 turn.call(prefix + segment[pos:end], _llama_fields(obj))

@@ -6,6 +6,11 @@ newer ``[TOOL_CALLS]name[ARGS]{…}`` form, repeated per call.
 skipped). Text after a call, up to the next ``[TOOL_CALLS]``, is content; a call that cannot be
 read takes that text as its raw text; a bad item of a good JSON list has the item re-encoded. The
 prefill uses the JSON-list form.
+
+Ids are 9 alphanumeric characters (``call_id(..., "alphanumeric")`` of the episode's seed), for
+calls and malformed calls alike: Mistral's templates refuse any other id in an assistant's
+``tool_calls`` and in a tool message's ``tool_call_id``. An id the model writes after
+``[CALL_ID]`` is not used (the model's ids are not unique across turns).
 """
 
 from __future__ import annotations
@@ -13,9 +18,9 @@ from __future__ import annotations
 import json
 import re
 
-from policies.wire.tool_parsers.turn import Turn, decode_at, skip_ws
+from policies.wire.tool_parsers.turn import Turn, Undecodable, begin_turn, decode_at, skip_ws
 from policies.wire.tool_parsers.types import Tools
-from policies.wire.toolcalls import ParsedAssistant, call_fields, split_reasoning
+from policies.wire.toolcalls import MAX_TURN_CHARS, ParsedAssistant, call_fields, split_reasoning
 
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
@@ -30,9 +35,17 @@ class MistralParser:
     name = "mistral"
     markers = (TOOL_CALLS,)
 
-    def parse(self, text: str, *, first_id: int = 0, tools: Tools | None = None) -> ParsedAssistant:
+    def parse(
+        self,
+        text: str,
+        *,
+        first_id: int = 0,
+        tools: Tools | None = None,
+        id_seed: str = "",
+        max_chars: int = MAX_TURN_CHARS,
+    ) -> ParsedAssistant:
+        text, turn = begin_turn(text, max_chars, first_id, "alphanumeric", id_seed)
         reasoning, rest = split_reasoning(text)
-        turn = Turn(first_id)
         head, *regions = rest.split(TOOL_CALLS)
         turn.text(head)
         for region in regions:
@@ -48,8 +61,8 @@ class MistralParser:
             return ""
         if region[pos] in "[{":
             decoded = decode_at(region, pos)
-            if isinstance(decoded, str):
-                turn.error(raw, decoded)
+            if isinstance(decoded, Undecodable):
+                turn.error(raw, decoded.message)
                 return ""
             obj, end = decoded
             if not isinstance(obj, list):
@@ -73,8 +86,8 @@ class MistralParser:
         if region.startswith(ARGS, pos):
             pos += len(ARGS)
         decoded = decode_at(region, skip_ws(region, pos))
-        if isinstance(decoded, str):
-            turn.error(raw, f"arguments of {name.group()!r}: {decoded}")
+        if isinstance(decoded, Undecodable):
+            turn.error(raw, f"arguments of {name.group()!r}: {decoded.message}")
             return ""
         arguments, end = decoded
         call = {"name": name.group(), "arguments": arguments}

@@ -6,7 +6,8 @@ wrapper); one block may hold several functions. One newline after ``>`` and one 
 ``</parameter>`` are dropped; values are then typed by the tool's JSON schema when ``tools`` is
 given: ``string`` kept as text, ``boolean`` from ``true``/``false`` in any case, other types (and
 parameters without a schema) decoded as JSON, kept as text when that fails. Values cannot contain
-``</parameter>``.
+``</parameter>``. Every tag is searched for with a :class:`~policies.wire.toolcalls.Finder`, so a
+turn is read in time linear in its length however many openers it repeats.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from policies.wire.tool_parsers.turn import Turn
+from policies.wire.tool_parsers.turn import Turn, begin_turn
 from policies.wire.tool_parsers.types import Tools
 from policies.wire.toolcalls import (
+    MAX_TURN_CHARS,
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
+    Finder,
     ParsedAssistant,
     split_reasoning,
 )
@@ -74,18 +77,19 @@ def _xml_function(inner: str, tools: Tools | None) -> tuple[str, str] | str:
         return "<function=NAME> needs a name without spaces, closed by '>'"
     properties = _properties(tools, name)
     params: dict[str, object] = {}
+    find = Finder(inner)
     pos = gt + 1
     while True:
-        start = inner.find(PARAMETER_OPEN, pos)
-        stray = inner[pos : len(inner) if start == -1 else start].strip()
+        opens = find(PARAMETER_OPEN, pos)
+        stray = inner[pos : len(inner) if opens == -1 else opens].strip()
         if stray:
             return f"text outside <parameter=…> in <function={name}>: {stray[:40]!r}"
-        if start == -1:
+        if opens == -1:
             return name, json.dumps(params, ensure_ascii=False)
-        head = start + len(PARAMETER_OPEN)
-        gt = inner.find(">", head)
-        close = inner.find(PARAMETER_CLOSE, head)
-        reopen = inner.find(PARAMETER_OPEN, head)
+        head = opens + len(PARAMETER_OPEN)
+        gt = find(">", head)
+        close = find(PARAMETER_CLOSE, head)
+        reopen = find(PARAMETER_OPEN, head)
         if close == -1 or (reopen != -1 and reopen < close):
             return f"a <parameter=…> of <function={name}> is never closed"
         param = inner[head:gt].strip() if gt != -1 and gt < close else ""
@@ -98,14 +102,14 @@ def _xml_function(inner: str, tools: Tools | None) -> tuple[str, str] | str:
         pos = close + len(PARAMETER_CLOSE)
 
 
-def _span(text: str, at: int, open_: str, close: str) -> tuple[int, int | None]:
-    """``(end, close_at)`` of the ``open_`` … ``close`` block at ``at``; ``close_at`` is None
-    when it is never closed (a reopening counts as never closed) and ``end`` is then where the
-    unclosed block stops."""
-    close_at = text.find(close, at + len(open_))
-    reopen = text.find(open_, at + len(open_))
+def _span(find: Finder, at: int, open_: str, close: str) -> tuple[int, int | None]:
+    """``(end, close_at)`` of the ``open_`` … ``close`` block at ``at`` of ``find.text``;
+    ``close_at`` is None when it is never closed (a reopening counts as never closed) and ``end``
+    is then where the unclosed block stops."""
+    close_at = find(close, at + len(open_))
+    reopen = find(open_, at + len(open_))
     if close_at == -1 or (reopen != -1 and reopen < close_at):
-        return (len(text) if reopen == -1 else reopen), None
+        return (len(find.text) if reopen == -1 else reopen), None
     return close_at + len(close), close_at
 
 
@@ -115,15 +119,24 @@ class Qwen3CoderParser:
     name = "qwen3_coder"
     markers = (TOOL_CALL_OPEN, FUNCTION_OPEN)
 
-    def parse(self, text: str, *, first_id: int = 0, tools: Tools | None = None) -> ParsedAssistant:
+    def parse(
+        self,
+        text: str,
+        *,
+        first_id: int = 0,
+        tools: Tools | None = None,
+        id_seed: str = "",
+        max_chars: int = MAX_TURN_CHARS,
+    ) -> ParsedAssistant:
+        text, turn = begin_turn(text, max_chars, first_id)
         reasoning, rest = split_reasoning(text)
-        turn = Turn(first_id)
+        find = Finder(rest)
         pos = 0
         while True:
             found = [
                 (at, tag)
                 for tag in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE, FUNCTION_OPEN)
-                if (at := rest.find(tag, pos)) != -1
+                if (at := find(tag, pos)) != -1
             ]
             if not found:
                 turn.text(rest[pos:])
@@ -134,38 +147,40 @@ class Qwen3CoderParser:
                 turn.error(TOOL_CALL_CLOSE, f"{TOOL_CALL_CLOSE} without an opening tag")
                 pos = at + len(TOOL_CALL_CLOSE)
             elif tag == TOOL_CALL_OPEN:
-                pos = self._block(rest, at, turn, tools)
+                pos = self._block(find, at, turn, tools)
             else:
-                pos, close = _span(rest, at, FUNCTION_OPEN, FUNCTION_CLOSE)
+                pos, close = _span(find, at, FUNCTION_OPEN, FUNCTION_CLOSE)
                 if close is None:
                     turn.error(rest[at:pos], f"{FUNCTION_OPEN}…> is never closed")
                 else:
                     turn.call(rest[at:pos], _xml_function(rest[at + len(tag) : close], tools))
 
-    def _block(self, text: str, at: int, turn: Turn, tools: Tools | None) -> int:
-        """Read the ``<tool_call>`` block at ``at``; return where it ends."""
-        end, close = _span(text, at, TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
+    def _block(self, find: Finder, at: int, turn: Turn, tools: Tools | None) -> int:
+        """Read the ``<tool_call>`` block at ``at`` of ``find.text``; return where it ends."""
+        text = find.text
+        end, close = _span(find, at, TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
         raw = text[at:end]
         if close is None:
             turn.error(raw, f"{TOOL_CALL_OPEN} block is never closed")
             return end
-        body = text[at + len(TOOL_CALL_OPEN) : close]
-        if FUNCTION_OPEN not in body:
+        body = Finder(text[at + len(TOOL_CALL_OPEN) : close])
+        if body(FUNCTION_OPEN, 0) == -1:
             turn.error(raw, f"{TOOL_CALL_OPEN} block has no {FUNCTION_OPEN}NAME>")
             return end
         pos = 0
         while True:
-            start = body.find(FUNCTION_OPEN, pos)
-            stray = body[pos : len(body) if start == -1 else start].strip()
+            opens = body(FUNCTION_OPEN, pos)
+            stray = body.text[pos : len(body.text) if opens == -1 else opens].strip()
             if stray:
                 turn.error(raw, f"text outside {FUNCTION_OPEN}…> in a block: {stray[:40]!r}")
-            if start == -1:
+            if opens == -1:
                 return end
-            pos, fclose = _span(body, start, FUNCTION_OPEN, FUNCTION_CLOSE)
+            pos, fclose = _span(body, opens, FUNCTION_OPEN, FUNCTION_CLOSE)
             if fclose is None:
                 turn.error(raw, f"{FUNCTION_OPEN}…> is never closed")
             else:
-                turn.call(raw, _xml_function(body[start + len(FUNCTION_OPEN) : fclose], tools))
+                inner = body.text[opens + len(FUNCTION_OPEN) : fclose]
+                turn.call(raw, _xml_function(inner, tools))
 
     def prefill(self, function: str | None = None) -> str:
         if function is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from policies.wire.toolcalls import ParsedAssistant
+from policies.wire.toolcalls import MAX_TURN_CHARS, ParsedAssistant
 
 Tools = list[dict[str, Any]]
 """OpenAI tool specs as a request carries them: ``{"type": "function", "function": {…}}``."""
@@ -28,8 +28,20 @@ class ToolParser(Protocol):
     @property
     def markers(self) -> tuple[str, ...]: ...
 
-    def parse(self, text: str, *, first_id: int = 0, tools: Tools | None = None) -> ParsedAssistant:
-        """Split an assistant turn into reasoning, content, calls and malformed calls."""
+    def parse(
+        self,
+        text: str,
+        *,
+        first_id: int = 0,
+        tools: Tools | None = None,
+        id_seed: str = "",
+        max_chars: int = MAX_TURN_CHARS,
+    ) -> ParsedAssistant:
+        """Split an assistant turn into reasoning, content, calls and malformed calls.
+
+        ``first_id``: the index of the first call (ids count on from it); ``id_seed``: what makes
+        alphanumeric ids differ between episodes and turns; ``max_chars``: the most characters
+        read, in time linear in them (the rest is one malformed call)."""
         ...
 
     def prefill(self, function: str | None = None) -> str:

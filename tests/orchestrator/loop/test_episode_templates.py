@@ -42,6 +42,11 @@ def _mistral(name: str, args: dict[str, str]) -> str:
     return "[TOOL_CALLS]" + json.dumps([{"name": name, "arguments": args}])
 
 
+def _harmony(name: str, args: dict[str, str]) -> str:
+    header = f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>"
+    return header + json.dumps(args)
+
+
 Call = Callable[[str, dict[str, str]], str]
 # template -> (its tool-call syntax, the parser a run detects, how the model shows reasoning)
 FAMILIES: dict[str, tuple[Call, str, Callable[[str, str], str] | None]] = {
@@ -50,8 +55,8 @@ FAMILIES: dict[str, tuple[Call, str, Callable[[str, str], str] | None]] = {
     "mistral_like": (_mistral, "mistral", None),
     "r1_like": (_hermes, "hermes", lambda r, a: f"{r}\n</think>\n\n{a}"),
     "gptoss_like": (
-        _hermes,
-        "hermes",
+        _harmony,
+        "openai",
         lambda r, a: (
             f"<|channel|>analysis<|message|>{r}<|end|>"
             f"<|start|>assistant<|channel|>final<|message|>{a}"

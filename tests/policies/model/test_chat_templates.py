@@ -89,8 +89,9 @@ FAMILIES = {
         (
             '<s>[AVAILABLE_TOOLS][{"type": "function", "function": {"name": "calculator"',
             "[/AVAILABLE_TOOLS][INST]Answer with a number.\n\nWhat is 37 * 12?[/INST]",
-            '[TOOL_CALLS][{"name": "calculator", "arguments": {"expression": "37 * 12"}}]</s>',
-            '[TOOL_RESULTS]{"content": "444"}[/TOOL_RESULTS]444</s>',
+            '[TOOL_CALLS][{"name": "calculator", "arguments": {"expression": "37 * 12"}, '
+            '"id": "abc123XYZ"}]</s>',
+            '[TOOL_RESULTS]{"content": "444", "call_id": "abc123XYZ"}[/TOOL_RESULTS]444</s>',
         ),
         "[/TOOL_RESULTS]",
         False,
@@ -123,13 +124,13 @@ FAMILIES = {
         None,
         (
             "<|start|>developer<|message|># Instructions\n\nAnswer with a number.\n\n# Tools",
-            "<|start|>assistant<|channel|>commentary<|message|><tool_call>\n",
-            "</tool_call><|call|>",
+            "<|start|>assistant to=functions.calculator<|channel|>commentary json<|message|>"
+            '{"expression": "37 * 12"}<|call|>',
             "<|start|>functions.calculator to=assistant<|channel|>commentary<|message|>444<|end|>",
             "<|start|>assistant<|channel|>final<|message|>444<|return|>",
         ),
         "<|start|>assistant",
-        True,
+        False,
     ),
 }
 
@@ -149,9 +150,12 @@ TOOLS = [
 ]
 
 
+CALL_ID = "abc123XYZ"  # 9 alphanumerics: Mistral's templates refuse any other id
+
+
 def call(arguments: str | dict[str, Any]) -> dict[str, Any]:
     return {
-        "id": "call_0",
+        "id": CALL_ID,
         "type": "function",
         "function": {"name": "calculator", "arguments": arguments},
     }
@@ -167,7 +171,7 @@ def conversation(arguments: str | dict[str, Any] = '{"expression": "37 * 12"}') 
             "reasoning_content": "I should use the calculator.",
             "tool_calls": [call(arguments)],
         },
-        {"role": "tool", "tool_call_id": "call_0", "name": "calculator", "content": "444"},
+        {"role": "tool", "tool_call_id": CALL_ID, "name": "calculator", "content": "444"},
         {"role": "assistant", "content": "444", "reasoning_content": "The tool says 444."},
     ]
 
@@ -372,9 +376,8 @@ def test_gptoss_like_drops_analysis_from_earlier_turns(built: Callable[[str], Bu
     )
     # while the reply is still going (no final answer yet), its calls keep their analysis
     prompt = render(tokenizer, messages[:5], tools=TOOLS, add_generation_prompt=True)
-    assert (
-        analysis.format("I should use the calculator.") + "<|start|>assistant<|channel|>" in prompt
-    )
+    called = "<|start|>assistant to=functions.calculator<|channel|>commentary json<|message|>"
+    assert analysis.format("I should use the calculator.") + called in prompt
     assert prompt.endswith("444<|end|><|start|>assistant")
     # with a generation prompt, the last final answer is history and closes with <|end|>
     prompt = render(tokenizer, messages, tools=TOOLS, add_generation_prompt=True)

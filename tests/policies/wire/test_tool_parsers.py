@@ -18,6 +18,7 @@ from policies.wire.toolcalls import (
     CHAT_TEMPLATE,
     ParsedAssistant,
     ToolCall,
+    call_id,
     parse_assistant,
     to_openai_message,
 )
@@ -28,6 +29,13 @@ hermes = tool_parser("hermes")
 llama = tool_parser("llama3_json")
 mistral = tool_parser("mistral")
 coder = tool_parser("qwen3_coder")
+harmony = tool_parser("openai")
+
+
+def ids(parser: ToolParser, first: int, n: int, seed: str = "") -> list[str]:
+    """The ids of ``n`` calls from ``first`` on: 9 alphanumeric characters for Mistral."""
+    style = "alphanumeric" if parser is mistral else "call"
+    return [call_id(style, first + k, seed) for k in range(n)]
 
 
 def calls_of(parsed: ParsedAssistant) -> list[tuple[str, Any]]:
@@ -103,7 +111,7 @@ def tools_for(calls: list[Call]) -> Tools:
 
 
 def test_registry_holds_the_vllm_names() -> None:
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "qwen3_coder"}
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "qwen3_coder", "openai"}
     for name, parser in TOOL_PARSERS.items():
         assert parser.name == name
         assert tool_parser(name) is parser
@@ -113,7 +121,8 @@ def test_registry_holds_the_vllm_names() -> None:
 
 
 def test_unknown_parser_names_the_valid_ones() -> None:
-    with pytest.raises(SprawlError, match=r"'hermes2'.*hermes, llama3_json, mistral, qwen3_coder"):
+    valid = "hermes, llama3_json, mistral, qwen3_coder, openai"
+    with pytest.raises(SprawlError, match=rf"'hermes2'.*{valid}"):
         tool_parser("hermes2")
 
 
@@ -142,7 +151,8 @@ def test_detect_tool_parser(template: str | None, expected: str) -> None:
 
 # --- behaviour every parser shares -------------------------------------------------------------
 
-ALL = [hermes, llama, mistral, coder]
+THINKING = [hermes, llama, mistral, coder]  # reasoning before </think>; harmony's is a channel
+ALL = [*THINKING, harmony]
 ONE_CALL = {
     "hermes": render_hermes([("f", {"a": 1})]),
     "llama3_json": render_llama([("f", {"a": 1})]),
@@ -151,13 +161,13 @@ ONE_CALL = {
 }
 
 
-@pytest.mark.parametrize("parser", ALL, ids=lambda p: p.name)
+@pytest.mark.parametrize("parser", THINKING, ids=lambda p: p.name)
 def test_reasoning_is_split_off_before_the_first_close(parser: ToolParser) -> None:
     call = ONE_CALL[parser.name]
     parsed = parser.parse(f"<think>\nPlan: call f.\n</think>\n\nOn it.\n{call}", first_id=3)
     assert parsed.reasoning == "Plan: call f."
     assert parsed.content == "On it."
-    assert parsed.tool_calls == (ToolCall("call_3", "f", '{"a": 1}'),)
+    assert parsed.tool_calls == (ToolCall(ids(parser, 3, 1)[0], "f", '{"a": 1}'),)
     # The first </think> ends the reasoning; an opening <think> in the prompt is not needed.
     later = parser.parse("thinking</think>answer</think>")
     assert (later.reasoning, later.content) == ("thinking", "answer</think>")
@@ -188,6 +198,8 @@ def test_prefill_then_the_rest_of_a_call_parses(parser: ToolParser, function: st
         ("qwen3_coder", None): "guess>\n<parameter=number>\n3\n</parameter>\n</function>\n"
         "</tool_call>",
         ("qwen3_coder", "guess"): "<parameter=number>\n3\n</parameter>\n</function>\n</tool_call>",
+        ("openai", None): 'guess <|constrain|>json<|message|>{"number": 3}<|call|>',
+        ("openai", "guess"): '{"number": 3}<|call|>',
     }[(parser.name, function)]
     parsed = parser.parse(parser.prefill(function) + rest)
     assert parsed.errors == ()
@@ -202,6 +214,7 @@ def test_deeply_nested_json_is_an_error_not_a_recursion_error(parser: ToolParser
         "llama3_json": f'<|python_tag|>{{"name": "f", "parameters": {deep}',
         "mistral": f"[TOOL_CALLS]{deep}",
         "qwen3_coder": coder_call(param("a", deep)),
+        "openai": f"<|channel|>commentary to=functions.f<|message|>{deep}<|call|>",
     }[parser.name]
     parsed = parser.parse(text, tools=[WEATHER])
     if parser.name == "qwen3_coder":  # a value that is not JSON is kept as text
@@ -307,7 +320,8 @@ def test_mistral_args_form_with_and_without_markers() -> None:
     parsed = mistral.parse(text, first_id=1)
     assert parsed.errors == ()
     assert parsed.content == "I will call."
-    assert [c.id for c in parsed.tool_calls] == ["call_1", "call_2", "call_3"]
+    assert [c.id for c in parsed.tool_calls] == ids(mistral, 1, 3)
+    assert all(len(i) == 9 and i.isalnum() for i in ids(mistral, 1, 3))
     assert calls_of(parsed) == [("f", {"a": 1}), ("g", {"b": [2]}), ("h", {"c": {"d": 3}})]
 
 
@@ -522,7 +536,7 @@ def test_rendered_calls_parse_back(
     assert parsed.errors == ()
     assert parsed.reasoning == reasoning.strip()
     assert parsed.content == content.strip()
-    assert [c.id for c in parsed.tool_calls] == [f"call_{first_id + k}" for k in range(len(calls))]
+    assert [c.id for c in parsed.tool_calls] == ids(parser, first_id, len(calls))
     assert calls_of(parsed) == calls
 
 
@@ -538,6 +552,13 @@ fragments = st.sampled_from(
         "[TOOL_CALLS]",
         "[ARGS]",
         "[CALL_ID]",
+        "<|start|>assistant",
+        "<|channel|>commentary to=functions.f",
+        "<|channel|>analysis",
+        "<|channel|>final",
+        "<|message|>",
+        "<|end|>",
+        "<|call|>",
         "<think>",
         "</think>",
         '{"name": "f", "arguments": {}}',
@@ -572,9 +593,7 @@ odd_tools = st.sampled_from(
 @given(text=st.lists(fragments | st.text(max_size=5), max_size=14).map("".join), tools=odd_tools)
 def test_parse_never_raises(parser: ToolParser, text: str, tools: Tools | None) -> None:
     parsed = parser.parse(text, first_id=2, tools=tools)
-    assert [c.id for c in parsed.tool_calls] == [
-        f"call_{2 + k}" for k in range(len(parsed.tool_calls))
-    ]
+    assert [c.id for c in parsed.tool_calls] == ids(parser, 2, len(parsed.tool_calls))
     for call in parsed.tool_calls:
         assert call.name
         assert isinstance(json.loads(call.arguments), dict)
