@@ -22,11 +22,11 @@ renamed, so a crash leaves the previous checkpoint whole. The job started again 
 command restores the newest one, publishes its version if the crash came between the checkpoint
 and the publish (a board *ahead* of the checkpoint, or more than one behind, is refused: another
 run's), acknowledges the batch of that step again (with its metrics; a duplicate if it had
-been), and continues with the next batch: the feed delivers a batch again until it is
-acknowledged, so a step the crash interrupted is taken once, by the restarted job. A restarted
-orchestrator (``run.resume``) serves the batches it had not seen acknowledged again, on a new
-port: while the feed cannot be reached, ``feed.json`` is read again (for at most
-``--feed-wait-s``, default 600).
+been; at the run's last version it gives up after 30 s, the run may be over), and continues with
+the next batch: the feed delivers a batch again until it is acknowledged, so a step the crash
+interrupted is taken once, by the restarted job. A restarted orchestrator (``run.resume``)
+serves the batches it had not seen acknowledged again, on a new port: while the feed cannot be
+reached, ``feed.json`` is read again (for at most ``--feed-wait-s``, default 600).
 
 Kept simple on purpose: each rank normalises the loss over its own rows; one checkpoint is kept.
 """
@@ -168,7 +168,12 @@ def main() -> None:
     resume(publisher, version, model)
     if version > 0 and rank == 0:  # the step before the crash may not have been acknowledged
         print(json.dumps({"event": "trainer_resumed", "version": version}), flush=True)
-        ack(run_dir, version - 1, last, args.feed_wait_s)
+        ended = version >= args.steps  # the run may be over, its feed gone
+        try:
+            ack(run_dir, version - 1, last, 30.0 if ended else args.feed_wait_s)
+        except FeedUnavailable:
+            if not ended:
+                raise
     while version < args.steps:
         batch = pull(run_dir, version, args.feed_wait_s) if rank == 0 else None
         box = [batch.model_dump_json() if batch is not None else None]

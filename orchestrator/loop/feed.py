@@ -130,6 +130,7 @@ class BatchFeed:
             await self._changed.wait()
         body = await anyio.to_thread.run_sync(lambda: batch.model_dump_json().encode())
         self._held[batch.version] = _Held(batch, body)
+        log.info("feed_offered", version=batch.version, held=len(self._held))
         early = self._early.pop(batch.version, None)
         if early is not None:  # trained from an earlier feed's delivery (module doc)
             self._complete(batch.version, early)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -109,16 +110,24 @@ def _wait_for(proc: subprocess.Popen[str], path: Path, event: str, **fields: obj
         time.sleep(0.05)
 
 
-def _kill_tree(proc: subprocess.Popen[str]) -> None:
-    """SIGKILL ``proc`` and every process under it: torchrun starts its ranks in sessions of
-    their own, so killing the agent (or its process group) leaves them running."""
+def _tree(proc: subprocess.Popen[str]) -> list[psutil.Process]:
+    """``proc`` and every process under it: torchrun starts its ranks in sessions of their own,
+    so a signal to the agent (or its process group) does not reach them."""
     try:
-        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        return [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
     except psutil.NoSuchProcess:
-        tree = []
-    for p in tree:
+        return []
+
+
+def _signal_tree(proc: subprocess.Popen[str], sig: signal.Signals) -> None:
+    for p in _tree(proc):
         with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
+            p.send_signal(sig)
+
+
+def _kill_tree(proc: subprocess.Popen[str]) -> None:
+    tree = _tree(proc)
+    _signal_tree(proc, signal.SIGKILL)
     psutil.wait_procs(tree, timeout=60)
     proc.wait(timeout=60)
 
@@ -127,10 +136,11 @@ def _kill_tree(proc: subprocess.Popen[str]) -> None:
 def test_the_orchestrator_and_the_torchrun_trainer_killed_mid_run_resume_exactly_once(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    """The orchestrator dies while the trainer steps on batch 1 (with ``max_batches = 2``, batch 2
-    may wait on the feed already); the trainer publishes version 2, cannot acknowledge, and is
-    killed too. Restarted, the orchestrator finds the board one step past its last batch record
-    (rebuilt) and offers batch 2 again; the trainer resumes from its checkpoint at version 2."""
+    """The orchestrator dies while the trainer steps on batch 1 and batch 2 waits on the feed
+    (``max_batches = 2``); the trainer publishes version 2, cannot acknowledge, and is killed
+    too. Restarted, the orchestrator finds the board one step past its last batch record (rebuilt
+    from the log), forms batch 2 again from the log and offers it; the trainer resumes from its
+    checkpoint at version 2 and takes it."""
     steps = 3
     run = [*_feed_args(tmp_path, steps), "--trainer.feed.max_batches", "2"]
     trainer = _trainer_cmd(tmp_path, tiny_model_dir, steps, "--checkpoint-dir", str(tmp_path / "c"))
@@ -148,8 +158,11 @@ def test_the_orchestrator_and_the_torchrun_trainer_killed_mid_run_resume_exactly
         first = start(trainer, t1, stdout=t1, env=ENV)
         try:
             _wait_for(first, logs[2], "batch_received", version=1)  # in the trainer's hands
+            _signal_tree(first, signal.SIGSTOP)  # its step waits until batch 2 is on the feed
+            _wait_for(orch, logs[0], "feed_offered", version=2)
             orch.kill()  # its engines go with it
             orch.wait(timeout=60)
+            _signal_tree(first, signal.SIGCONT)
             _wait_for(first, logs[2], "trainer_step", version=2)  # published; cannot ack
             _kill_tree(first)
             again = start(
@@ -175,6 +188,7 @@ def test_the_orchestrator_and_the_torchrun_trainer_killed_mid_run_resume_exactly
     events = read_events(tmp_path / "demo")
     resumed = [e for e in events if e["kind"] == "resumed"]
     assert [(e["trainer_version"], e["reconstructed"]) for e in resumed] == [(2, 2)]
+    assert resumed[0]["restored"] == batches[3].groups  # batch 2, formed again from the log
     # admissions and staleness decisions (made ahead of the trainer) re-simulate exactly
     resim = resimulate(events, trajectories=tmp_path / "demo" / "trajectories")
     assert resim.ok, resim.mismatches
