@@ -4,29 +4,50 @@ The template to copy into your stack (docs/trainer.md, "Bring your own trainer")
 ``orchestrate --config X --trainer.mode feed --board.url URL``::
 
     torchrun --nproc-per-node 2 examples/torchrun_trainer.py --model DIR --board URL \\
-        --run-name NAME --run-dir RUN_DIR --steps N [--backend nccl]
+        --run-name NAME --run-dir RUN_DIR --steps N [--checkpoint-dir DIR] [--backend nccl]
 
 Every rank loads the model, shards it (``fully_shard``) and publishes version 0 (a collective).
 Then, per version v: rank 0 pulls batch v from the feed and broadcasts it; each rank scores its
 rows under the sampling transforms each token was drawn with, takes GRPO advantages and the run's
-staleness correction (``policies.train.external``) and
-the PPO-clip loss (``staleness.loss.policy_loss``); FSDP2 averages the gradients over the ranks;
-AdamW steps; every rank publishes its shard of v + 1; rank 0 acknowledges batch v with metrics.
+staleness correction (``policies.train.external``) and the PPO-clip loss
+(``staleness.loss.policy_loss``); FSDP2 averages the gradients over the ranks; AdamW steps; the
+ranks checkpoint, publish their shards of v + 1, and rank 0 acknowledges batch v with metrics
+(rank 0 prints a JSON line per batch received and per step: its version, groups and metrics).
 
-Kept simple on purpose: each rank normalises the loss over its own rows; no checkpoint (a
-restarted job starts from ``--model``, so pair it with a fresh run).
+Restarts. With ``--checkpoint-dir`` every step is checkpointed *before* it is published: model
+and AdamW state through ``torch.distributed.checkpoint`` (each rank writes its shards) into
+``DIR/v<version>``, then rank 0 names it in ``DIR/LATEST`` (``{"version", "metrics"}``: the
+version and the metrics of the step that made it), written to a temporary file, fsynced and
+renamed, so a crash leaves the previous checkpoint whole. The job started again with the same
+command restores the newest one, publishes its version if the crash came between the checkpoint
+and the publish (a board *ahead* of the checkpoint, or more than one behind, is refused: another
+run's), acknowledges the batch of that step again (with its metrics; a duplicate if it had
+been; at the run's last version it gives up after 30 s, the run may be over), and continues with
+the next batch: the feed delivers a batch again until it is acknowledged, so a step the crash
+interrupted is taken once, by the restarted job. A restarted orchestrator (``run.resume``)
+serves the batches it had not seen acknowledged again, on a new port: while the feed cannot be
+reached, ``feed.json`` is read again (for at most ``--feed-wait-s``, default 600).
+
+Kept simple on purpose: each rank normalises the loss over its own rows; one checkpoint is kept.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load
+from torch.distributed.checkpoint.state_dict_saver import save as save_state
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
@@ -37,20 +58,85 @@ from policies.wire.batches import BatchFile
 from policies.wire.feed import FeedClient
 from staleness.loss import policy_loss
 
+T = TypeVar("T")
 
-def pull(run_dir: Path, version: int) -> tuple[FeedClient, BatchFile]:
-    """Rank 0: batch ``version`` from the feed, waiting for the orchestrator to serve it."""
+
+def on_feed(run_dir: Path, call: Callable[[FeedClient], T], wait_s: float) -> T:
+    """Rank 0: ``call`` on the feed ``feed.json`` names, read again while the feed cannot be
+    reached (the orchestrator starting, or restarted on another port), for at most ``wait_s``."""
+    deadline = time.monotonic() + wait_s
     while True:
         try:
-            client = FeedClient.discover(run_dir)
-            while (batch := client.next(wait_s=30)) is None:
-                pass
-        except FeedUnavailable:  # the orchestrator has not written feed.json yet
+            return call(FeedClient.discover(run_dir))
+        except FeedUnavailable:
+            if time.monotonic() > deadline:
+                raise
             time.sleep(0.5)
-            continue
-        if batch.version != version:
-            raise RuntimeError(f"the feed sent batch {batch.version}; the trainer is at {version}")
-        return client, batch
+
+
+def pull(run_dir: Path, version: int, wait_s: float) -> BatchFile:
+    """Rank 0: batch ``version`` from the feed, waiting for the orchestrator to serve it."""
+    while (batch := on_feed(run_dir, lambda c: c.next(wait_s=30), wait_s)) is None:
+        pass
+    if batch.version != version:
+        raise RuntimeError(f"the feed sent batch {batch.version}; the trainer is at {version}")
+    print(json.dumps({"event": "batch_received", "version": version}), flush=True)
+    return batch
+
+
+def ack(run_dir: Path, version: int, metrics: dict[str, float], wait_s: float) -> None:
+    """Rank 0: batch ``version`` is trained and ``version + 1`` published (a duplicate is fine)."""
+    on_feed(run_dir, lambda c: c.ack(version, metrics), wait_s)
+
+
+def save(ckpt: Path, version: int, model: Any, optimizer: Any, metrics: dict[str, float]) -> None:
+    """Every rank: checkpoint ``version`` (module docstring); older ones are removed."""
+    rank, path = dist.get_rank(), ckpt / f"v{version:08d}"
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)  # what a crash mid-save left of this version
+    dist.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    save_state({"model": model_state, "optim": optim_state}, checkpoint_id=path)  # collective
+    if rank == 0:
+        tmp = ckpt / "LATEST.tmp"
+        with tmp.open("w") as f:
+            json.dump({"version": version, "metrics": metrics}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(ckpt / "LATEST")
+        for old in ckpt.glob("v*"):
+            if old != path:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def restore(ckpt: Path, model: Any, optimizer: Any) -> tuple[int, dict[str, float]]:
+    """Every rank: the newest checkpoint's version and step metrics, its state loaded into
+    ``model`` and ``optimizer``; ``(0, {})`` when there is none."""
+    if not (ckpt / "LATEST").exists():
+        return 0, {}
+    latest = json.loads((ckpt / "LATEST").read_text())
+    version = int(latest["version"])
+    model_state, optim_state = get_state_dict(model, optimizer)
+    load({"model": model_state, "optim": optim_state}, checkpoint_id=ckpt / f"v{version:08d}")
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    return version, {k: float(v) for k, v in latest["metrics"].items()}
+
+
+def resume(publisher: ShardedPublisher, version: int, model: Any) -> None:
+    """Every rank: publish ``version`` unless the board has it (version 0 on a new board; the
+    checkpoint's after a crash between its save and its publish)."""
+    box = [publisher.latest() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    latest = box[0]
+    if latest == version:
+        return
+    if not (latest is None and version == 0) and latest != version - 1:
+        raise RuntimeError(
+            f"the board is at version {latest} and the checkpoint at {version}: "
+            "the board or the checkpoint directory belongs to another run"
+        )
+    publisher.publish(version, model.state_dict(), view_name="bf16")
 
 
 def main() -> None:
@@ -58,6 +144,8 @@ def main() -> None:
     for flag in ("--model", "--board", "--run-name", "--run-dir"):
         ap.add_argument(flag, required=True)
     ap.add_argument("--steps", type=int, required=True, help="the run's trainer.max_steps")
+    ap.add_argument("--checkpoint-dir", type=Path, help="checkpoint every step; resume from it")
+    ap.add_argument("--feed-wait-s", type=float, default=600.0)
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--clip-eps", type=float, default=0.2)
     ap.add_argument("--backend", default="gloo")
@@ -75,10 +163,19 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     publisher = ShardedPublisher(args.board, args.run_name, options=BoardOptions())
     publisher.create(Path(args.model))
-    version = 0
-    publisher.publish(version, model.state_dict(), view_name="bf16")
+    run_dir, ckpt = Path(args.run_dir), args.checkpoint_dir
+    version, last = restore(ckpt, model, optimizer) if ckpt else (0, {})
+    resume(publisher, version, model)
+    if version > 0 and rank == 0:  # the step before the crash may not have been acknowledged
+        print(json.dumps({"event": "trainer_resumed", "version": version}), flush=True)
+        ended = version >= args.steps  # the run may be over, its feed gone
+        try:
+            ack(run_dir, version - 1, last, 30.0 if ended else args.feed_wait_s)
+        except FeedUnavailable:
+            if not ended:
+                raise
     while version < args.steps:
-        client, batch = pull(Path(args.run_dir), version) if rank == 0 else (None, None)
+        batch = pull(run_dir, version, args.feed_wait_s) if rank == 0 else None
         box = [batch.model_dump_json() if batch is not None else None]
         dist.broadcast_object_list(box, src=0)
         batch = BatchFile.model_validate_json(str(box[0]))
@@ -99,11 +196,17 @@ def main() -> None:
         (loss * share).backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         version += 1
-        publisher.publish(version, model.state_dict(), view_name="bf16")  # collective
         mean_loss = torch.tensor([float(loss.detach()) * share, share], device=device)
         dist.all_reduce(mean_loss)
-        if client is not None:  # after the publish: the board's pointer announced the version
-            client.ack(batch.version, {**metrics, "loss": float(mean_loss[0] / mean_loss[1])})
+        metrics = {**metrics, "loss": float(mean_loss[0] / mean_loss[1])}
+        if ckpt is not None:  # before the publish: the checkpoint is never behind the board
+            save(ckpt, version, model, optimizer, metrics)
+        publisher.publish(version, model.state_dict(), view_name="bf16")  # collective
+        if rank == 0:  # after the publish: the board's pointer announced the version
+            groups = sorted({s.group_id for s in batch.samples})
+            step = {"event": "trainer_step", "version": version, "groups": groups, **metrics}
+            print(json.dumps(step), flush=True)
+            ack(run_dir, batch.version, metrics, args.feed_wait_s)
     dist.destroy_process_group()
 
 

@@ -141,10 +141,16 @@ class Config(Section):
                 "orchestrator share it; the default lives inside the run dir, which a new run "
                 "clears)"
             )
-        if mode == "feed" and self.run.resume:
+        return self
+
+    @model_validator(mode="after")
+    def _feed_bound_can_fill(self) -> Config:
+        ahead = self.scheduler.max_lag + 1
+        if self.trainer.mode == "feed" and self.trainer.feed.max_batches > ahead:
             raise ValueError(
-                "run.resume is not supported with trainer.mode = 'feed' (the feed holds the "
-                "batch in flight in memory only); resume a run of trainer.mode = 'external'"
+                f"trainer.feed.max_batches = {self.trainer.feed.max_batches} can never fill: "
+                f"admission (scheduler.max_lag = {self.scheduler.max_lag}) lets at most {ahead} "
+                f"batches be formed before the trainer acknowledges one; set it to {ahead} or less"
             )
         return self
 

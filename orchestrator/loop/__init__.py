@@ -9,7 +9,8 @@
 - :mod:`~orchestrator.loop.train_sink` — the trainer in this process or behind batch files;
 - :mod:`~orchestrator.loop.rl` — :func:`rl_loop`, the one wiring of the pieces above;
 - :mod:`~orchestrator.loop.admin` — the admin API (fleet add / remove / list, ``/metrics``);
-- :mod:`~orchestrator.loop.feed` — the batch feed an external trainer pulls from.
+- :mod:`~orchestrator.loop.feed` — the batch feed an external trainer pulls from;
+- :mod:`~orchestrator.loop.feed_sink` — the trainer behind the feed, batches handed over ahead.
 
 The fleet the loop routes to is started and supervised by :mod:`orchestrator.fleet`.
 """

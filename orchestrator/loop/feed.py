@@ -24,18 +24,30 @@ Guarantees (:class:`BatchFeed`), across trainer restarts:
   finds the board at ``v + 1`` and batch ``v`` counts as acknowledged (without metrics; the
   step's ``reward_mean`` is still logged);
 - acknowledging a batch twice is harmless (``"duplicate": true``, its metrics not logged again);
-  acknowledging one that is not out for training (never delivered, or ahead of the trainer) is
-  refused with 409 naming the trainer's version; a malformed body or metric, 400 naming it;
-- bounded: the feed holds at most ``capacity`` unacknowledged batches (one: the run's trainer
-  sink waits for each version before it takes the next batch, so while the trainer steps, the
-  scheduler's stream fills and admission stops: backpressure end to end).
+  acknowledging one ahead of the trainer's version is refused with 409 naming that version, and
+  so is one of the trainer's version that was not delivered while the board does not show
+  ``v + 1``; a malformed body or metric, 400 naming it;
+- bounded: the feed holds at most ``capacity`` unacknowledged batches
+  (``trainer.feed.max_batches``, default one), offered in version order; the run's sink
+  (:class:`~orchestrator.loop.feed_sink.FeedTrainer`) waits for room before it hands over the
+  next, so while the trainer steps, the scheduler's stream fills and admission stops:
+  backpressure end to end.
+
+Across an orchestrator restart (``run.resume``; :mod:`orchestrator.record.resume`): the feed
+starts at the board's version, and batches that were offered but not acknowledged are offered
+again, re-formed from the trajectory log (the batcher is FIFO, so they hold the same groups).
+A trainer that took batch ``v`` from the feed before the restart and acknowledges it after
+(having published ``v + 1``) is accepted even though this feed never delivered it, also before
+the restarted run has offered it again (the acknowledgement then waits in the feed, with its
+metrics, for that offer): the board showing ``v + 1`` is what an acknowledgement asserts.
 
 Once it listens, :func:`serve_feed` writes ``feed.json`` (``{"url", "token"}``, mode 0600,
 replaced atomically) into the run directory: that file (or ``$SPRAWL_FEED_URL`` and
-``$SPRAWL_FEED_TOKEN``) is how a trainer finds the feed (:class:`policies.wire.feed.FeedClient`).
+``$SPRAWL_FEED_TOKEN``) is how a trainer finds the feed (:class:`policies.wire.feed.FeedClient`);
+a restarted orchestrator writes it again (a new port unless ``trainer.feed.port`` is set, a new
+token unless ``trainer.feed.token`` is): a trainer that cannot reach the feed reads it again.
 
-Not covered: the orchestrator's own restart (the batch in flight lives in memory; ``run.resume``
-is refused in this mode), TLS (put a proxy in front for a network you do not trust).
+Not covered: TLS (put a proxy in front for a network you do not trust).
 """
 
 from __future__ import annotations
@@ -93,6 +105,7 @@ class BatchFeed:
     capacity: int = 1
     _held: dict[int, _Held] = field(default_factory=dict)
     _done: dict[int, dict[str, float]] = field(default_factory=dict)
+    _early: dict[int, dict[str, float]] = field(default_factory=dict)  # at most the next version
     _changed: anyio.Event = field(default_factory=anyio.Event)
 
     @property
@@ -105,14 +118,22 @@ class BatchFeed:
         self._changed = anyio.Event()
 
     async def offer(self, batch: BatchFile) -> None:
-        """Hold ``batch`` for the trainer; waits while the feed holds ``capacity`` batches."""
-        if batch.version < self.version or batch.version in self._held:
-            msg = f"batch {batch.version} offered twice (the trainer is at {self.version})"
+        """Hold ``batch`` for the trainer; waits while the feed holds ``capacity`` batches.
+        Batches are offered in version order, from the trainer's version on."""
+        if batch.version != self.version + len(self._held):
+            msg = (
+                f"batch {batch.version} offered out of order (the trainer is at {self.version}, "
+                f"{len(self._held)} batches held)"
+            )
             raise ValueError(msg)
         while len(self._held) >= self.capacity:
             await self._changed.wait()
         body = await anyio.to_thread.run_sync(lambda: batch.model_dump_json().encode())
         self._held[batch.version] = _Held(batch, body)
+        log.info("feed_offered", version=batch.version, held=len(self._held))
+        early = self._early.pop(batch.version, None)
+        if early is not None:  # trained from an earlier feed's delivery (module doc)
+            self._complete(batch.version, early)
         self._notify()
 
     async def next(self, wait_s: float) -> bytes | None:
@@ -134,18 +155,32 @@ class BatchFeed:
         """Batch ``version`` is trained and version ``version + 1`` published (see module doc)."""
         if version < self.version:
             return Ack(version, duplicate=True)
-        held = self._held.get(version)
-        if held is None or not held.delivered or version != self.version:
+        if version > self.version:
             raise FeedRefused(
                 409,
                 "batch_not_out",
                 f"batch {version} is not out for training: the trainer's next batch is for "
-                f"version {self.version}"
-                + (" and has not been delivered yet" if version == self.version else ""),
+                f"version {self.version}",
                 "version",
             )
         latest = await self._latest()
-        if latest is None or latest <= version:
+        if version != self.version:  # acknowledged meanwhile (the board read yields)
+            return Ack(version, duplicate=True)
+        held = self._held.get(version)
+        published = latest is not None and latest > version
+        if published and held is None:  # delivered by the feed before a restart, not offered yet
+            self._early[version] = metrics
+        elif published:
+            self._complete(version, metrics)
+        elif held is None or not held.delivered:
+            raise FeedRefused(
+                409,
+                "batch_not_out",
+                f"batch {version} is not out for training: the trainer's next batch is for "
+                f"version {self.version} and has not been delivered yet",
+                "version",
+            )
+        else:
             raise FeedRefused(
                 409,
                 "version_not_published",
@@ -153,7 +188,6 @@ class BatchFeed:
                 f"publish it before acknowledging batch {version}",
                 "version",
             )
-        self._complete(version, metrics)
         return Ack(version, duplicate=False)
 
     async def done(self, version: int) -> dict[str, float]:

@@ -2,8 +2,9 @@
 
 :func:`rl_loop` is what the run, the simulator and the tests drive: the scheduler admits groups
 and sends each finished group into a stream bounded at one batch (so a slow trainer
-back-pressures admission), :func:`~orchestrator.loop.train_sink.consume` decides, batches and
-trains until ``max_steps``, and services that must run beside the loop (the pool's health
+back-pressures admission), :func:`~orchestrator.loop.train_sink.consume` (for the batch feed,
+:func:`~orchestrator.loop.feed_sink.consume_ahead`) decides, batches and trains until
+``max_steps``, and services that must run beside the loop (the pool's health
 watch, a live view, a test's fault injector) run in the same task group and are cancelled with
 it.
 
@@ -11,8 +12,9 @@ Guarantees: when it returns or is cancelled, every group the scheduler admitted 
 for — trained or decided (through the recorder), or handed to ``on_stop`` as a leftover with its
 reason (:data:`~orchestrator.record.events.STOPPED_UNTRAINED`: finished but not consumed;
 :data:`~orchestrator.record.events.STOPPED_UNFINISHED`: still in flight), so the caller records
-it as data. Not covered: groups still pending in the batcher (``batcher.pending``) are the
-caller's to name.
+it as data. Not covered: groups still pending in the batcher (``batcher.pending``), or in
+batches the feed's trainer has not acknowledged
+(:meth:`~orchestrator.loop.feed_sink.FeedTrainer.unacknowledged`), are the caller's to name.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import anyio
 import structlog
 
 from orchestrator.loop.batcher import Batcher
+from orchestrator.loop.feed_sink import FeedTrainer, consume_ahead
 from orchestrator.loop.scheduler import Scheduler
 from orchestrator.loop.train_sink import Recorder, TrainerSink, consume, drain
 from orchestrator.record.events import STOPPED_UNFINISHED, STOPPED_UNTRAINED
@@ -70,16 +73,28 @@ async def rl_loop(
             for service in beside:
                 tg.start_soon(service)
             tg.start_soon(scheduler.run, send)
-            await consume(
-                recv,
-                batcher=batcher,
-                scheduler=scheduler,
-                sink=sink,
-                clock=scheduler.clock,
-                recorder=recorder,
-                max_steps=max_steps,
-                on_version=on_version,
-            )
+            if isinstance(sink, FeedTrainer):  # batches ahead of it: trainer.feed.max_batches
+                await consume_ahead(
+                    recv,
+                    batcher=batcher,
+                    scheduler=scheduler,
+                    sink=sink,
+                    clock=scheduler.clock,
+                    recorder=recorder,
+                    max_steps=max_steps,
+                    on_version=on_version,
+                )
+            else:
+                await consume(
+                    recv,
+                    batcher=batcher,
+                    scheduler=scheduler,
+                    sink=sink,
+                    clock=scheduler.clock,
+                    recorder=recorder,
+                    max_steps=max_steps,
+                    on_version=on_version,
+                )
             tg.cancel_scope.cancel()
     finally:
         leftovers = [(g, STOPPED_UNTRAINED) for g in drain(recv)]

@@ -9,6 +9,8 @@ Guarantee: every group received is recorded exactly once (kept or dropped, with 
 every kept group is in exactly one batch handed to the sink, or is still pending in the batcher
 when the run stops (the run then lists it in an ``unbatched`` event). Groups a resumed run put
 back into the batcher (:meth:`~orchestrator.loop.batcher.Batcher.restore`) are trained first.
+The batch feed's trainer takes batches ahead of its steps:
+:func:`~orchestrator.loop.feed_sink.consume_ahead`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from orchestrator.errors import TrainerError
 from orchestrator.loop.batcher import NO_MODEL_CALL, Batcher
-from orchestrator.loop.feed import BatchFeed
 from orchestrator.loop.scheduler import Scheduler, VersionClock
 from orchestrator.types import Batch, Episode, Group, GroupDecision
 from policies.errors import BoardError
@@ -218,54 +219,6 @@ class ExternalTrainer:
         return metrics
 
 
-class FeedTrainer:
-    """A trainer in another process or cluster, pulling batches over HTTP from the batch feed
-    (:mod:`orchestrator.loop.feed`, served beside the run) and publishing on the board.
-
-    ``train`` offers the batch to the feed and returns once the trainer acknowledged it, so one
-    batch is in flight at a time.
-    """
-
-    def __init__(
-        self,
-        feed: BatchFeed,
-        *,
-        group_size: int,
-        staleness: StalenessConfig,
-        step_timeout_s: float,
-    ) -> None:
-        self.feed = feed
-        self.group_size = group_size
-        self.staleness = staleness
-        self.step_timeout_s = step_timeout_s
-
-    @property
-    def version(self) -> int:
-        return self.feed.version
-
-    async def train(self, batch: Batch) -> dict[str, float]:
-        samples = [wire_sample(ep) for g in batch.groups for ep in g.episodes]
-        v = batch.trained_at_version
-        wire = BatchFile(
-            version=v,
-            group_size=self.group_size,
-            samples=samples,
-            staleness=self.staleness.model_dump(mode="json"),
-        )
-        try:
-            with anyio.fail_after(self.step_timeout_s):
-                await self.feed.offer(wire)
-                metrics = await self.feed.done(v)
-        except TimeoutError:
-            raise TrainerError(
-                f"the trainer did not acknowledge batch {v} (publish version {v + 1}, then "
-                f"POST /v1/batches/{v}/ack) within {self.step_timeout_s}s "
-                "(timeouts.trainer_step_s)"
-            ) from None
-        metrics.setdefault("reward_mean", sum(s.reward for s in samples) / max(len(samples), 1))
-        return metrics
-
-
 async def consume(
     groups: MemoryObjectReceiveStream[Group],
     *,
@@ -297,20 +250,32 @@ async def consume(
             await on_version()
         return sink.version >= max_steps
 
-    requeue = batcher.staleness.length_bias.requeue
     while (restored := batcher.take()) is not None:  # groups restored by a resumed run
         if await train(restored):
             return
     async for group in groups:
-        decision, batch = batcher.add(group)
-        recorder.group(group, decision, sink.version)
-        if decision.decision == "dropped":
-            log.info("group_dropped", group=group.id, reason=decision.reason)
-            if requeue and decision.reason != NO_MODEL_CALL:  # a staleness drop: re-run it
-                scheduler.requeue(group)
-            await scheduler.release_dropped(1)
+        batch = await take_group(
+            group, batcher=batcher, scheduler=scheduler, recorder=recorder, version=sink.version
+        )
         if batch is not None and await train(batch):
             return
+
+
+async def take_group(
+    group: Group, *, batcher: Batcher, scheduler: Scheduler, recorder: Recorder, version: int
+) -> Batch | None:
+    """Decide ``group`` and record it with ``version`` (the version its batch is trained at); a
+    dropped group gives its admission slot back, and has its task re-run when
+    ``staleness.length_bias.requeue`` says so. The batch it completes, if any."""
+    decision, batch = batcher.add(group)
+    recorder.group(group, decision, version)
+    if decision.decision == "dropped":
+        log.info("group_dropped", group=group.id, reason=decision.reason)
+        requeue = batcher.staleness.length_bias.requeue
+        if requeue and decision.reason != NO_MODEL_CALL:  # a staleness drop: re-run it
+            scheduler.requeue(group)
+        await scheduler.release_dropped(1)
+    return batch
 
 
 def drain(groups: MemoryObjectReceiveStream[Group]) -> list[Group]:

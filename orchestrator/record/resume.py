@@ -4,7 +4,9 @@ The run directory is kept; the run continues from its logs and the trainer's che
 
 1. the trainer resumes from its checkpoint (:class:`policies.train.trainer.Trainer` with ``resume``)
    and republishes its version if the crash came between the checkpoint and the publish; an
-   external trainer is waited for on the board;
+   external trainer is waited for on the board: behind batch files, for the version it owes
+   (:func:`external_version`); on the batch feed, for the last batch record's version at least
+   (the board then shows it, or one more when the trainer finished the batch it held);
 2. the logs are reconciled (:func:`reconcile`, pure; :func:`record` writes the result):
 
    a. the trainer one step ahead of the last batch record (killed between the trainer step and
@@ -12,7 +14,9 @@ The run directory is kept; the run continues from its logs and the trainer's che
       first ``groups_per_batch`` kept, untrained groups in log order — and recorded with the
       metric ``reconstructed = 1``;
    b. kept groups in no batch go back into the batcher as they were decided (not re-decided,
-      not re-recorded), ahead of new ones;
+      not re-recorded), ahead of new ones; on the batch feed they form again, in order, the
+      batches it had offered and not seen acknowledged, which it offers again (the trainer
+      takes each once: :mod:`orchestrator.loop.feed`);
    c. admitted groups with no group record were in flight when the process died: one ``lost``
       event names them;
    d. the scheduler continues after the last admitted index (group ids are never reused; the

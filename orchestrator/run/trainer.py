@@ -15,9 +15,9 @@ import structlog
 
 from orchestrator.config import Config
 from orchestrator.loop.feed import BatchFeed
+from orchestrator.loop.feed_sink import FeedTrainer
 from orchestrator.loop.train_sink import (
     ExternalTrainer,
-    FeedTrainer,
     InProcessTrainer,
     TrainerSink,
     board_version_above,
@@ -37,12 +37,18 @@ async def trainer_sink(
     """The in-process reference trainer (publishes version 0 now, or resumes from its
     checkpoint), or an external trainer reached through batch files or the batch feed (waits for
     it to publish version 0, or the version a resumed run continues from)."""
-    if cfg.trainer.mode == "feed":  # run.resume is refused in this mode: version 0 first
-        log.info("waiting_for_external_trainer", feed=str(run_dir / "feed.json"), version=0)
+    if cfg.trainer.mode == "feed":
+        # resumed: the board shows at least the last batch record's version (each is written
+        # after its acknowledgement); one more if the trainer finished the batch it held
+        wanted = logged.last_version if logged else 0
+        log.info("waiting_for_external_trainer", feed=str(run_dir / "feed.json"), version=wanted)
         with anyio.fail_after(cfg.timeouts.trainer_step_s):
-            latest = await board_version_above(board, -1, cfg.board.poll_interval_s)
+            latest = await board_version_above(board, wanted - 1, cfg.board.poll_interval_s)
+        feed = BatchFeed(
+            version=latest, board_latest=board.latest, capacity=cfg.trainer.feed.max_batches
+        )
         return FeedTrainer(
-            BatchFeed(version=latest, board_latest=board.latest),
+            feed,
             group_size=cfg.scheduler.group_size,
             staleness=cfg.staleness,
             step_timeout_s=cfg.timeouts.trainer_step_s,

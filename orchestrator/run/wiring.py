@@ -2,7 +2,8 @@
 scheduler and the batcher around :func:`~orchestrator.loop.rl.rl_loop`, serves the admin API and
 the batch feed beside it, and records what the loop leaves: every group finished or in flight
 when the run stops is recorded as dropped with its reason (never lost), and kept groups still
-waiting for a full batch are named in an ``unbatched`` event. :class:`RunRecorder` writes every
+waiting for a full batch, or in a batch on the feed not yet acknowledged, are named in
+``unbatched`` events. :class:`RunRecorder` writes every
 group and step to the trajectory log and TensorBoard and keeps the run's summary.
 """
 
@@ -23,11 +24,12 @@ from orchestrator.loop.batcher import Batcher
 from orchestrator.loop.chat import ModelChat
 from orchestrator.loop.episode import EpisodeRunner
 from orchestrator.loop.feed import serve_feed
+from orchestrator.loop.feed_sink import FeedTrainer
 from orchestrator.loop.mixture import Source
 from orchestrator.loop.pool import Pool
 from orchestrator.loop.rl import Leftovers, rl_loop
 from orchestrator.loop.scheduler import Scheduler, VersionClock
-from orchestrator.loop.train_sink import FeedTrainer, TrainerSink
+from orchestrator.loop.train_sink import TrainerSink
 from orchestrator.loop.verifiers_episode import VerifiersRunner
 from orchestrator.observe.live import LiveView
 from orchestrator.observe.metrics import RunMetrics
@@ -102,11 +104,15 @@ class RunLoop:
             events=events,
             sources=sources,
         )
+        # the version the next batch is trained at: on the feed, past the batches ahead of it
+        next_version = (
+            (lambda: sink.next_version) if isinstance(sink, FeedTrainer) else (lambda: sink.version)
+        )
         self.batcher = Batcher(
             cfg.staleness,
             cfg.scheduler.groups_per_batch,
             cfg.scheduler.max_lag,
-            lambda: sink.version,
+            next_version,
             cfg.environment_staleness(),
         )
         if rec is not None:
@@ -175,12 +181,19 @@ class RunLoop:
     def stopped(self, leftovers: Leftovers) -> None:
         """Groups finished but not consumed, and groups still in flight, when the run stopped:
         recorded as dropped with the reason, never lost; kept groups left waiting for a full
-        batch are named in an ``unbatched`` event."""
+        batch, or in a batch the feed's trainer has not acknowledged, are named in ``unbatched``
+        events."""
         for group, reason in leftovers:
             decision = GroupDecision(
                 group_id=group.id, decision="dropped", reason=reason, max_lag=0
             )
             self.recorder.group(group, decision, self.sink.version)
+        if isinstance(self.sink, FeedTrainer) and self.sink.unacknowledged():
+            self.events.emit(
+                "unbatched",
+                group_ids=[g.id for b in self.sink.unacknowledged() for g in b.groups],
+                reason="run stopped before the trainer acknowledged the group's batch",
+            )
         if self.batcher.pending:  # kept, never trained: the accounting needs them named
             reason = (
                 "trainer.max_steps reached before the group's batch was complete"

@@ -30,6 +30,13 @@ class FeedConfig(BaseModel):
     """Bearer token the batch feed requires; unset: a random one per run. Either way it is written
     with the URL to ``<run dir>/feed.json`` (mode 0600), and only there (``**********`` in
     config.json and the trajectory log's run.json)."""
+    max_batches: int = Field(default=1, ge=1, le=64)
+    """The most batches the feed holds unacknowledged: the orchestrator forms and offers batches
+    ``v + 1 … v + max_batches − 1`` while the trainer steps on ``v``, so the trainer finds its next
+    batch ready. Each group is still decided against the version its batch is trained at, and
+    admission (``scheduler.max_lag``) still caps every lag, so at most ``scheduler.max_lag + 1``
+    batches can be ready at once (a larger value is refused). 1: the next batch is formed only
+    after the trainer acknowledged the last."""
 
 
 class LoraConfig(BaseModel):

@@ -17,7 +17,7 @@ from anyio import wait_all_tasks_blocked
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError, TrainerError
 from orchestrator.loop.feed import BatchFeed, serve_feed
-from orchestrator.loop.train_sink import FeedTrainer
+from orchestrator.loop.feed_sink import FeedTrainer
 from orchestrator.train_worker import FeedSource
 from orchestrator.types import Batch, Group
 from policies.board import Board
@@ -200,6 +200,34 @@ async def test_a_trainer_that_published_but_died_before_acking_is_acknowledged(
         await _ack(restarted, 0)  # a late ack of it is a harmless duplicate
 
 
+async def test_a_restarted_feed_takes_the_ack_of_a_batch_an_earlier_feed_delivered(
+    tmp_path: Path,
+) -> None:
+    """After an orchestrator restart the trainer acknowledges the batch the killed feed gave it:
+    before the restarted run offered it again (the ack waits for that offer, metrics kept) or
+    after (it was never delivered by this feed). The board showing v + 1 is what counts."""
+    board = _board(tmp_path)
+    await anyio.to_thread.run_sync(_publish, board, 1)  # the trainer finished batch 0
+    feed = BatchFeed(version=0, board_latest=board.latest, capacity=2)
+    async with served(feed, tmp_path) as url:
+        client = FeedClient(url, "t0k")
+        await _ack(client, 0, {"loss": 0.5})  # nothing offered yet
+        assert (feed.version, feed.held) == (0, 0)
+        await feed.offer(_wire(0))  # the restart re-forms batch 0 ...
+        assert await feed.done(0) == {"loss": 0.5}  # ... and it is the acknowledged one
+        assert feed.version == 1
+        await feed.offer(_wire(1))  # offered, not delivered; the trainer publishes, then acks
+        await anyio.to_thread.run_sync(_publish, board, 2)
+        await _ack(client, 1, {"loss": 0.25})
+        assert await feed.done(1) == {"loss": 0.25}
+        assert (feed.version, feed.held) == (2, 0)
+        assert await _next(client) is None  # neither is ever delivered again
+        with pytest.raises(ValueError, match="offered out of order"):
+            await feed.offer(_wire(1))
+        with pytest.raises(FeedError, match=r"HTTP 409: batch 2 .* not been delivered"):
+            await _ack(client, 2)  # the board does not show version 3: refused, as before
+
+
 async def test_the_feed_holds_at_most_its_capacity(tmp_path: Path) -> None:
     board = _board(tmp_path)
     feed = BatchFeed(version=0, board_latest=board.latest, capacity=1)
@@ -261,19 +289,28 @@ async def test_the_feed_sink_timeout_names_the_key(tmp_path: Path) -> None:
     assert feed.held == 1  # the batch is still there for the trainer, not lost
 
 
-def test_feed_mode_needs_a_shared_board_and_cannot_resume() -> None:
+def test_feed_mode_needs_a_shared_board_resumes_and_bounds_its_batches() -> None:
     with pytest.raises(ConfigError, match=r"board\.url must be set when trainer\.mode is 'feed'"):
         load_config(Path("configs/demo.toml"), {"trainer.mode": "feed"})
-    with pytest.raises(ConfigError, match=r"run\.resume is not supported with trainer\.mode"):
+    feed = {"trainer.mode": "feed", "board.url": "/tmp/b"}
+    resumed = load_config(Path("configs/demo.toml"), {**feed, "run.resume": True})
+    assert resumed.run.resume
+    assert resumed.trainer.feed.max_batches == 1  # one at a time unless asked
+    with pytest.raises(ConfigError, match=r"trainer\.feed\.max_batches"):
+        load_config(Path("configs/demo.toml"), {**feed, "trainer.feed.max_batches": 0})
+    with pytest.raises(
+        ConfigError,
+        match=r"max_batches = 3 can never fill: .*scheduler\.max_lag = 1.* set it to 2 or less",
+    ):
         load_config(
             Path("configs/demo.toml"),
-            {"trainer.mode": "feed", "board.url": "/tmp/b", "run.resume": True},
+            {**feed, "scheduler.max_lag": 1, "trainer.feed.max_batches": 3},
         )
     cfg = load_config(
         Path("configs/demo.toml"),
-        {"trainer.mode": "feed", "board.url": "/tmp/b", "trainer.feed.port": 8765},
+        {**feed, "trainer.feed.port": 8765, "scheduler.max_lag": 1, "trainer.feed.max_batches": 2},
     )
-    assert cfg.trainer.feed.port == 8765
+    assert (cfg.trainer.feed.port, cfg.trainer.feed.max_batches) == (8765, 2)
 
 
 async def test_orchestrate_train_gives_up_on_an_absent_feed_and_refuses_a_foreign_batch(
