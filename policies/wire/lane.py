@@ -31,6 +31,11 @@ class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _absent(value: object) -> bool:
+    """Whether an optional field is left out of the JSON (an error body's unset fields)."""
+    return value is None
+
+
 class VersionBounds(_Wire):
     """The policy versions a request accepts (inclusive); ``None`` leaves that side open."""
 
@@ -85,6 +90,16 @@ def choice_seed(seed: int | None, i: int) -> int | None:
     return (seed + i + 2**63) % 2**64 - 2**63
 
 
+class ErrorBody(_Wire):
+    """The body of every 4xx/5xx answer: ``{"error": ErrorBody}``."""
+
+    type: str
+    message: str
+    param: str | None = Field(default=None, exclude_if=_absent)
+    applied_version: int | None = Field(default=None, exclude_if=_absent)
+    staged_version: int | None = Field(default=None, exclude_if=_absent)
+
+
 class GenerateChoice(_Wire):
     """One sampled continuation with the log prob of each sampled token.
 
@@ -124,16 +139,6 @@ class PolicyState(_Wire):
     run: str
     max_context: int | None = None
     """The longest sequence (prompt + sampled tokens) the engine serves; None: not reported."""
-
-
-class ErrorBody(_Wire):
-    """The body of every 4xx/5xx answer: ``{"error": ErrorBody}``."""
-
-    type: str
-    message: str
-    param: str | None = None
-    applied_version: int | None = None
-    staged_version: int | None = None
 
 
 VERSION_UNAVAILABLE = "policy_version_unavailable"
