@@ -29,6 +29,12 @@ spent: a long prompt text (the rendered chat, a completion's text) is counted a 
 and refused once it cannot fit the model's context (:mod:`policies.serve.prompt_size`), and a
 stop string longer than a piece is refused unencoded; errors quote a request's text cut short.
 
+A choice that failed alone (one row of an ``n > 1`` request) is answered beside the others with
+``finish_reason: "error"`` and an ``error`` object (``{"type", "message"}``, as a failed request's
+body holds), its text or message being what it had sampled; only a request none of whose choices
+was sampled gets an error status. OpenAI's shape has no per-choice error: this is the
+convention of OpenAI-compatible routers (a choice with ``finish_reason: "error"`` and ``error``).
+
 Errors: every invalid request raises :class:`BadRequest` naming the field. ``stop`` strings must
 each be a single token of the vocabulary (they become stop token ids, so generation really
 stops there); multi-token stop strings are refused, not approximated.
@@ -276,6 +282,7 @@ class OpenAIRoutes:
                     finish_reason=finish_out,
                     logprobs=logprobs,
                     token_ids=c.token_ids,
+                    error=c.error,
                 )
             )
         return ChatCompletionResponse(
@@ -324,6 +331,7 @@ class OpenAIRoutes:
                     finish_reason=c.finish_reason,
                     logprobs=logprobs,
                     token_ids=c.token_ids,
+                    error=c.error,
                 )
             )
         return CompletionResponse(

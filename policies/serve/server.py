@@ -10,9 +10,11 @@ unknown field, an over-long prompt, an invalid tool schema) gets a 4xx JSON erro
 (:mod:`policies.serve.http_body`), and the server keeps running; a body over
 ``max_body_bytes`` (``--max-body-bytes``) gets 413 ``request_too_large``, unread past the limit;
 version conflicts get 409 ``policy_version_unavailable`` with ``Retry-After``; an engine that
-fails, 503 ``engine_unavailable`` (:func:`~policies.serve.types.failure`). A refused request's
-memory is freed with its answer (:func:`refusal`). TLS is optional (:func:`tls_context` from a PEM
-certificate and key).
+fails, 503 ``engine_unavailable`` (:func:`~policies.serve.types.failure`). A request of ``n``
+choices one of which failed alone is answered 200, that choice carrying its error
+(``finish_reason`` ``"error"``); only a request none of whose choices was sampled gets the error
+status. A refused request's memory is freed with its answer (:func:`refusal`). TLS is optional
+(:func:`tls_context` from a PEM certificate and key).
 
 Abandoned work is cancelled: when a client disconnects before its answer, aiohttp cancels the
 request's handler (``handler_cancellation``), which cancels the generation: the reference engine

@@ -23,7 +23,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+"""Why a choice ended: a stop token, its token budget, its request abandoned, or a failure of its
+own (the choice then carries an ``error``; the request's other choices are answered)."""
 SidecarState = Literal["serving", "staging", "activating", "catching_up", "starting", "failed"]
 
 
@@ -32,7 +34,8 @@ class _Wire(BaseModel):
 
 
 def _absent(value: object) -> bool:
-    """Whether an optional field is left out of the JSON (an error body's unset fields)."""
+    """Whether an optional field is left out of the JSON (an unset field of an error body, a
+    choice's ``error`` when it has none)."""
     return value is None
 
 
@@ -105,13 +108,17 @@ class GenerateChoice(_Wire):
 
     ``routed_experts`` (MoE engines that report routing; None otherwise): the experts every
     position was routed to, in vLLM 0.32's form, base64 ``.npy`` ``[len(prompt) + len(token_ids)
-    - 1 - routed_experts_prompt_start, layers, top_k]`` (:mod:`policies.wire.routing`)."""
+    - 1 - routed_experts_prompt_start, layers, top_k]`` (:mod:`policies.wire.routing`).
+
+    A choice that failed alone (``finish_reason`` ``"error"``) carries its ``error`` and the
+    tokens it had sampled before it failed; the request's other choices are whole."""
 
     index: int
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
     routed_experts: str | None = None
+    error: ErrorBody | None = Field(default=None, exclude_if=_absent)
 
 
 class Usage(_Wire):
@@ -283,6 +290,7 @@ class ChatChoice(_Wire):
     finish_reason: str
     logprobs: ChatLogprobs | None
     token_ids: list[int]
+    error: ErrorBody | None = Field(default=None, exclude_if=_absent)
 
 
 class CompletionLogprobs(_Wire):
@@ -298,6 +306,7 @@ class CompletionChoice(_Wire):
     finish_reason: str
     logprobs: CompletionLogprobs | None
     token_ids: list[int]
+    error: ErrorBody | None = Field(default=None, exclude_if=_absent)
 
 
 class OpenAIUsage(_Wire):
