@@ -27,12 +27,13 @@ import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from environments.base import MALFORMED_CALL
 from environments.types import EpisodeState
+from policies.wire.lane import FinishReason
 from policies.wire.toolcalls import Message, ParsedAssistant, ToolCall, to_openai_message
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ class Sampled:
     tokens: list[str]
     """The sampled tokens' text, one per id (the ``logprobs.content[].token`` fields)."""
     logprobs: list[float]
-    finish_reason: Literal["stop", "length", "abort"]
+    finish_reason: FinishReason
 
 
 ModelCall = Callable[[list[Message], list[dict[str, Any]] | None], Awaitable[Sampled]]
@@ -143,7 +144,7 @@ class PolicyClient:
                 "choices": [
                     {
                         "index": 0,
-                        "finish_reason": "stop" if finish == "abort" else finish,
+                        "finish_reason": "stop" if finish in ("abort", "error") else finish,
                         "message": message,
                         "logprobs": {
                             "content": [

@@ -27,9 +27,10 @@ Guarantees, with the flags that set each limit (:data:`FLAGS`):
   ``<server>_connection_refused`` for every header timeout and for the first connection refused at
   a cap (the rest of a flood is counted, not logged, until a connection is admitted again).
 
-The request body's deadline (``body_timeout_s``, ``--body-timeout``) is the route's to keep on the
-lane (:mod:`policies.serve.server` answers ``408`` when it passes); other servers take
-:meth:`ConnectionLimiter.body_deadline`, which reads every body within it first.
+The request body's deadline (``body_timeout_s``, ``--body-timeout``) and size (``max_body_bytes``,
+``--max-body-bytes``) are the route's to keep on the lane (:mod:`policies.serve.server` answers
+``408`` when the deadline passes, ``413`` for a body over the size); other servers take
+:meth:`ConnectionLimiter.body_deadline`, which reads every body within the deadline first.
 
 Not covered: a client spread over many addresses (a proxy's or firewall's job), a client that is
 slow to *read* a response (the kernel's send buffer and TCP keep-alive bound it).
@@ -72,6 +73,9 @@ class LaneLimits(BaseModel):
     """Connections open at once; one more is answered 503."""
     max_connections_per_client: int = Field(default=256, ge=1)
     """Connections open at once from one client address; one more is answered 503."""
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    """Bytes a request's body may hold; a longer one is answered 413 unread (the lane's: the
+    admin API and the batch feed keep aiohttp's 1 MiB)."""
 
 
 FLAGS = {
@@ -80,6 +84,7 @@ FLAGS = {
     "body_timeout_s": "--body-timeout",
     "max_connections": "--max-connections",
     "max_connections_per_client": "--max-connections-per-client",
+    "max_body_bytes": "--max-body-bytes",
 }
 """The command-line flag of each :class:`LaneLimits` field (``orchestrate serve``, ``sidecar``:
 :mod:`policies.serve.options`)."""

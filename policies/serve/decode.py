@@ -34,9 +34,12 @@ Guarantees:
   weight exactly zero, but reduction shapes differ), so a seeded request is reproducible run to
   run under the same load, and token-identical under any load except where two candidate tokens
   are within float rounding of a sampling boundary;
-- a failure that belongs to one request (its prefill, or sampling one of its rows, e.g. NaN
-  logits) fails that request alone with :class:`EngineError`; every other row keeps decoding.
-  Only a failed batched forward, which every row shares, fails every row in flight;
+- a failure that belongs to one row (sampling it, e.g. NaN logits) fails that row alone: its
+  request is answered with its other rows, the failed one's choice carrying the error
+  (``finish_reason`` ``"error"``: :meth:`Row.fail`), or fails with :class:`EngineError` when
+  every row failed. A failure of one request's prefill fails that request alone; every other row
+  keeps decoding. Only a failed batched forward, which every row shares, fails every row in
+  flight;
 - :meth:`DecodeBatcher.quiesce` gives the caller the model at a step boundary with no forward
   in progress: mode ``"pause"`` holds in-flight rows where they are (they resume afterwards, with
   the new weights), mode ``"wait"`` stops admitting and lets in-flight rows finish first. Either
@@ -75,7 +78,7 @@ from policies.serve.adapters import ResidentAdapters
 from policies.serve.decode_rows import Job, Row
 from policies.serve.kv_cache import KV, keep_rows, merge
 from policies.serve.sampling import sample_token
-from policies.serve.types import Generation, OutOfBounds, QuiesceMode
+from policies.serve.types import Generation, OutOfBounds, QuiesceMode, failure
 from policies.wire.lane import GenerateChoice, GenerateRequest, choice_seed
 from policies.wire.routing import encode_routing
 
@@ -237,14 +240,16 @@ class DecodeBatcher:
         kv = [(layer.keys, layer.values) for layer in out.cache.layers]
         rows = []
         for i in range(req.n):
-            gen = torch.Generator(device=self.device)
-            seed = choice_seed(req.seed, i)
-            if seed is None:
-                gen.seed()
-            else:
-                gen.manual_seed(seed)
-            row = Row(job, i, gen, cached=len(req.prompt_token_ids))
-            row.take(*sample_token(logits, req.temperature, req.top_k, req.top_p, gen))
+            row = Row(job, i, torch.Generator(device=self.device), cached=len(req.prompt_token_ids))
+            try:
+                seed = choice_seed(req.seed, i)
+                if seed is None:
+                    row.gen.seed()
+                else:
+                    row.gen.manual_seed(seed)
+                row.take(*sample_token(logits, req.temperature, req.top_k, req.top_p, row.gen))
+            except Exception as exc:  # this row's failure, no other's
+                self._row_failed(row, exc)
             rows.append(row)
         live = [r for r in rows if r.finish is None]
         for r in rows:
@@ -285,22 +290,17 @@ class DecodeBatcher:
         for i, row in enumerate(rows):
             row.cached += 1
             req = row.job.req
-            if row.finish is not None:  # its request failed on another of its rows
-                continue
             if routes is not None:
                 row.routes.append(routes[i])
             try:
                 row.take(*sample_token(logits[i], req.temperature, req.top_k, req.top_p, row.gen))
-            except Exception as exc:  # this row's failure fails its request, no other
-                self._fail_job(row.job, exc)
+            except Exception as exc:  # this row's failure, no other's
+                self._row_failed(row, exc)
         self.steps += 1
 
-    def _fail_job(self, job: Job, exc: Exception) -> None:
-        log.warning("request_failed", error=str(exc), rows=job.req.n)
-        job.fail(EngineError(f"generation failed: {exc}"))
-        for r in self._rows:
-            if r.job is job and r.finish is None:
-                r.finish = "abort"  # leaves at the next boundary; the failed future stays
+    def _row_failed(self, row: Row, exc: Exception) -> None:
+        log.warning("row_failed", error=str(exc), choice=row.index, rows=row.job.req.n)
+        row.fail(exc)
 
     def _drop_cancelled_waiting(self) -> None:
         """Forget queued requests whose caller went away (under the lock)."""
@@ -343,17 +343,18 @@ class DecodeBatcher:
     def _finish(self, row: Row) -> None:
         job = row.job
         assert row.finish is not None
+        failed = job.failures.get(row.index)
         job.choices[row.index] = GenerateChoice(
             index=row.index,
             token_ids=row.tokens,
             logprobs=row.logprobs,
             finish_reason=row.finish,
-            routed_experts=self._routed_experts(row),
+            routed_experts=self._routed_experts(row) if failed is None else None,
+            error=None if failed is None else failure(failed)[1],
         )
         job.end = self.version if job.adapter is None else job.adapter
         if len(job.choices) == job.req.n:
-            choices = [job.choices[i] for i in range(job.req.n)]
-            job.resolve(Generation(choices, job.start, job.end))
+            job.settle()
 
     def adapters_in_use(self) -> set[int]:
         """The LoRA versions in-flight rows run through (call at a step boundary)."""

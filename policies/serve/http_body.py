@@ -10,8 +10,8 @@ orchestrator's admin API answer it as a 400 JSON error, so a hostile body never 
 plain-text 500. The body is read on the event loop and parsed in a worker thread: parsing a
 megabyte takes a tenth of a second or more, which the loop's other requests need not wait for.
 
-Not covered: size limits (aiohttp's ``client_max_size``) and the shape of the body (each route's
-pydantic model).
+Not covered: the body's size (aiohttp's ``client_max_size``: the lane's ``--max-body-bytes``,
+:mod:`policies.serve.server`) and its shape (each route's pydantic model).
 """
 
 from __future__ import annotations

@@ -24,7 +24,16 @@ Completions: ``prompt`` is text (encoded without special tokens) or a list of to
 Tokenizing the prompt (chat template, encoding, stop strings) and decoding the reply run in
 worker threads (at most :data:`TOKENIZER_THREADS` at once, apart from anyio's default pool that
 activations use), never on the event loop: a prompt of a megabyte takes about a second to encode,
-and ``/health`` and every other request go on meanwhile.
+and ``/health`` and every other request go on meanwhile. What that costs is bounded before it is
+spent: a long prompt text (the rendered chat, a completion's text) is counted a piece at a time
+and refused once it cannot fit the model's context (:mod:`policies.serve.prompt_size`), and a
+stop string longer than a piece is refused unencoded; errors quote a request's text cut short.
+
+A choice that failed alone (one row of an ``n > 1`` request) is answered beside the others with
+``finish_reason: "error"`` and an ``error`` object (``{"type", "message"}``, as a failed request's
+body holds), its text or message being what it had sampled; only a request none of whose choices
+was sampled gets an error status. OpenAI's shape has no per-choice error: this is the
+convention of OpenAI-compatible routers (a choice with ``finish_reason: "error"`` and ``error``).
 
 Errors: every invalid request raises :class:`BadRequest` naming the field. ``stop`` strings must
 each be a single token of the vocabulary (they become stop token ids, so generation really
@@ -49,6 +58,7 @@ from transformers import PreTrainedTokenizerBase
 
 from policies.errors import BadRequest
 from policies.model.chat_template import noted_tool_parser
+from policies.serve.prompt_size import PIECE_CHARS, shown, tokens_over
 from policies.serve.sidecar import Sidecar, stamps
 from policies.serve.types import Generation
 from policies.wire import tool_parsers
@@ -141,15 +151,27 @@ class OpenAIRoutes:
     def _stop_ids(self, stops: list[str]) -> list[int]:
         ids = []
         for s in stops:
-            enc = self.tokenizer.encode(s, add_special_tokens=False)
+            long = len(s) > PIECE_CHARS  # not one token of any vocabulary: not encoded
+            enc = [] if long else self.tokenizer.encode(s, add_special_tokens=False)
             if len(enc) != 1:
+                count = "not one token" if long else f"{len(enc)} tokens"
                 raise BadRequest(
-                    f"stop string {s!r} is {len(enc)} tokens; only single-token stop strings "
+                    f"stop string {shown(s)} is {count}; only single-token stop strings "
                     "are supported (or pass stop_token_ids)",
                     "stop",
                 )
             ids.append(int(enc[0]))
         return ids
+
+    def _check_size(self, parts: list[tuple[str, bool]], param: str) -> None:
+        """Refuse a prompt text that cannot fit the context before it is encoded whole
+        (:mod:`policies.serve.prompt_size`)."""
+        context = self.sidecar.backend.max_context
+        over = tokens_over(self.tokenizer, parts, context)
+        if over is not None:
+            raise BadRequest(
+                f"prompt has over {over} tokens; the model's context is {context}", param
+            )
 
     def _lane(
         self,
@@ -222,7 +244,9 @@ class OpenAIRoutes:
             prefill = self.parser.prefill(req.tool_choice.function.name)
         elif req.tool_choice == "required":
             prefill = self.parser.prefill()
-        ids = plain_text_ids(self.tokenizer, str(text) + prefill, texts)
+        text = str(text) + prefill
+        self._check_size([(text, False), *((t, True) for t in texts)], "messages")
+        ids = plain_text_ids(self.tokenizer, text, texts)
         return [int(i) for i in ids], prefill
 
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse:
@@ -261,6 +285,7 @@ class OpenAIRoutes:
                     finish_reason=finish_out,
                     logprobs=logprobs,
                     token_ids=c.token_ids,
+                    error=c.error,
                 )
             )
         return ChatCompletionResponse(
@@ -279,6 +304,7 @@ class OpenAIRoutes:
 
     def _completion_request(self, req: CompletionRequest) -> tuple[list[int], GenerateRequest]:
         if isinstance(req.prompt, str):
+            self._check_size([(req.prompt, False)], "prompt")
             prompt = [int(i) for i in self.tokenizer.encode(req.prompt, add_special_tokens=False)]
             if not prompt:
                 raise BadRequest("prompt encodes to no tokens", "prompt")
@@ -308,6 +334,7 @@ class OpenAIRoutes:
                     finish_reason=c.finish_reason,
                     logprobs=logprobs,
                     token_ids=c.token_ids,
+                    error=c.error,
                 )
             )
         return CompletionResponse(

@@ -7,8 +7,13 @@ requires ``Authorization: Bearer <token>`` when a token is set (compared in cons
 header with non-ASCII bytes is a wrong token). Every bad request (malformed JSON, JSON nested too
 deep, an integer of more than 64 digits, a lone surrogate in a string, a field out of range, an
 unknown field, an over-long prompt, an invalid tool schema) gets a 4xx JSON error naming the field
-(:mod:`policies.serve.http_body`), and the server keeps running; version
-conflicts get 409 ``policy_version_unavailable`` with ``Retry-After``. TLS is optional
+(:mod:`policies.serve.http_body`), and the server keeps running; a body over
+``max_body_bytes`` (``--max-body-bytes``) gets 413 ``request_too_large``, unread past the limit;
+version conflicts get 409 ``policy_version_unavailable`` with ``Retry-After``; an engine that
+fails, 503 ``engine_unavailable`` (:func:`~policies.serve.types.failure`). A request of ``n``
+choices one of which failed alone is answered 200, that choice carrying its error
+(``finish_reason`` ``"error"``); only a request none of whose choices was sampled gets the error
+status. A refused request's memory is freed with its answer (:func:`refusal`). TLS is optional
 (:func:`tls_context` from a PEM certificate and key).
 
 Abandoned work is cancelled: when a client disconnects before its answer, aiohttp cancels the
@@ -49,9 +54,8 @@ from policies.serve.connections import ConnectionLimiter, LaneLimits, LaneSite
 from policies.serve.http_body import bearer_matches, read_json
 from policies.serve.openai_routes import OpenAIRoutes, parse_body
 from policies.serve.sidecar import Sidecar
-from policies.serve.types import VersionNotServed
+from policies.serve.types import VersionNotServed, failure
 from policies.wire.lane import (
-    VERSION_UNAVAILABLE,
     ChatCompletionRequest,
     CompletionRequest,
     ErrorBody,
@@ -63,18 +67,29 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def error_response(
-    status: int,
-    type_: str,
-    message: str,
-    *,
-    param: str | None = None,
-    headers: dict[str, str] | None = None,
-    **extra: int | None,
+    status: int, type_: str, message: str, *, param: str | None = None
 ) -> web.Response:
-    body = ErrorBody(type=type_, message=message, param=param, **extra)
     return web.json_response(
-        {"error": body.model_dump(exclude_none=True)}, status=status, headers=headers
+        {"error": ErrorBody(type=type_, message=message, param=param).model_dump()},
+        status=status,
     )
+
+
+def refusal(exc: EngineError) -> web.Response:
+    """The JSON answer to a request that failed with ``exc`` (:func:`failure`).
+
+    ``exc``'s tracebacks are dropped first: their frames (the tokenizer thread's, the JSON
+    parser's) hold the request's body, messages and prompt text, and the exception is in a
+    reference cycle with them (a frame holds the future that holds the exception), which only
+    the cyclic garbage collector frees, long after the answer: four refused megabyte requests
+    held 200 MB so."""
+    status, body = failure(exc)
+    cause: BaseException | None = exc
+    while cause is not None:
+        cause.__traceback__ = None
+        cause = cause.__context__
+    headers = {"Retry-After": "1"} if isinstance(exc, VersionNotServed) else None
+    return web.json_response({"error": body.model_dump()}, status=status, headers=headers)
 
 
 def tls_context(cert: Path, key: Path) -> ssl.SSLContext:
@@ -122,7 +137,8 @@ class LaneServer:
         )
         self.inflight = Gauge("sprawl_lane_inflight", "Requests being served", registry=registry)
         self.app = web.Application(
-            middlewares=[self.connections.middleware, self._auth, self._count]
+            client_max_size=self.limits.max_body_bytes,
+            middlewares=[self.connections.middleware, self._auth, self._count],
         )
         routes = [
             web.post("/v1/generate", self.generate),
@@ -170,11 +186,19 @@ class LaneServer:
         self, request: web.Request, serve: Callable[[Any], Awaitable[BaseModel]]
     ) -> web.Response:
         """Parse JSON, serve it, and map every failure to its JSON error."""
+        limit = self.limits.max_body_bytes
         try:
+            if (request.content_length or 0) > limit:  # refused unread
+                raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=0)
             with anyio.fail_after(self.limits.body_timeout_s):
                 payload = await read_json(request)
         except BadRequest as exc:
-            return error_response(400, "invalid_request_error", str(exc), param=exc.param)
+            return refusal(exc)
+        except web.HTTPRequestEntityTooLarge:
+            message = f"request body is over {limit} bytes (--max-body-bytes)"
+            large = error_response(413, "request_too_large", message)
+            large.force_close()  # the rest of the body is never read
+            return large
         except TimeoutError:
             message = (
                 f"request body not received within {self.limits.body_timeout_s} s (--body-timeout)"
@@ -185,19 +209,8 @@ class LaneServer:
         self.inflight.inc()
         try:
             answer = await serve(payload)
-        except VersionNotServed as exc:
-            return error_response(
-                409,
-                VERSION_UNAVAILABLE,
-                str(exc),
-                headers={"Retry-After": "1"},
-                applied_version=exc.applied,
-                staged_version=exc.staged,
-            )
-        except BadRequest as exc:
-            return error_response(400, "invalid_request_error", str(exc), param=exc.param)
-        except EngineError as exc:
-            return error_response(503, "engine_unavailable", str(exc))
+        except EngineError as exc:  # a bad request (400), a version conflict (409), the engine
+            return refusal(exc)
         finally:
             self.inflight.dec()
         return web.json_response(answer.model_dump())

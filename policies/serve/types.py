@@ -6,8 +6,9 @@ a request outside its bounds gets, and the seam between the sidecar and its engi
 and the sidecar stamps; :class:`Backend` is an engine as the sidecar drives it
 (:class:`MultiVersion` when it serves several versions at once); :class:`OutOfBounds` is an
 engine's refusal of a request its version does not admit, :class:`VersionNotServed` the
-sidecar's (the lane answers it with 409). :func:`check_routing_start` is the one request check
-every engine makes alike.
+sidecar's (the lane answers it with 409). :func:`failure` is how the lane answers each of these
+errors, for a whole request or for one of its choices; :func:`check_routing_start` is the one
+request check every engine makes alike.
 
 No I/O; it depends only on the wire contract, the error tree and (for :class:`Backend`'s
 signature) the board's type.
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 from policies.errors import BadRequest, EngineError
-from policies.wire.lane import GenerateChoice, GenerateRequest
+from policies.wire.lane import VERSION_UNAVAILABLE, ErrorBody, GenerateChoice, GenerateRequest
 
 if TYPE_CHECKING:
     from policies.board import Board
@@ -58,6 +59,25 @@ class VersionNotServed(EngineError):
         self.applied = applied
         self.staged = staged
         self.catching_up = catching_up
+
+
+def failure(exc: EngineError) -> tuple[int, ErrorBody]:
+    """How the lane answers ``exc``: its HTTP status and error body. A request that failed is
+    answered so; a choice that failed alone carries the body (``finish_reason`` ``"error"``).
+
+    :class:`VersionNotServed` is 409 ``policy_version_unavailable``, :class:`BadRequest` (what
+    the client sent is wrong) 400 ``invalid_request_error`` naming the field, any other
+    :class:`EngineError` (the engine failed or cannot be reached) 503 ``engine_unavailable``."""
+    if isinstance(exc, VersionNotServed):
+        return 409, ErrorBody(
+            type=VERSION_UNAVAILABLE,
+            message=str(exc),
+            applied_version=exc.applied,
+            staged_version=exc.staged,
+        )
+    if isinstance(exc, BadRequest):
+        return 400, ErrorBody(type="invalid_request_error", message=str(exc), param=exc.param)
+    return 503, ErrorBody(type="engine_unavailable", message=str(exc))
 
 
 def check_routing_start(req: GenerateRequest) -> None:

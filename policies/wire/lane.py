@@ -23,12 +23,20 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+"""Why a choice ended: a stop token, its token budget, its request abandoned, or a failure of its
+own (the choice then carries an ``error``; the request's other choices are answered)."""
 SidecarState = Literal["serving", "staging", "activating", "catching_up", "starting", "failed"]
 
 
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _absent(value: object) -> bool:
+    """Whether an optional field is left out of the JSON (an unset field of an error body, a
+    choice's ``error`` when it has none)."""
+    return value is None
 
 
 class VersionBounds(_Wire):
@@ -85,18 +93,32 @@ def choice_seed(seed: int | None, i: int) -> int | None:
     return (seed + i + 2**63) % 2**64 - 2**63
 
 
+class ErrorBody(_Wire):
+    """The body of every 4xx/5xx answer: ``{"error": ErrorBody}``."""
+
+    type: str
+    message: str
+    param: str | None = Field(default=None, exclude_if=_absent)
+    applied_version: int | None = Field(default=None, exclude_if=_absent)
+    staged_version: int | None = Field(default=None, exclude_if=_absent)
+
+
 class GenerateChoice(_Wire):
     """One sampled continuation with the log prob of each sampled token.
 
     ``routed_experts`` (MoE engines that report routing; None otherwise): the experts every
     position was routed to, in vLLM 0.32's form, base64 ``.npy`` ``[len(prompt) + len(token_ids)
-    - 1 - routed_experts_prompt_start, layers, top_k]`` (:mod:`policies.wire.routing`)."""
+    - 1 - routed_experts_prompt_start, layers, top_k]`` (:mod:`policies.wire.routing`).
+
+    A choice that failed alone (``finish_reason`` ``"error"``) carries its ``error`` and the
+    tokens it had sampled before it failed; the request's other choices are whole."""
 
     index: int
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
     routed_experts: str | None = None
+    error: ErrorBody | None = Field(default=None, exclude_if=_absent)
 
 
 class Usage(_Wire):
@@ -124,16 +146,6 @@ class PolicyState(_Wire):
     run: str
     max_context: int | None = None
     """The longest sequence (prompt + sampled tokens) the engine serves; None: not reported."""
-
-
-class ErrorBody(_Wire):
-    """The body of every 4xx/5xx answer: ``{"error": ErrorBody}``."""
-
-    type: str
-    message: str
-    param: str | None = None
-    applied_version: int | None = None
-    staged_version: int | None = None
 
 
 VERSION_UNAVAILABLE = "policy_version_unavailable"
@@ -278,6 +290,7 @@ class ChatChoice(_Wire):
     finish_reason: str
     logprobs: ChatLogprobs | None
     token_ids: list[int]
+    error: ErrorBody | None = Field(default=None, exclude_if=_absent)
 
 
 class CompletionLogprobs(_Wire):
@@ -293,6 +306,7 @@ class CompletionChoice(_Wire):
     finish_reason: str
     logprobs: CompletionLogprobs | None
     token_ids: list[int]
+    error: ErrorBody | None = Field(default=None, exclude_if=_absent)
 
 
 class OpenAIUsage(_Wire):

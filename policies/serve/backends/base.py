@@ -23,7 +23,12 @@ Guarantees (the sidecar proxies every request, so it knows what is in flight):
   whose spans disagree with the sidecar's stamps is served all the same (the sidecar's stamps
   stand), logged as ``version_stamp_mismatch`` and counted;
 - engine errors become :class:`EngineUnavailable` (HTTP 503 on the lane), never a crash; the
-  sidecar's bearer token and the board's credentials are never sent in logs.
+  sidecar's bearer token and the board's credentials are never sent in logs;
+- a choice whose engine request fails is answered as failed (``finish_reason`` ``"error"``, no
+  tokens, its error) beside the request's other choices (once the engine cannot be reached, the
+  choices left fail alike, untried); only a request none of whose choices was sampled fails,
+  with the first choice's error: 400 when the engine refused the request itself (``400``,
+  ``413`` or ``422``: :func:`choice_failure`), else 503.
 """
 
 from __future__ import annotations
@@ -38,7 +43,13 @@ import structlog
 
 from policies.board import Board
 from policies.errors import BadRequest, EngineError
-from policies.serve.types import Generation, OutOfBounds, QuiesceMode, check_routing_start
+from policies.serve.types import (
+    Generation,
+    OutOfBounds,
+    QuiesceMode,
+    check_routing_start,
+    failure,
+)
 from policies.wire.lane import FinishReason, GenerateChoice, GenerateRequest, choice_seed
 
 log = structlog.get_logger(__name__)
@@ -84,7 +95,25 @@ def free_port() -> int:
 
 
 class EngineUnavailable(EngineError):
-    """The external engine answered with an error or could not be reached."""
+    """The external engine answered with an error (``status``, its HTTP status) or could not be
+    reached (``status`` None)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+REFUSED = frozenset({400, 413, 422})
+"""Engine statuses that say the request itself is bad: a choice refused so is the client's
+error (400 on the lane), not the engine's (503)."""
+
+
+def choice_failure(exc: EngineError) -> EngineError:
+    """What a choice the engine failed with ``exc`` answers: a :class:`BadRequest` when the
+    engine refused the request itself (:data:`REFUSED`), else ``exc``."""
+    if isinstance(exc, EngineUnavailable) and exc.status in REFUSED:
+        return BadRequest(f"the engine refused the request: {exc}")
+    return exc
 
 
 STATUS_EVERY_S = 1.0
@@ -142,7 +171,9 @@ class HttpBackend:
             async with self.session.request(method, f"{self.url}{path}", json=body) as r:
                 text = await r.text()
                 if r.status >= 400:
-                    raise EngineUnavailable(f"{self.kind} {path} answered {r.status}: {text[:300]}")
+                    raise EngineUnavailable(
+                        f"{self.kind} {path} answered {r.status}: {text[:300]}", r.status
+                    )
         except aiohttp.ClientError as exc:
             raise EngineUnavailable(f"{self.kind} {path} unreachable: {exc}") from exc
         if not text.strip():
@@ -175,7 +206,7 @@ class HttpBackend:
     # -- the Backend protocol -------------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> Generation:
         room = self.max_context - len(req.prompt_token_ids)
-        if room <= 0:  # the engine's own answer would be a 4xx the lane turns into a 503
+        if room <= 0:  # refused before the engine is asked, naming the context
             raise BadRequest(
                 f"prompt has {len(req.prompt_token_ids)} tokens; the engine's context is "
                 f"{self.max_context}",
@@ -191,30 +222,39 @@ class HttpBackend:
             raise OutOfBounds(start)
         self._inflight += 1
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
-        samples: list[Sample] = []
         try:
-            for i in range(req.n):
-                seed = choice_seed(req.seed, i)
-                samples.append(await self.generate_one(req, seed))
+            samples = await self._sample(req)
         finally:
             self._inflight -= 1
             if self._inflight == 0:
                 self._idle.set()
+        failed = [s for s in samples if isinstance(s, EngineError)]
+        if len(failed) == req.n:
+            raise failed[0]  # no choice was sampled: the request has failed
         end = self.version
-        choices = [
-            GenerateChoice(
-                index=i,
-                token_ids=s.token_ids,
-                logprobs=s.logprobs,
-                finish_reason=s.finish_reason,
-                routed_experts=s.routed_experts,
-            )
-            for i, s in enumerate(samples)
+        choices = [_choice(i, s) for i, s in enumerate(samples)]
+        wrong = [
+            s.engine_versions
+            for s in samples
+            if isinstance(s, Sample) and not stamps_agree(s, start, end)
         ]
-        wrong = [s.engine_versions for s in samples if not stamps_agree(s, start, end)]
         if wrong:
             log.warning("version_stamp_mismatch", engine=self.url, start=start, end=end, got=wrong)
         return Generation(choices, start, end, stamp_mismatches=len(wrong))
+
+    async def _sample(self, req: GenerateRequest) -> list[Sample | EngineError]:
+        """Each choice's sample, or the error its engine request failed with. Once the engine
+        cannot be reached, the choices left fail with that error untried."""
+        samples: list[Sample | EngineError] = []
+        for i in range(req.n):
+            try:
+                samples.append(await self.generate_one(req, choice_seed(req.seed, i)))
+            except EngineError as exc:  # this choice's failure; the others are answered
+                log.warning("choice_failed", engine=self.url, choice=i, error=str(exc))
+                samples.append(choice_failure(exc))
+                if isinstance(exc, EngineUnavailable) and exc.status is None:
+                    return samples + [exc] * (req.n - i - 1)
+        return samples
 
     async def activate(self, version: int, mode: QuiesceMode) -> float:
         gate = anyio.Event()
@@ -229,3 +269,19 @@ class HttpBackend:
         finally:
             self._gate = None
             gate.set()
+
+
+def _choice(index: int, sample: Sample | EngineError) -> GenerateChoice:
+    """Choice ``index`` of a request: the sample, or the error it failed with."""
+    if isinstance(sample, EngineError):
+        error = failure(sample)[1]
+        return GenerateChoice(
+            index=index, token_ids=[], logprobs=[], finish_reason="error", error=error
+        )
+    return GenerateChoice(
+        index=index,
+        token_ids=sample.token_ids,
+        logprobs=sample.logprobs,
+        finish_reason=sample.finish_reason,
+        routed_experts=sample.routed_experts,
+    )

@@ -124,7 +124,7 @@ class LlamaCppBackend(HttpBackend):
         except aiohttp.ClientError as exc:
             raise EngineUnavailable(f"llamacpp {path} unreachable: {exc}") from exc
         if r.status >= 400:
-            raise EngineUnavailable(f"llamacpp {path} answered {r.status}: {text[:300]}")
+            raise EngineUnavailable(f"llamacpp {path} answered {r.status}: {text[:300]}", r.status)
         try:
             return json.loads(text)
         except ValueError:

@@ -383,6 +383,37 @@ async def test_engine_errors_are_503_and_the_sidecar_keeps_serving(board: Board)
         assert status == 200
 
 
+async def test_a_choice_the_engine_fails_is_answered_beside_the_others(board: Board) -> None:
+    """One of ``n`` engine requests failing fails that choice alone (#42 defect 5: the whole
+    request was 503); a request whose every choice the engine refused as bad is 400."""
+    answered = llama_fake().replies["/v1/completions"]
+
+    async def completions(body: dict[str, Any]) -> Any:
+        if body["seed"] == 101:
+            return web.json_response({"error": "boom"}, status=500)
+        if body["seed"] >= 500:
+            return web.json_response({"error": "stop_token_ids: 9999 is no token"}, status=400)
+        return await answered(body)
+
+    fake = Fake({"/v1/completions": completions})
+    async with fake.serve() as engine, standalone(board, "openai", engine, version=1) as url:
+        status, body = await generate(url, {"prompt_token_ids": [1], "seed": 100, "n": 3})
+        assert status == 200
+        ok, failed, other = body["choices"]
+        assert ok == other | {"index": 0}
+        assert ok["token_ids"] == [21, 22]
+        assert (failed["index"], failed["finish_reason"], failed["token_ids"]) == (1, "error", [])
+        assert failed["error"]["type"] == "engine_unavailable"
+        assert "answered 500" in failed["error"]["message"]
+        assert "error" not in ok  # a choice that did not fail carries no error field
+        status, body = await generate(url, {"prompt_token_ids": [1], "seed": 500, "n": 2})
+        assert status == 400
+        assert body["error"]["type"] == "invalid_request_error"
+        assert body["error"]["message"].startswith("the engine refused the request: openai")
+        status, body = await generate(url, {"prompt_token_ids": [1], "seed": 101})
+        assert (status, body["error"]["type"]) == (503, "engine_unavailable")
+
+
 class _Model(torch.nn.Module):
     """Stands in for a vLLM model whose parameters hold HF-named tensors."""
 

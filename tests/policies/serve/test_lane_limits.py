@@ -281,9 +281,13 @@ def test_limit_flags_have_the_models_defaults_and_refuse_bad_values(
     add_flags(parser, ServeOptions)
     assert parse_flags(parser, ServeOptions, ["--board", "b"]).limits() == LaneLimits()
     given = ["--header-timeout", "2", "--max-connections", "64", "--max-connections-per-client"]
-    options = parse_flags(parser, ServeOptions, ["--board", "b", *given, "8"])
+    given += ["8", "--max-body-bytes", "65536"]
+    options = parse_flags(parser, ServeOptions, ["--board", "b", *given])
     assert options.limits() == LaneLimits(
-        header_timeout_s=2.0, max_connections=64, max_connections_per_client=8
+        header_timeout_s=2.0,
+        max_connections=64,
+        max_connections_per_client=8,
+        max_body_bytes=65536,
     )
     with pytest.raises(SystemExit) as exit_:
         parse_flags(parser, ServeOptions, ["--board", "b", "--max-connections", "0"])
