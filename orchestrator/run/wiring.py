@@ -108,6 +108,7 @@ class RunLoop:
             cfg.scheduler.max_lag,
             lambda: sink.version,
             cfg.environment_staleness(),
+            dynamic_sampling=cfg.scheduler.dynamic_sampling,
         )
         if rec is not None:
             self.batcher.restore(rec.restored)
