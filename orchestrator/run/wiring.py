@@ -180,8 +180,8 @@ class RunLoop:
         for group, reason in leftovers:
             decision = GroupDecision(
                 group_id=group.id, decision="dropped", reason=reason, max_lag=0
-            )
-            self.recorder.group(group, decision, self.sink.version)
+            )  # shaped like every recorded group: the log holds each episode's overlong fields
+            self.recorder.group(self.batcher.shape(group), decision, self.sink.version)
         if self.batcher.pending:  # kept, never trained: the accounting needs them named
             reason = (
                 "trainer.max_steps reached before the group's batch was complete"
