@@ -62,3 +62,8 @@ class FeedRefused(TrainerError):
 
 class TrajlogError(SprawlError):
     """A trajectory or event log is missing or corrupt (beyond a torn tail, which is skipped)."""
+
+
+class RefillsExhausted(SprawlError):
+    """Dynamic sampling dropped more groups while one batch formed than
+    ``scheduler.dynamic_sampling.max_refills`` allows (the run stops, as verl's does)."""

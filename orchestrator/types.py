@@ -125,10 +125,35 @@ class Episode(_Record):
     admitted_at_version: int = Field(description="trainer version when the group was admitted")
     started_at: float
     finished_at: float
+    overlong_penalty: float = Field(
+        default=0.0,
+        le=0,
+        description="staleness.overlong = 'soft_penalty': DAPO's length penalty, added to reward "
+        "for training (trained_reward); reward stays the environment's",
+    )
+    overlong_masked: bool = Field(
+        default=False,
+        description="staleness.overlong = 'mask': the episode is truncated and none of its "
+        "tokens carries loss (its reward still counts in its group's advantages)",
+    )
 
     @property
     def n_sampled(self) -> int:
         return sum(len(s.token_ids) for s in self.segments)
+
+    @property
+    def truncated(self) -> bool:
+        """Cut by a length limit: its last model call stopped at its token limit
+        (``finish_reason == "length"``), or the sequence reached the context limit."""
+        return self.stop_reason == "context" or (
+            bool(self.segments) and self.segments[-1].finish_reason == "length"
+        )
+
+    @property
+    def trained_reward(self) -> float:
+        """The reward the trainer's advantages are computed from: ``reward`` plus
+        ``overlong_penalty``."""
+        return self.reward + self.overlong_penalty
 
     @property
     def duration_s(self) -> float:
@@ -162,6 +187,12 @@ class Batch(_Record):
     trained_at_version: int
     groups: list[Group]
     decisions: list[GroupDecision]
+    filtered: int = Field(
+        default=0,
+        ge=0,
+        description="groups dynamic sampling dropped (scheduler.dynamic_sampling) while this "
+        "batch formed",
+    )
 
 
 @dataclass(frozen=True)

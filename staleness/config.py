@@ -6,6 +6,7 @@ One pydantic tree, loaded from the ``[staleness]`` table of a run config (or per
     drop = { statistic = "max", max_lag = 4 }
     loss_agg = "token_mean"        # or "seq_mean", "dr_grpo" (then dr_grpo_tokens = N)
     normalizer = "kept"            # or "original"
+    overlong = "none"              # or "mask", "soft_penalty" (then overlong_buffer = N)
 
     [staleness.correction]
     type = "tis"
@@ -44,6 +45,7 @@ __all__ = [
     "MaskedIS",
     "NoCorrection",
     "Normalizer",
+    "Overlong",
     "StalenessConfig",
     "TokenMask",
     "TruncatedIS",
@@ -54,6 +56,9 @@ LagStatistic = Literal["max", "mean", "token_weighted"]
 
 LossAgg = Literal["token_mean", "seq_mean", "dr_grpo"]
 """How per-token loss terms are reduced to one scalar (see :func:`staleness.loss.aggregate`)."""
+
+Overlong = Literal["none", "mask", "soft_penalty"]
+"""What happens to an episode cut by a length limit, or close to one (DAPO; ``overlong``)."""
 
 Normalizer = Literal["kept", "original"]
 """What ``token_mean`` / ``seq_mean`` divide by when a correction masks tokens: the tokens it
@@ -249,6 +254,35 @@ class StalenessConfig(_Model):
     """Divide each group's centred rewards by the group's std (GRPO). ``None``: true, except with
     ``loss_agg="dr_grpo"``, whose paper drops the std (TRL keeps ``scale_rewards`` separate and on
     by default)."""
+
+    # -- overlong handling (DAPO): applied by the orchestrator before the batch is formed --------
+    overlong: Overlong = "none"
+    """``none``: a truncated episode is trained like any other; ``mask`` (DAPO's overlong
+    filtering): a truncated episode (its last model call stopped at ``max_tokens``, or it reached
+    the context limit) carries no loss, while its reward still counts in its group's advantages;
+    ``soft_penalty`` (DAPO's soft overlong punishment): a model call whose response comes within
+    ``overlong_buffer`` tokens of its ``max_tokens`` adds a penalty growing linearly to
+    ``−overlong_penalty_factor`` at ``max_tokens`` to the episode's reward before advantages are
+    computed (the episode's worst call counts; the log keeps the environment's reward)."""
+
+    overlong_buffer: int | None = Field(default=None, ge=1)
+    """``soft_penalty``: the buffer, in tokens before a call's ``max_tokens``, over which the
+    penalty grows (verl's ``overlong_buffer.len``); at most ``sampling.max_tokens``. Required with
+    ``soft_penalty``, unused otherwise."""
+
+    overlong_penalty_factor: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    """``soft_penalty``: the penalty at ``max_tokens`` (verl's ``overlong_buffer.penalty_factor``);
+    unused otherwise."""
+
+    @model_validator(mode="after")
+    def _soft_penalty_needs_its_buffer(self) -> StalenessConfig:
+        if self.overlong == "soft_penalty" and self.overlong_buffer is None:
+            msg = (
+                "overlong_buffer: required when overlong='soft_penalty' (the tokens before a "
+                "call's max_tokens over which the penalty grows, e.g. a fifth of max_tokens)"
+            )
+            raise ValueError(msg)
+        return self
 
     @model_validator(mode="after")
     def _dr_grpo_needs_its_constant(self) -> StalenessConfig:

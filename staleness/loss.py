@@ -36,6 +36,7 @@ from torch import Tensor
 
 from staleness.config import LossAgg, Normalizer
 from staleness.errors import ShapeError
+from staleness.rewards import EQUAL_ULPS
 from staleness.types import Corrected
 
 __all__ = [
@@ -49,8 +50,9 @@ __all__ = [
 ]
 
 
-_EQUAL_RTOL = 8.0
-"""Rewards of one group whose std is ≤ this many ulps of their largest magnitude count as equal."""
+_EQUAL_RTOL = EQUAL_ULPS
+"""Rewards of one group whose std is ≤ this many ulps of their largest magnitude count as equal
+(:func:`staleness.rewards.rewards_equal`, dynamic sampling's test, shares it)."""
 
 
 def group_advantages(

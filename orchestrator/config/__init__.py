@@ -4,8 +4,8 @@ This package is the config's one public home: import every name from :mod:`orche
 Its modules:
 
 - :mod:`~orchestrator.config.sections` — :class:`Section`, the base of every section, and the
-  run-wide sections (``[run]``, ``[model]``, ``[board]``, ``[sampling]``, ``[scheduler]``,
-  ``[timeouts]``, ``[admin]``, ``[log]``);
+  run-wide sections (``[run]``, ``[model]``, ``[board]``, ``[sampling]``, ``[scheduler]``
+  with ``[scheduler.dynamic_sampling]``, ``[timeouts]``, ``[admin]``, ``[log]``);
 - :mod:`~orchestrator.config.fleet` — ``[fleet]``: endpoints, local engines, islands, Ray;
 - :mod:`~orchestrator.config.environment` — ``[environment]`` and ``[[environments]]``;
 - :mod:`~orchestrator.config.tree` — :class:`Config`, the root, and the checks across sections;
@@ -35,6 +35,7 @@ from orchestrator.config.load import load_config, parse_overrides
 from orchestrator.config.sections import (
     AdminConfig,
     BoardConfig,
+    DynamicSamplingConfig,
     LogConfig,
     ModelConfig,
     RunConfig,
@@ -50,6 +51,7 @@ __all__ = [
     "AdminConfig",
     "BoardConfig",
     "Config",
+    "DynamicSamplingConfig",
     "EndpointConfig",
     "EnvironmentConfig",
     "EnvironmentStaleness",

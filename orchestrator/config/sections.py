@@ -2,8 +2,9 @@
 
 A section refuses unknown keys (``extra="forbid"``) and takes each field's description from the
 docstring under it. Here: ``[run]``, ``[model]`` (with ``[model.warm_start]``), ``[board]``,
-``[sampling]``, ``[scheduler]``, ``[timeouts]``, ``[admin]`` and ``[log]``. Each checks only its
-own keys; checks that span sections are :class:`~orchestrator.config.tree.Config`'s.
+``[sampling]``, ``[scheduler]`` (with ``[scheduler.dynamic_sampling]``), ``[timeouts]``,
+``[admin]`` and ``[log]``. Each checks only its own keys; checks that span sections are
+:class:`~orchestrator.config.tree.Config`'s.
 """
 
 from __future__ import annotations
@@ -118,6 +119,27 @@ class SamplingConfig(Section):
     """Tokens sampled per model call at most."""
 
 
+class DynamicSamplingConfig(Section):
+    """DAPO's dynamic sampling (``[scheduler.dynamic_sampling]``; verl's
+    ``algorithm.filter_groups``): a group whose rewards are all equal carries no GRPO advantage;
+    the batcher drops it before it reaches a batch, and its admission slot goes to a new group
+    under the same lag budget (:mod:`orchestrator.loop.batcher`). The table's presence turns it
+    on."""
+
+    enabled: bool = True
+    """Filter groups; false turns a ``[scheduler.dynamic_sampling]`` table (or an override) off."""
+    tolerance: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    """Rewards count as equal when their population std is at most this; None: the tolerance of
+    the group advantages (8 float32 ulps of the largest |reward|,
+    :func:`staleness.rewards.rewards_equal`), so exactly the groups whose advantages are all 0
+    are dropped."""
+    max_refills: int = Field(default=32, ge=0)
+    """Groups it may drop (and so replace) while one batch is formed; one more stops the run with
+    an error naming this key, as verl's ``max_num_gen_batches`` and SkyRL's
+    ``max_sample_batches`` do (the tasks are too easy or too hard for the policy). 0: no bound,
+    the batch waits for as many groups as it takes (verl's and SkyRL's 0)."""
+
+
 class SchedulerConfig(Section):
     group_size: int = Field(default=4, ge=1)
     """Episodes per GRPO group (same task)."""
@@ -127,6 +149,14 @@ class SchedulerConfig(Section):
     """Trainer versions a sample may lag when it is trained on (0: synchronous)."""
     max_concurrent_episodes: int = Field(default=16, ge=1)
     """Episodes in flight at once."""
+    dynamic_sampling: DynamicSamplingConfig | None = None
+    """Drop groups whose rewards are all equal and admit replacements (DAPO); None: off."""
+
+    @property
+    def filters_groups(self) -> DynamicSamplingConfig | None:
+        """The dynamic sampling config when it is on, else None."""
+        ds = self.dynamic_sampling
+        return ds if ds is not None and ds.enabled else None
 
 
 class TimeoutsConfig(Section):

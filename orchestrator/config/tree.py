@@ -4,8 +4,9 @@ sections.
 A :class:`Config` that validates names a run that can start as configured: a resumed in-process
 trainer has a checkpoint, islands of other engine kinds serve float views only, LoRA versions go
 to vLLM islands within their ranks, router replay has an engine that returns MoE routing, the
-environments are given in one form with unique names, and an external trainer shares an explicit
-board. What is only known at run time (a model's chat template, an engine that starts) is not
+environments are given in one form with unique names, an external trainer shares an explicit
+board, dynamic sampling has groups of two or more, and a soft overlong penalty's buffer fits in a
+model call. What is only known at run time (a model's chat template, an engine that starts) is not
 checked here.
 """
 
@@ -151,6 +152,26 @@ class Config(Section):
                 f"trainer.feed.max_batches = {self.trainer.feed.max_batches} can never fill: "
                 f"admission (scheduler.max_lag = {self.scheduler.max_lag}) lets at most {ahead} "
                 f"batches be formed before the trainer acknowledges one; set it to {ahead} or less"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _dynamic_sampling_has_groups(self) -> Config:
+        if self.scheduler.filters_groups is not None and self.scheduler.group_size < 2:
+            raise ValueError(
+                "scheduler.dynamic_sampling needs scheduler.group_size >= 2 (the rewards of a "
+                "group of one are always equal: every group would be dropped)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _overlong_buffer_fits_a_call(self) -> Config:
+        s, max_tokens = self.staleness, self.sampling.max_tokens
+        if s.overlong == "soft_penalty" and (s.overlong_buffer or 0) > max_tokens:
+            raise ValueError(
+                f"staleness.overlong_buffer = {s.overlong_buffer} exceeds sampling.max_tokens = "
+                f"{max_tokens}: every response would be penalized (the buffer is the last "
+                "tokens before max_tokens)"
             )
         return self
 

@@ -24,7 +24,7 @@ import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from orchestrator.errors import TrainerError
-from orchestrator.loop.batcher import NO_MODEL_CALL, Batcher
+from orchestrator.loop.batcher import EQUAL_REWARDS, NO_MODEL_CALL, Batcher
 from orchestrator.loop.scheduler import Scheduler, VersionClock
 from orchestrator.types import Batch, Episode, Group, GroupDecision
 from policies.errors import BoardError
@@ -129,14 +129,16 @@ def build_trainer(
 
 
 def wire_sample(ep: Episode) -> BatchSample:
-    """One episode in the batch protocol's form: sampled tokens are the loss mask, each segment
-    with its policy versions and its sampling transforms."""
+    """One episode in the batch protocol's form: sampled tokens are the loss mask (none of them
+    when ``staleness.overlong = "mask"`` masked the episode), the reward is the one advantages
+    are computed from (with the overlong penalty), each segment with its policy versions and its
+    sampling transforms."""
     mask = [False] * len(ep.token_ids)
     behaviour = [0.0] * len(ep.token_ids)
     spans = []
     sampling = []
     for seg in ep.segments:
-        for j, lp in enumerate(seg.logprobs):
+        for j, lp in enumerate([] if ep.overlong_masked else seg.logprobs):
             mask[seg.prompt_len + j] = True
             behaviour[seg.prompt_len + j] = lp
         v = seg.policy_version
@@ -150,7 +152,7 @@ def wire_sample(ep: Episode) -> BatchSample:
         token_ids=ep.token_ids,
         mask=mask,
         behaviour_logprobs=behaviour,
-        reward=ep.reward,
+        reward=ep.trained_reward,
         policy_versions=spans,
         sampling=sampling,
         routed_experts=join_routing(
@@ -234,7 +236,9 @@ async def consume(
 
     A group the staleness policy drops has its task re-run by the scheduler when
     ``staleness.length_bias.requeue`` is set
-    (:meth:`~orchestrator.loop.scheduler.Scheduler.requeue`).
+    (:meth:`~orchestrator.loop.scheduler.Scheduler.requeue`); one dynamic sampling drops is not
+    (its slot admits a new task), and one past ``max_refills`` stops the run
+    (:class:`~orchestrator.errors.RefillsExhausted`) once it is recorded.
 
     The caller cancels the producers and then :func:`drain`\ s ``groups``, so that no finished
     group meets a closed stream or is left unrecorded.
@@ -242,7 +246,7 @@ async def consume(
 
     async def train(batch: Batch) -> bool:
         """One trainer step; True once ``max_steps`` is reached."""
-        metrics = await sink.train(batch)
+        metrics = {**await sink.train(batch), **batcher.metrics(batch)}
         with anyio.CancelScope(shield=True):  # a trained batch is always recorded
             await recorder.step(batch, sink.version, metrics)
         await clock.advance(sink.version)
@@ -266,15 +270,17 @@ async def take_group(
 ) -> Batch | None:
     """Decide ``group`` and record it with ``version`` (the version its batch is trained at); a
     dropped group gives its admission slot back, and has its task re-run when
-    ``staleness.length_bias.requeue`` says so. The batch it completes, if any."""
-    decision, batch = batcher.add(group)
+    ``staleness.length_bias.requeue`` says so (never one that dynamic sampling filtered: a new
+    task refills its slot). The batch it completes, if any."""
+    group, decision, batch = batcher.add(group)
     recorder.group(group, decision, version)
     if decision.decision == "dropped":
         log.info("group_dropped", group=group.id, reason=decision.reason)
+        batcher.check_refills()  # dynamic sampling past its bound stops the run
         requeue = batcher.staleness.length_bias.requeue
-        if requeue and decision.reason != NO_MODEL_CALL:  # a staleness drop: re-run it
-            scheduler.requeue(group)
-        await scheduler.release_dropped(1)
+        if requeue and decision.reason not in (NO_MODEL_CALL, EQUAL_REWARDS):
+            scheduler.requeue(group)  # a staleness drop: re-run it
+        await scheduler.release_dropped(1)  # a filtered group's slot admits its refill
     return batch
 
 

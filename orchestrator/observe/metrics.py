@@ -10,7 +10,9 @@ Metrics (all prefixed ``sprawl_``; one private registry per :class:`RunMetrics`)
 ``version_unavailable_total{endpoint}``, ``call_latency_seconds{endpoint}`` (histogram),
 ``endpoint_applied_version{endpoint}``, ``endpoint_healthy{endpoint}``, ``trainer_version``,
 ``admitted_groups_total``, ``groups_total{decision}``, ``group_lag`` (histogram of the lag of
-decided groups), ``waiting_routes_total`` (routing attempts that found no endpoint).
+decided groups), ``groups_filtered_total`` (groups dynamic sampling dropped for equal rewards,
+``scheduler.dynamic_sampling``; among the ``dropped`` of ``groups_total``),
+``waiting_routes_total`` (routing attempts that found no endpoint).
 
 Supervision of the local fleet (:mod:`orchestrator.fleet.supervisor`):
 ``island_deaths_total{endpoint}`` (an island exited, stayed unhealthy, or failed to come up on a
@@ -40,6 +42,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from orchestrator.loop.batcher import EQUAL_REWARDS
 from orchestrator.record.events import STOP_REASONS
 from orchestrator.types import EventSink, NullEvents
 from staleness.config import LengthBiasConfig
@@ -142,6 +145,12 @@ class RunMetrics(NullEvents):
             buckets=(0, 1, 2, 3, 4, 6, 8, 16, float("inf")),
             registry=r,
         )
+        self.filtered = Counter(
+            "sprawl_groups_filtered",
+            "Groups dynamic sampling dropped because their rewards were all equal "
+            "(scheduler.dynamic_sampling)",
+            registry=r,
+        )
         self.waiting = Counter(
             "sprawl_waiting_routes", "Routing attempts that found no endpoint", registry=r
         )
@@ -242,6 +251,8 @@ class RunMetrics(NullEvents):
                 if f.get("environment") is not None:
                     self.groups_by_env.labels(f["environment"], f["decision"]).inc()
                 self.group_lag.observe(f["max_lag"])
+                if f.get("reason") == EQUAL_REWARDS:
+                    self.filtered.inc()
                 self.history_rewritten.inc(f.get("history_rewritten", 0))
                 self.orchestrator_errors.inc(f.get("orchestrator_errors", 0))
                 self._decided(f)

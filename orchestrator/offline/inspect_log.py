@@ -151,6 +151,13 @@ def render_episode(record: EpisodeRecord, console: Console) -> None:
     head.add_row("episode", f"{e.id} (group {e.group_id}, task {e.task_id}, env {e.environment})")
     parts = ", ".join(f"{k}={v:g}" for k, v in e.rewards.items())
     head.add_row("reward", f"{e.reward:g}" + (f" ({parts})" if parts else ""))
+    if e.overlong_penalty or e.overlong_masked:
+        head.add_row(
+            "overlong",
+            "truncated: no loss (staleness.overlong = mask)"
+            if e.overlong_masked
+            else f"penalty {e.overlong_penalty:g}: trained on reward {e.trained_reward:g}",
+        )
     head.add_row("stop reason", e.stop_reason)
     d = record.decision
     head.add_row(

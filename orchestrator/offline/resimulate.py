@@ -4,7 +4,9 @@ Each ``route`` goes through :meth:`orchestrator.loop.pool.Pool.pick` on the logg
 states, each ``admit`` through :meth:`orchestrator.loop.scheduler.Scheduler.budget` on the state
 rebuilt from the ``trainer_version``, ``release`` and ``resumed`` events before it, and — given
 the trajectory log — each ``decide`` through :meth:`orchestrator.loop.batcher.Batcher.decide`
-(but the drops of a stopping run, :data:`~orchestrator.record.events.STOP_REASONS`). A complete,
+with the logged ``[scheduler.dynamic_sampling]`` (but the drops of a stopping run,
+:data:`~orchestrator.record.events.STOP_REASONS`); a decide matches when its decision, its lag
+and whether dynamic sampling dropped it do. A complete,
 faithful log gives zero mismatches. Not covered: the *timing* of events (which call reached the
 pool first) is taken from the log, not re-simulated.
 """
@@ -19,10 +21,11 @@ from typing import Any
 
 import anyio
 
-from orchestrator.loop.batcher import Batcher
+from orchestrator.config import DynamicSamplingConfig
+from orchestrator.loop.batcher import EQUAL_REWARDS, Batcher
 from orchestrator.loop.pool import Pool
 from orchestrator.loop.scheduler import Scheduler
-from orchestrator.offline.replay import groups_of
+from orchestrator.offline.what_if import groups_of
 from orchestrator.record.events import STOP_REASONS
 from orchestrator.record.trajlog import episode_records
 from orchestrator.types import Endpoint, EndpointRef
@@ -155,7 +158,15 @@ def _decisions(
         }
     )
     version = [0]
-    batcher = Batcher(policy, run["groups_per_batch"], run["max_lag"], lambda: version[0], per_env)
+    ds = run.get("dynamic_sampling")
+    batcher = Batcher(
+        policy,
+        run["groups_per_batch"],
+        run["max_lag"],
+        lambda: version[0],
+        per_env,
+        dynamic_sampling=None if ds is None else DynamicSamplingConfig.model_validate(ds),
+    )
     groups = {g.id: g for g, _, _ in groups_of(episode_records(trajectories))}
     for ev in events:
         if ev["kind"] != "decide" or ev["group_id"] not in groups or ev["reason"] in STOP_REASONS:
@@ -163,8 +174,16 @@ def _decisions(
         version[0] = ev["trainer_version"]
         got = batcher.decide(groups[ev["group_id"]])
         result.checked["decide"] += 1
-        if (got.decision, got.max_lag) != (ev["decision"], ev["max_lag"]):
+        logged = (ev["decision"], ev["max_lag"], ev["reason"] == EQUAL_REWARDS)
+        if (got.decision, got.max_lag, got.reason == EQUAL_REWARDS) != logged:
             result.mismatches.append(
-                f"decide {ev['group_id']}: logged {ev['decision']} (lag {ev['max_lag']}), "
-                f"re-sim {got.decision} (lag {got.max_lag})"
+                f"decide {ev['group_id']}: logged {_said(ev['decision'], ev['reason'])} "
+                f"(lag {ev['max_lag']}), re-sim {_said(got.decision, got.reason)} "
+                f"(lag {got.max_lag})"
             )
+
+
+def _said(decision: str, reason: str) -> str:
+    """A decision as a mismatch names it: ``kept``, ``dropped``, or ``dropped (filtered)`` for a
+    dynamic-sampling drop."""
+    return f"{decision} (filtered)" if reason == EQUAL_REWARDS else decision

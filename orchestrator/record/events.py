@@ -4,9 +4,10 @@ Written to ``<run_dir>/events/events-NNNNNN.jsonl.zst`` (same container as the t
 independent zstd frames, torn tail skipped; see :mod:`orchestrator.record.frames`). One JSON object
 per event: ``seq`` (0, 1, 2, … in emission order), ``t`` (Unix time), ``kind`` and its fields:
 
-- ``run`` — ``max_lag``, ``groups_per_batch``, ``staleness`` (the config the decisions depend on)
-  and ``environment_staleness`` (environment name → its own staleness config, for the
-  ``[[environments]]`` entries that override the run's);
+- ``run`` — ``max_lag``, ``groups_per_batch``, ``staleness`` (the config the decisions depend on),
+  ``environment_staleness`` (environment name → its own staleness config, for the
+  ``[[environments]]`` entries that override the run's) and ``dynamic_sampling``
+  (``[scheduler.dynamic_sampling]`` when it is on, else null);
 - ``route`` — a routing decision of the pool: ``bounds`` (min/max), ``affinity``, ``exclude``,
   ``endpoints`` (every live endpoint's routing state at that instant: ``id``, ``weight``,
   ``healthy``, ``open`` (breaker), ``applied_version``, ``outstanding``, ``limit``,
@@ -31,7 +32,9 @@ per event: ``seq`` (0, 1, 2, … in emission order), ``t`` (Unix time), ``kind``
   ``task_id``, ``depth``: re-runs along its chain, ≤ ``staleness.length_bias.max_requeues``);
 - ``decide`` — the staleness decision of a group (``group_id``, ``environment``,
   ``trainer_version``, ``decision``, ``max_lag``, ``reason``, and the length of its longest episode:
-  ``max_sampled_tokens``, ``max_turns``, what the length-bias guard buckets by);
+  ``max_sampled_tokens``, ``max_turns``, what the length-bias guard buckets by); a group dynamic
+  sampling dropped is ``dropped`` with the reason
+  :data:`~orchestrator.loop.batcher.EQUAL_REWARDS`;
 - ``unbatched`` — at the end of a run, kept groups still waiting for a full batch
   (``group_ids``, ``reason``);
 - ``lost`` — on a restart (``run.resume``), admitted groups with no record: they were in flight
@@ -100,6 +103,9 @@ class EventLog:
             environment_staleness={
                 name: s.model_dump(mode="json") for name, s in cfg.environment_staleness().items()
             },
+            dynamic_sampling=None
+            if (ds := cfg.scheduler.filters_groups) is None
+            else ds.model_dump(mode="json"),
         )
         return log
 

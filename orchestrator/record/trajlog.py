@@ -79,9 +79,10 @@ class BatchRecord(_Model):
 
 
 def loss_mask(episode: Episode) -> list[int]:
-    """1 at every position of ``episode.token_ids`` that a model call sampled, else 0."""
+    """1 at every position of ``episode.token_ids`` that a model call sampled, else 0 (0
+    everywhere when ``staleness.overlong = "mask"`` masked the episode: nothing is trained)."""
     mask = [0] * len(episode.token_ids)
-    for seg in episode.segments:
+    for seg in [] if episode.overlong_masked else episode.segments:
         mask[seg.prompt_len : seg.prompt_len + len(seg.token_ids)] = [1] * len(seg.token_ids)
     return mask
 

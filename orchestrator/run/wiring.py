@@ -114,6 +114,7 @@ class RunLoop:
             cfg.scheduler.max_lag,
             next_version,
             cfg.environment_staleness(),
+            dynamic_sampling=cfg.scheduler.dynamic_sampling,
         )
         if rec is not None:
             self.batcher.restore(rec.restored)
@@ -186,8 +187,8 @@ class RunLoop:
         for group, reason in leftovers:
             decision = GroupDecision(
                 group_id=group.id, decision="dropped", reason=reason, max_lag=0
-            )
-            self.recorder.group(group, decision, self.sink.version)
+            )  # shaped like every recorded group: the log holds each episode's overlong fields
+            self.recorder.group(self.batcher.shape(group), decision, self.sink.version)
         if isinstance(self.sink, FeedTrainer) and self.sink.unacknowledged():
             self.events.emit(
                 "unbatched",

@@ -18,13 +18,16 @@ The same :class:`BatchFile` is what the batch feed (``trainer.mode = "feed"``,
 :mod:`orchestrator.loop.feed`) serves over HTTP instead of a file; :mod:`policies.wire.feed` is
 its client.
 
-A sample's ``mask[t]`` is true where token ``t`` was sampled by the policy (the loss applies);
-``behaviour_logprobs[t]`` is the engine's log prob of that token (0 elsewhere); ``policy_versions``
-gives, per sampled segment, ``[start_token, end_token, version_start, version_end]`` so a trainer
-can compute per-token lag itself. ``staleness`` is the run's ``[staleness]`` section (a
-:class:`staleness.config.StalenessConfig` as JSON), so a trainer can apply the correction and loss
-aggregation the in-process trainer would (:mod:`policies.train.external` does it for torch
-trainers); None in files of older sprawls.
+A sample's ``mask[t]`` is true where token ``t`` was sampled by the policy (the loss applies;
+false everywhere in an episode the run's ``staleness.overlong = "mask"`` masked as truncated);
+``behaviour_logprobs[t]`` is the engine's log prob of that token (0 elsewhere); ``reward`` is the
+one advantages are computed from (the environment's, plus the soft overlong penalty when
+``staleness.overlong = "soft_penalty"``: the orchestrator applies both, a trainer does nothing);
+``policy_versions`` gives, per sampled segment, ``[start_token, end_token, version_start,
+version_end]`` so a trainer can compute per-token lag itself. ``staleness`` is the run's
+``[staleness]`` section (a :class:`staleness.config.StalenessConfig` as JSON), so a trainer can
+apply the correction and loss aggregation the in-process trainer would
+(:mod:`policies.train.external` does it for torch trainers); None in files of older sprawls.
 ``sampling`` gives, per sampled segment, ``[start_token, end_token, temperature, top_k, top_p]``:
 the transforms the engine sampled those tokens with, which a trainer applies when it recomputes
 their log probs (empty in files of older sprawls: the trainer then uses the run's ``[sampling]``).

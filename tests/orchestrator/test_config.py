@@ -260,3 +260,41 @@ def test_a_fifo_in_place_of_a_config_is_refused_not_waited_on(tmp_path: Path) ->
     os.mkfifo(path)
     with pytest.raises(ConfigError, match="not a regular file"):
         load_config(path)
+
+
+def test_dynamic_sampling_is_a_scheduler_table_and_checked(tmp_path: Path) -> None:
+    """``[scheduler.dynamic_sampling]``: present is on, ``enabled = false`` off, a dotted override
+    makes it; bad values and groups of one are refused naming the key."""
+    assert load_config(None).scheduler.filters_groups is None
+    f = tmp_path / "ds.toml"
+    f.write_text("[scheduler.dynamic_sampling]\nmax_refills = 8\n")
+    ds = load_config(f).scheduler.filters_groups
+    assert ds is not None
+    assert (ds.max_refills, ds.tolerance) == (8, None)
+    off = load_config(f, parse_overrides(["--scheduler.dynamic_sampling.enabled", "false"]))
+    assert off.scheduler.filters_groups is None
+    on = load_config(None, parse_overrides(["--scheduler.dynamic_sampling.tolerance", "0.01"]))
+    assert on.scheduler.filters_groups is not None
+    assert Config.model_validate(on.model_dump(mode="json")) == on  # the run header's copy
+    with pytest.raises(ConfigError, match=r"scheduler\.dynamic_sampling\.max_refills: .*greater"):
+        load_config(f, parse_overrides(["--scheduler.dynamic_sampling.max_refills", "-1"]))
+    with pytest.raises(ConfigError, match=r"scheduler\.dynamic_sampling\.tolerance: .*finite"):
+        load_config(f, parse_overrides(["--scheduler.dynamic_sampling.tolerance", "inf"]))
+    with pytest.raises(ConfigError, match=r"dynamic_sampling needs scheduler\.group_size >= 2"):
+        load_config(f, parse_overrides(["--scheduler.group_size", "1"]))
+
+
+def test_overlong_options_are_checked(tmp_path: Path) -> None:
+    f = tmp_path / "o.toml"
+    f.write_text('[staleness]\noverlong = "soft_penalty"\noverlong_buffer = 8\n')
+    st = load_config(f).staleness
+    assert (st.overlong, st.overlong_buffer, st.overlong_penalty_factor) == ("soft_penalty", 8, 1.0)
+    assert load_config(None, {"staleness.overlong": "mask"}).staleness.overlong == "mask"
+    with pytest.raises(ConfigError, match=r"command line: staleness\.overlong: Input should be"):
+        load_config(None, {"staleness.overlong": "truncate"})
+    with pytest.raises(ConfigError, match=r"staleness: .*overlong_buffer: required"):
+        load_config(None, {"staleness.overlong": "soft_penalty"})
+    with pytest.raises(ConfigError, match=r"overlong_buffer = 64 exceeds sampling.max_tokens = 48"):
+        load_config(f, {"staleness.overlong_buffer": 64})
+    with pytest.raises(ConfigError, match=r"staleness\.overlong_penalty_factor: .*greater"):
+        load_config(f, {"staleness.overlong_penalty_factor": 0})

@@ -10,8 +10,9 @@ import anyio
 import pytest
 import torch
 
-from orchestrator.errors import TrainerError
-from orchestrator.loop.batcher import Batcher
+from orchestrator.config import DynamicSamplingConfig
+from orchestrator.errors import RefillsExhausted, TrainerError
+from orchestrator.loop.batcher import EQUAL_REWARDS, Batcher
 from orchestrator.loop.scheduler import VersionClock
 from orchestrator.loop.train_sink import (
     ExternalTrainer,
@@ -24,7 +25,7 @@ from orchestrator.types import Batch, Group, GroupDecision, SamplingParams
 from policies.board import Board
 from policies.errors import PointerMalformed
 from policies.wire.batches import BatchSample, metrics_path, read_batch, write_atomic
-from staleness.config import StalenessConfig
+from staleness.config import LengthBiasConfig, StalenessConfig
 from tests.support.trajectories import two_token_episode
 
 pytestmark = pytest.mark.anyio
@@ -182,3 +183,86 @@ async def test_an_unreadable_pointer_is_read_again_not_fatal() -> None:
     board = Flaky()
     assert await board_version_above(board, 2, poll_interval_s=0.01) == 3  # type: ignore[arg-type]
     assert board.reads == 2
+
+
+class _Slots:
+    """The scheduler as consume sees it: slots given back, tasks requeued."""
+
+    def __init__(self) -> None:
+        self.released = 0
+        self.requeued: list[str] = []
+
+    async def release_dropped(self, n: int) -> None:
+        self.released += n
+
+    def requeue(self, group: Group) -> bool:
+        self.requeued.append(group.id)
+        return True
+
+
+class _Groups:
+    def __init__(self) -> None:
+        self.decided: list[tuple[str, str, list[float]]] = []
+        self.metrics: list[dict[str, float]] = []
+
+    def group(self, group: Group, decision: GroupDecision, trainer_version: int) -> None:
+        self.decided.append(
+            (group.id, decision.reason, [e.overlong_penalty for e in group.episodes])
+        )
+
+    async def step(self, batch: Batch, version: int, metrics: dict[str, float]) -> None:
+        self.metrics.append(metrics)
+
+
+def _group(gid: str, rewards: list[float]) -> Group:
+    eps = [
+        two_token_episode(i, r).model_copy(update={"id": f"{gid}-{i}", "group_id": gid})
+        for i, r in enumerate(rewards)
+    ]
+    return Group(id=gid, task_id="t", episodes=eps)
+
+
+async def test_filtered_groups_free_their_slot_are_not_requeued_and_are_bounded() -> None:
+    """Dynamic sampling in the loop: a filtered group is recorded (with its reason), gives its
+    admission slot back (its refill) and is never requeued, even with ``requeue`` on; the batch's
+    metrics count the filtered groups and carry the overlong penalty; one filtered group past
+    ``max_refills`` stops the run once it is recorded."""
+    staleness = StalenessConfig(
+        overlong="soft_penalty",
+        overlong_buffer=4,
+        length_bias=LengthBiasConfig(requeue=True),
+    )
+    sink = _CountingSink(version=0)
+    batcher = Batcher(
+        staleness, 2, 1, lambda: sink.version, dynamic_sampling=DynamicSamplingConfig(max_refills=2)
+    )
+    rewards = [[1.0, 0.0], [1.0, 1.0], [0.0, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0]]
+    send, recv = anyio.create_memory_object_stream[Group](len(rewards))
+    for i, r in enumerate(rewards):
+        send.send_nowait(_group(f"g{i}", r))
+    send.close()
+    slots, recorder = _Slots(), _Groups()
+    with recv, pytest.raises(RefillsExhausted, match=r"max_refills = 2: 3 groups"):
+        await consume(
+            recv,
+            batcher=batcher,
+            scheduler=slots,  # type: ignore[arg-type]
+            sink=sink,
+            clock=VersionClock(0),
+            recorder=recorder,
+            max_steps=10,
+        )
+    assert [(gid, why) for gid, why, _ in recorder.decided] == [
+        ("g0", ""),
+        ("g1", EQUAL_REWARDS),
+        ("g2", ""),
+        ("g3", EQUAL_REWARDS),
+        ("g4", EQUAL_REWARDS),
+        ("g5", EQUAL_REWARDS),  # recorded, then the run stops
+    ]
+    assert recorder.decided[0][2] == [-0.5, -0.5]  # 2 tokens of max 4, buffer 4: recorded
+    assert (slots.released, slots.requeued) == (3, [])  # g5 stops the run before its release
+    assert [[g.id for g in b.groups] for b in sink.batches] == [["g0", "g2"]]
+    assert recorder.metrics[0]["dynamic_sampling/filtered"] == 1.0
+    assert recorder.metrics[0]["overlong/penalty_mean"] == -0.5
+    assert [s.reward for s in batch_samples(sink.batches[0].groups)] == [0.5, -0.5, -0.5, 0.5]

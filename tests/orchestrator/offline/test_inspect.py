@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import random
 import re
 from pathlib import Path
 
@@ -12,8 +13,8 @@ from rich.console import Console
 from orchestrator.errors import TrajlogError
 from orchestrator.offline.inspect_log import main, summarize
 from orchestrator.record.events import EventLog
-from orchestrator.record.trajlog import batch_records, episode_records
-from tests.support.trajectories import write_synthetic_log
+from orchestrator.record.trajlog import TrajectoryLog, batch_records, episode_records
+from tests.support.trajectories import make_group, write_synthetic_log
 
 
 def _render(argv: list[str]) -> str:
@@ -70,6 +71,22 @@ def test_transcript_shows_roles_tools_reward_and_versions(tmp_path: Path) -> Non
     assert re.search(rf"reward +{record.episode.reward:g} \(correct=", out)
     assert "error in tool: ValueError: x" in out
     assert f"{record.decision.decision} at trainer v{record.trainer_version}" in out
+
+
+def test_transcript_shows_the_overlong_handling(tmp_path: Path) -> None:
+    """An episode the soft penalty changed shows the reward it was trained on; a masked one says
+    it carried no loss; the others say nothing of it."""
+    group, decision = make_group(random.Random(1), 0, 0, size=3)
+    eps = group.episodes
+    eps[0] = eps[0].model_copy(update={"overlong_penalty": -0.25})
+    eps[1] = eps[1].model_copy(update={"overlong_masked": True})
+    tlog = TrajectoryLog(tmp_path)
+    tlog.write_group(group, decision, trainer_version=0)
+    tlog.close()
+    out = _render([str(tmp_path), "--episode", eps[0].id])
+    assert f"penalty -0.25: trained on reward {eps[0].reward - 0.25:g}" in out
+    assert "no loss (staleness.overlong = mask)" in _render([str(tmp_path), "--episode", eps[1].id])
+    assert "overlong" not in _render([str(tmp_path), "--episode", eps[2].id])
 
 
 def test_unknown_episode_and_missing_log_are_user_errors(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import math
 import random
 from pathlib import Path
@@ -13,15 +14,9 @@ from rich.console import Console
 
 from orchestrator.config import Config
 from orchestrator.errors import ConfigError
-from orchestrator.offline.replay import (
-    LOGGED,
-    ModelScorer,
-    load_policies,
-    main,
-    state_digest,
-    train,
-    what_if,
-)
+from orchestrator.loop.batcher import EQUAL_REWARDS
+from orchestrator.offline.replay import main, state_digest, train
+from orchestrator.offline.what_if import LOGGED, ModelScorer, load_policies, what_if
 from orchestrator.record.events import STOPPED_UNFINISHED, STOPPED_UNTRAINED
 from orchestrator.record.trajlog import TrajectoryLog, episode_records
 from orchestrator.types import Episode, GroupDecision, SamplingParams
@@ -117,6 +112,53 @@ def test_what_if_keeps_shutdown_drops_and_compares_decided_groups_only(tmp_path:
         assert o.groups_kept + o.groups_dropped == n_decided
         assert o.by_length.decided == n_decided
     assert out["keep_all"].episodes_kept == len(decided)
+
+
+def test_what_if_switches_dynamic_sampling_and_overlong_handling(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``replay --what-if`` on a log with dynamic-sampling drops: a policy without its own
+    ``dynamic_sampling`` filters as the run did (from the log's config) and reproduces the logged
+    decisions; ``enabled = false`` keeps the filtered groups; ``overlong`` policies count the
+    episodes they would mask or penalize; a bad key is one line naming it."""
+    cfg = Config.model_validate({"scheduler": {"max_lag": 1, "dynamic_sampling": {}}})
+    tlog = TrajectoryLog(tmp_path, run="ds", config=cfg.model_dump(mode="json"))
+    rng, filtered = random.Random(3), 0
+    for index in range(12):
+        group, decision = make_group(rng, index, 1 + index % 2)  # lag ≤ 1 at version 1
+        if index % 3 == 0 and decision.decision == "kept":
+            eps = [e.model_copy(update={"reward": 1.0}) for e in group.episodes]
+            group = group.model_copy(update={"episodes": eps})
+            decision = decision.model_copy(update={"decision": "dropped", "reason": EQUAL_REWARDS})
+            filtered += 1
+        if index == 1:  # its first episode's last call ran into max_tokens (8)
+            ep = group.episodes[0]
+            last = ep.segments[-1].model_copy(
+                update={"finish_reason": "length", "token_ids": [1] * 8, "logprobs": [-1.0] * 8}
+            )
+            group.episodes[0] = ep.model_copy(update={"segments": [*ep.segments[:-1], last]})
+        tlog.write_group(group, decision, trainer_version=1 + index % 2)
+    tlog.close()
+    assert filtered >= 2
+    path = tmp_path / "p.toml"
+    path.write_text(
+        "[policies.run]\n[policies.off]\ndynamic_sampling = { enabled = false }\n"
+        '[policies.mask]\noverlong = "mask"\n'
+        '[policies.penalty]\noverlong = "soft_penalty"\noverlong_buffer = 4\n'
+    )
+    assert main([str(tmp_path), "--what-if", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out[LOGGED]["groups/filtered"] == out["run"]["groups/filtered"] == filtered
+    for key in ("groups/kept", "groups/dropped", "drop/rate"):
+        assert out["run"][key] == out[LOGGED][key], key
+    assert out["off"]["groups/filtered"] == 0
+    assert out["off"]["groups/kept"] == out[LOGGED]["groups/kept"] + filtered
+    masked = [out[n]["episodes/overlong_masked"] for n in (LOGGED, "run", "mask", "penalty")]
+    assert masked == [0, 0, 1, 0]
+    assert out["penalty"]["episodes/overlong_penalized"] >= 1
+    path.write_text("[policies.x]\ndynamic_sampling = { max_refill = 3 }\n")
+    with pytest.raises(ConfigError, match=r"policies\.x\.dynamic_sampling\.max_refill"):
+        load_policies(path)
 
 
 def test_on_policy_prox_gives_unit_weights_and_full_ess(tmp_path: Path) -> None:

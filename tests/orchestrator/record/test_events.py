@@ -10,16 +10,21 @@ from typing import Any
 
 import anyio
 from datasets import Dataset
+from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator.loop.batcher import Batcher
+from orchestrator.config import DynamicSamplingConfig
+from orchestrator.loop.batcher import EQUAL_REWARDS, Batcher
 from orchestrator.loop.rl import rl_loop
 from orchestrator.loop.scheduler import Scheduler, VersionClock
+from orchestrator.observe.metrics import RunMetrics, Tee
 from orchestrator.offline.resimulate import resimulate
+from orchestrator.offline.what_if import LOGGED, WhatIfPolicy, what_if
 from orchestrator.record.events import EventLog, read_events
 from orchestrator.record.trajlog import TrajectoryLog, episode_records
 from orchestrator.types import (
     Batch,
     Episode,
+    EventSink,
     Group,
     GroupDecision,
     SamplingParams,
@@ -59,8 +64,10 @@ class _Runner:
     env = SimpleNamespace(name="scripted")
     name = "scripted"  # abandoned episodes name their environment
 
-    def __init__(self, clock: VersionClock) -> None:
+    def __init__(self, clock: VersionClock, equal: frozenset[int] = frozenset()) -> None:
+        """``equal``: the tasks whose episodes all get reward 1 (the others a random one)."""
         self.clock = clock
+        self.equal = equal
         self.interrupted: list[Episode] = []
 
     async def run(
@@ -102,7 +109,7 @@ class _Runner:
             token_ids=ids,
             prompt_len=3,
             segments=segments,
-            reward=rng.random(),
+            reward=1.0 if task["id"] in self.equal else rng.random(),
             stop_reason="done",
             admitted_at_version=admitted_at,
             started_at=started,
@@ -131,16 +138,32 @@ class _Recorder:
         self.trajlog.write_batch(batch, version, metrics)
 
 
-def _scheduler_run(tmp_path: Path, staleness: StalenessConfig) -> None:
+def _scheduler_run(
+    tmp_path: Path,
+    staleness: StalenessConfig,
+    dynamic_sampling: DynamicSamplingConfig | None = None,
+    equal: frozenset[int] = frozenset(),
+    also: EventSink | None = None,
+) -> None:
+    """A run of 6 steps in virtual time; ``equal``: tasks whose rewards are all 1; ``also``: a
+    sink that gets every event too."""
+
     async def main() -> None:
-        events = EventLog(tmp_path / "events")
+        log = EventLog(tmp_path / "events")
+        events: EventSink = log if also is None else Tee(log, also)
         events.emit(
-            "run", max_lag=2, groups_per_batch=2, staleness=staleness.model_dump(mode="json")
+            "run",
+            max_lag=2,
+            groups_per_batch=2,
+            staleness=staleness.model_dump(mode="json"),
+            dynamic_sampling=None
+            if dynamic_sampling is None
+            else dynamic_sampling.model_dump(mode="json"),
         )
         trajlog = TrajectoryLog(tmp_path / "traj", events=events)
         clock = VersionClock(0, events=events)
         sched = Scheduler(
-            _Runner(clock),  # type: ignore[arg-type]
+            _Runner(clock, equal),  # type: ignore[arg-type]
             Dataset.from_list([{"id": i} for i in range(8)]),
             clock,
             group_size=3,
@@ -151,7 +174,7 @@ def _scheduler_run(tmp_path: Path, staleness: StalenessConfig) -> None:
             events=events,
         )
         sink = _Sink()
-        batcher = Batcher(staleness, 2, 2, lambda: sink.version)
+        batcher = Batcher(staleness, 2, 2, lambda: sink.version, dynamic_sampling=dynamic_sampling)
         await rl_loop(sched, batcher, sink, _Recorder(trajlog), max_steps=6)
         trajlog.close()
 
@@ -182,6 +205,65 @@ def test_admissions_and_staleness_decisions_resimulate_exactly(tmp_path: Path) -
     admit = next(e for e in tampered if e["kind"] == "admit" and e["index"] == 10)
     admit["budget"] += 1
     assert [m.split(":")[0] for m in resimulate(tampered).mismatches] == [f"admit #{admit['seq']}"]
+
+
+def test_dynamic_sampling_drops_are_decisions_like_any_other(tmp_path: Path) -> None:
+    """A run with dynamic sampling: the groups of the tasks whose rewards are all equal are
+    dropped with their reason and their slots refilled under the same budget (admissions
+    re-simulate), counted (``sprawl_groups_filtered_total``) and seen by the length-bias guard as
+    drops; re-simulation and the what-if replay reproduce them, and switching the filter off in a
+    what-if keeps those groups."""
+    staleness = StalenessConfig(drop=DropRule(statistic="mean", max_lag=1))
+    ds = DynamicSamplingConfig()
+    metrics = RunMetrics()
+    _scheduler_run(tmp_path, staleness, ds, equal=frozenset({0, 2, 4, 6}), also=metrics)
+    events = read_events(tmp_path)
+    decides = [e for e in events if e["kind"] == "decide"]
+    filtered = [e["group_id"] for e in decides if e["reason"] == EQUAL_REWARDS]
+    assert len(filtered) >= 4
+    assert {e["decision"] for e in decides if e["reason"] != EQUAL_REWARDS} >= {"kept"}
+    assert sum(e["n"] for e in events if e["kind"] == "release") == sum(
+        e["decision"] == "dropped" for e in decides
+    )
+    records = episode_records(tmp_path / "traj")
+    assert all(
+        r.episode.reward == 1.0 and r.episode.task_id in {"0", "2", "4", "6"}
+        for r in records
+        if r.decision.group_id in filtered
+    )
+    samples = {
+        (s.name, tuple(s.labels.items())): s.value
+        for f in text_string_to_metric_families(metrics.exposition().decode())
+        for s in f.samples
+    }
+    assert samples[("sprawl_groups_filtered_total", ())] == len(filtered)
+    n_dropped = sum(e["decision"] == "dropped" for e in decides)
+    assert samples[("sprawl_groups_total", (("decision", "dropped"),))] == n_dropped
+    assert metrics.length_bias.dropped == n_dropped  # the guard counts them like any drop
+
+    result = resimulate(events, trajectories=tmp_path / "traj")
+    assert result.ok, result.mismatches
+    assert result.checked["decide"] == len(decides)
+    unfiltered = copy.deepcopy(events)
+    next(e for e in unfiltered if e["kind"] == "run")["dynamic_sampling"] = None
+    mismatches = resimulate(unfiltered, trajectories=tmp_path / "traj").mismatches
+    assert sorted(m.split(":")[0].split()[1] for m in mismatches) == sorted(filtered)
+    assert "logged dropped (filtered) (lag" in mismatches[0]
+
+    off = WhatIfPolicy(drop=staleness.drop, dynamic_sampling=DynamicSamplingConfig(enabled=False))
+    out = {
+        o.name: o
+        for o in what_if(records, {"run": staleness, "off": off}, max_lag=2, dynamic_sampling=ds)
+    }
+    logged = out[LOGGED]
+    assert logged.groups_filtered == out["run"].groups_filtered == len(filtered)
+    assert (out["run"].groups_kept, out["run"].groups_dropped) == (
+        logged.groups_kept,
+        logged.groups_dropped,
+    )
+    assert out["run"].by_length.as_dict() == logged.by_length.as_dict()
+    assert out["off"].groups_filtered == 0
+    assert out["off"].groups_kept == logged.groups_kept + len(filtered)
 
 
 def test_durable_events_reach_disk_at_once_and_seq_continues(tmp_path: Path) -> None:
