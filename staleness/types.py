@@ -83,3 +83,18 @@ class Corrected:
     valid: Tensor | None = None
     surrogate: Surrogate | None = None
     log_rho: Tensor | None = None
+
+    def rows(self, index: slice, width: int | None = None) -> Corrected:
+        """The rows ``index`` of the verdict (the first ``width`` positions; None: all): what a
+        minibatch or micro-batch of a batch corrected as a whole takes."""
+
+        def cut(t: Tensor) -> Tensor:
+            return t[index, :width]
+
+        return Corrected(
+            weights=cut(self.weights),
+            mask=cut(self.mask),
+            valid=None if self.valid is None else cut(self.valid),
+            surrogate=self.surrogate,
+            log_rho=None if self.log_rho is None else cut(self.log_rho),
+        )

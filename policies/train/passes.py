@@ -162,18 +162,8 @@ class Proximal:
     def rows(self, index: range, width: int) -> tuple[Tensor, Corrected]:
         """The rows ``index`` of the log probs and the correction, cut to ``width`` positions (a
         micro-batch of those rows is padded to its own longest)."""
-        c = self.corrected
-
-        def cut(t: Tensor) -> Tensor:
-            return t[index.start : index.stop, :width]
-
-        return cut(self.logp), Corrected(
-            weights=cut(c.weights),
-            mask=cut(c.mask),
-            valid=None if c.valid is None else cut(c.valid),
-            surrogate=c.surrogate,
-            log_rho=None if c.log_rho is None else cut(c.log_rho),
-        )
+        at = slice(index.start, index.stop)
+        return self.logp[at, :width], self.corrected.rows(at, width)
 
 
 def lag_metrics(

@@ -1,5 +1,6 @@
 """examples/torchrun_trainer.py, two gloo ranks on CPU (FSDP2 + the batch feed + the sharded
-publisher), trains a real run of ``orchestrate`` for two steps."""
+publisher), trains a real run of ``orchestrate`` for two steps, with one and two optimizer steps
+per batch."""
 
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ STEPS = 2
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("minibatches", [1, 2])
 def test_the_torchrun_example_trains_a_run_over_the_feed(
-    tmp_path: Path, tiny_model_dir: Path
+    tmp_path: Path, tiny_model_dir: Path, minibatches: int
 ) -> None:
     board = tmp_path / "board"
     shared = [
@@ -40,7 +42,7 @@ def test_the_torchrun_example_trains_a_run_over_the_feed(
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
         "--master-port", str(free_port()), str(EXAMPLE), "--model", str(tiny_model_dir),
         "--board", str(board), "--run-name", "demo", "--run-dir", str(tmp_path / "demo"),
-        "--steps", str(STEPS),
+        "--steps", str(STEPS), "--minibatches", str(minibatches),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     with contextlib.ExitStack() as stack:
@@ -72,5 +74,8 @@ def test_the_torchrun_example_trains_a_run_over_the_feed(
     batches = batch_records(tmp_path / "demo" / "trajectories")
     assert [b.produced_version for b in batches] == list(range(1, STEPS + 1))
     assert all("loss" in b.metrics and "clip_frac" in b.metrics for b in batches)  # the acks'
+    # the acks carry the last minibatch's ratios to π_prox: 1 with one step, moved with two
+    moved = [b.metrics["ratio_min"] < 1 or b.metrics["ratio_max"] > 1 for b in batches]
+    assert moved == [minibatches > 1] * STEPS
     acc = account(tmp_path / "demo")
     assert acc.ok, acc.problems

@@ -387,6 +387,18 @@ def test_on_policy_keeps_everything_at_weight_one(batch: Batch, cfg: Correction)
     torch.testing.assert_close(out.weights, batch["mask"].float() * expected)
 
 
+@pytest.mark.parametrize("cfg", [TruncatedIS(cap=1.5, level="sequence"), CISPO(), GSPO()], ids=str)
+def test_rows_of_a_batch_correction_are_the_correction_of_those_rows(cfg: Correction) -> None:
+    mask = [[True] * 3, [True, True, False], [True, False, False]]  # rows 1-2 fit in 2 columns
+    batch = _batch([[2.0, 0.5, 1.3], [1.1, 0.9, 5.0], [0.7, 1.0, 1.2]], mask)
+    part = correct(cfg, **batch).rows(slice(1, 3), 2)
+    alone = correct(cfg, **{k: v[1:3, :2] for k, v in batch.items()})  # type: ignore[misc]
+    assert torch.equal(part.mask, alone.mask)
+    torch.testing.assert_close(part.weights, alone.weights)
+    assert part.surrogate == alone.surrogate
+    assert (part.log_rho is None) == (alone.log_rho is None)
+
+
 def test_corrected_is_frozen() -> None:
     out = correct(NoCorrection(), **_batch([[1.0]]))
     assert isinstance(out, Corrected)
