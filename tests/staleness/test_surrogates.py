@@ -402,3 +402,106 @@ def test_a_token_the_policy_can_no_longer_sample_is_finite(cfg: Correction) -> N
     (g,) = torch.autograd.grad(loss, logp)
     assert loss.item() == 0.0
     assert (g == 0).all()
+
+
+# ---- the figures in docs/staleness.md: python -m tests.staleness.test_surrogates ---------------
+
+
+def _sweep(seeds: int = 100) -> None:
+    """Print the largest |ours − reference| of a loss value or gradient per comparison."""
+    worst: dict[str, float] = {}
+
+    def note(name: str, ours: Tensor, ref: Tensor, logp: Tensor) -> None:
+        worst[name] = max(worst.get(name, 0.0), _compare(ours, ref, logp))
+
+    same = 0
+    for seed in range(seeds):
+        _, prox, behav, mask, _ = _batch(seed)
+        for th in (0.04, 0.1, 1e-6):
+            ours_mask = correct(M2PO(threshold=th), logp_prox=prox, logp_behav=behav, mask=mask)
+            same += torch.equal(ours_mask.mask, areal_m2po_mask(behav, prox, mask, th))
+        b = _batch(seed)
+        logp, prox, behav, mask, adv = b
+        kept = areal_m2po_mask(behav, prox, mask, 0.1)
+        clip = {"clip_eps": 0.2, "clip_eps_high": 0.28, "dual_clip_c": 3.0}
+        ref = areal_ppo_actor_loss(logp, prox, _per_token(adv, mask), kept, eps_clip=0.2,
+                                   eps_clip_higher=0.28, c_clip=3.0)  # fmt: skip
+        note("m2po loss / AReaL grpo_loss_fn", _ours(b, M2PO(threshold=0.1), "token_mean", **clip),
+             ref, logp)  # fmt: skip
+        b = _batch(seed, stale=0.6, drift=0.4)
+        logp, prox, behav, mask, adv = b
+        mf, a = mask.float(), adv[:, None]
+        for anchor in ("behaviour", "proximal"):
+            old = behav if anchor == "behaviour" else prox
+            sky = "rollout" if anchor == "behaviour" else "old"
+            for lo, hi in ((0.2, 0.3), (1.0, 4.0)):
+                ours = _ours(b, CISPO(clip_eps=lo, clip_eps_high=hi, anchor=anchor), "token_mean")  # type: ignore[arg-type]
+                note(
+                    "cispo / verl",
+                    ours,
+                    verl_cispo(old, logp, a, mf, clip_ratio_low=lo, clip_ratio_high=hi),
+                    logp,
+                )
+                scaled = skyrl_scale(a.expand(mask.shape), mf, "token_mean")
+                note(
+                    "cispo / SkyRL",
+                    ours,
+                    skyrl_cispo(logp, prox, scaled, mf, behav, anchor=sky, eps_low=lo, eps_high=hi),
+                    logp,
+                )
+                if lo == 1.0:
+                    note(
+                        "cispo / TRL",
+                        ours,
+                        trl_cispo(logp, old, adv, mf, epsilon_high=1 + hi),
+                        logp,
+                    )
+        b = _batch(seed, stale=0.3, drift=0.05)
+        logp, prox, behav, mask, adv = b
+        mf, a = mask.float(), adv[:, None].expand(mask.shape)
+        for lo, hi in ((3e-4, 4e-4), (0.05, 0.1)):
+            cfg = GSPO(clip_eps=lo, clip_eps_high=hi)
+            ours = _ours(b, cfg, "seq_mean")
+            note(
+                "gspo / TRL",
+                ours,
+                trl_gspo(logp, prox, adv, mf, epsilon_low=lo, epsilon_high=hi),
+                logp,
+            )
+            note(
+                "gspo / verl",
+                ours,
+                verl_gspo(prox, logp, a, mf, clip_ratio_low=lo, clip_ratio_high=hi),
+                logp,
+            )
+            note(
+                "gspo / SkyRL",
+                ours,
+                skyrl_gspo(
+                    logp, prox, skyrl_scale(a, mf, "sequence_mean"), mf, eps_low=lo, eps_high=hi
+                ),
+                logp,
+            )
+            gen = torch.Generator().manual_seed(seed)
+            pt = _per_token(adv, mask) * (1 + torch.rand(mask.shape, generator=gen))
+            note(
+                "gspo token_mean / AReaL sequence level",
+                _ours((logp, prox, prox, mask, pt), cfg, "token_mean"),
+                areal_ppo_actor_loss(
+                    logp,
+                    prox,
+                    pt,
+                    mask,
+                    eps_clip=lo,
+                    eps_clip_higher=hi,
+                    importance_sampling_level="sequence",
+                ),
+                logp,
+            )
+    print(f"m2po masks equal to AReaL's: {same} of {3 * seeds}")
+    for name, diff in worst.items():
+        print(f"{name:40s} {diff:.2g}")
+
+
+if __name__ == "__main__":
+    _sweep()
