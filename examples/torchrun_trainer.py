@@ -28,7 +28,14 @@ interrupted is taken once, by the restarted job. A restarted orchestrator (``run
 serves the batches it had not seen acknowledged again, on a new port: while the feed cannot be
 reached, ``feed.json`` is read again (for at most ``--feed-wait-s``, default 600).
 
-Kept simple on purpose: each rank normalises the loss over its own rows; one checkpoint is kept.
+``--minibatches K`` (> 1) takes K AdamW steps per batch, as ``trainer.minibatches`` does in the
+reference trainer: each rank first scores its rows without gradient (π_prox, the weights before
+the batch's first step) and corrects them as a whole, then steps on K consecutive slices of its
+rows against those log probs; one version is still published per batch.
+
+Kept simple on purpose: each rank normalises the loss over its own rows, and its minibatches are
+slices of its rows (not whole GRPO groups; the advantages are the whole batch's either way); a
+batch statistic (``m2po``) is taken over each rank's rows; one checkpoint is kept.
 """
 
 from __future__ import annotations
@@ -53,10 +60,17 @@ from transformers import AutoModelForCausalLM
 
 from policies.board import BoardOptions, ShardedPublisher
 from policies.errors import FeedUnavailable
-from policies.train.external import correction, scored_logprobs, staleness_of, wire_tensors
+from policies.train.external import (
+    WireTensors,
+    correction,
+    scored_logprobs,
+    staleness_of,
+    wire_tensors,
+)
 from policies.wire.batches import BatchFile
 from policies.wire.feed import FeedClient
 from staleness.loss import policy_loss
+from staleness.types import Corrected
 
 T = TypeVar("T")
 
@@ -139,6 +153,36 @@ def resume(publisher: ShardedPublisher, version: int, model: Any) -> None:
     publisher.publish(version, model.state_dict(), view_name="bf16")
 
 
+def forward(model: torch.nn.Module, t: WireTensors) -> torch.Tensor:
+    """Logits [B, T − 1, V] of the rows ``t`` (position t scores token t + 1)."""
+    logits: torch.Tensor = model(input_ids=t.ids, attention_mask=t.attention).logits
+    return logits[:, :-1].float()
+
+
+def minibatch_loss(
+    model: torch.nn.Module,
+    batch: BatchFile,
+    t: WireTensors,
+    part: slice,
+    prox: tuple[torch.Tensor, Corrected] | None,
+    clip_eps: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The policy loss of rows ``part`` of ``t`` against ``prox`` (None: π_prox is π_θ)."""
+    mb = t.rows(part)
+    logp = scored_logprobs(forward(model, mb), mb)  # each token under its call's transforms
+    if prox is None:
+        logp_prox, corrected = logp.detach(), correction(batch, mb, logp.detach())
+    else:
+        width = logp.shape[1]
+        logp_prox, corrected = prox[0][part, :width], prox[1].rows(part, width)
+    st = staleness_of(batch)
+    return policy_loss(
+        logp, logp_prox, mb.advantages, corrected,
+        clip_eps=clip_eps, loss_agg=st.loss_agg, normalizer=st.normalizer,
+        dr_grpo_tokens=st.dr_grpo_tokens,
+    )  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag in ("--model", "--board", "--run-name", "--run-dir"):
@@ -148,6 +192,7 @@ def main() -> None:
     ap.add_argument("--feed-wait-s", type=float, default=600.0)
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--clip-eps", type=float, default=0.2)
+    ap.add_argument("--minibatches", type=int, default=1, help="optimizer steps per batch")
     ap.add_argument("--backend", default="gloo")
     args = ap.parse_args()
     dist.init_process_group(args.backend)
@@ -181,22 +226,26 @@ def main() -> None:
         batch = BatchFile.model_validate_json(str(box[0]))
         n = len(batch.samples)
         mine = slice(rank * n // world, (rank + 1) * n // world)
-        share = 1.0 if mine.start < mine.stop else 0.0  # a rank without rows still runs FSDP2
-        t = wire_tensors(batch, device=device).rows(mine if share else slice(0, 1))
-        logits = model(input_ids=t.ids, attention_mask=t.attention).logits[:, :-1].float()
-        logp = scored_logprobs(logits, t)  # each token under its call's temperature/top-k/top-p
-        logp_prox = logp.detach()  # one step per batch: π_prox is π_θ before the step
-        st = staleness_of(batch)
-        loss, metrics = policy_loss(
-            logp, logp_prox, t.advantages, correction(batch, t, logp_prox),
-            clip_eps=args.clip_eps, loss_agg=st.loss_agg, normalizer=st.normalizer,
-            dr_grpo_tokens=st.dr_grpo_tokens,
-        )  # fmt: skip
-        optimizer.zero_grad(set_to_none=True)
-        (loss * share).backward()  # type: ignore[no-untyped-call]
-        optimizer.step()
+        t = wire_tensors(batch, device=device).rows(mine if mine.start < mine.stop else slice(0, 1))
+        prox = None  # one step per batch: π_prox is π_θ before the step, from the same forward
+        if args.minibatches > 1:  # π_prox once, before the first of the batch's steps
+            with torch.no_grad():
+                logp_prox = scored_logprobs(forward(model, t), t)
+            prox = (logp_prox, correction(batch, t, logp_prox))
+        rows, mean_loss = mine.stop - mine.start, torch.zeros(2, device=device)
+        metrics: dict[str, float] = {}
+        for k in range(args.minibatches):
+            part = slice(k * rows // args.minibatches, (k + 1) * rows // args.minibatches)
+            share = 1.0 if part.start < part.stop else 0.0  # no rows: still run FSDP2's collectives
+            loss, step_metrics = minibatch_loss(
+                model, batch, t, part if share else slice(0, 1), prox, args.clip_eps
+            )
+            optimizer.zero_grad(set_to_none=True)
+            (loss * share).backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+            mean_loss += torch.tensor([float(loss.detach()) * share, share], device=device)
+            metrics = step_metrics if share else metrics
         version += 1
-        mean_loss = torch.tensor([float(loss.detach()) * share, share], device=device)
         dist.all_reduce(mean_loss)
         metrics = {**metrics, "loss": float(mean_loss[0] / mean_loss[1])}
         if ckpt is not None:  # before the publish: the checkpoint is never behind the board

@@ -36,6 +36,9 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
+    "CISPO",
+    "GSPO",
+    "M2PO",
     "Correction",
     "DecoupledPPO",
     "DropRule",
@@ -193,8 +196,77 @@ class TokenMask(_Model):
     """Weight kept tokens by ``ρ_t`` instead of 1."""
 
 
+class M2PO(_Model):
+    """Second-moment trust policy optimization: mask the tokens whose squared behaviour log ratio
+    ``(log ρ_t)²`` is largest, fewest first, until the mean of the rest is below ``threshold``.
+
+    Over the batch the trainer corrects (every token of it, all minibatches): sorted by ``(log
+    ρ_t)²`` descending, the smallest ``j`` whose remaining tokens' mean is ``< threshold`` masks
+    the first ``j``; if no ``j`` does, all but the last (smallest) token are masked. Kept tokens
+    get weight 1. As AReaL 1.0.4's ``m2_threshold`` (``_apply_m2po_masking``). Source: Zheng et
+    al. 2025, "Prosperity before collapse: how far can off-policy RL reach with stale data on
+    LLMs?" (M2PO).
+    """
+
+    type: Literal["m2po"] = "m2po"
+    """Selects this policy."""
+
+    threshold: float = Field(default=0.04, gt=0)
+    """τ_M2: the largest mean squared log ratio the kept tokens may have (the paper's and AReaL's
+    example value: 0.04)."""
+
+
+class CISPO(_Model):
+    """Clipped IS-weight policy optimization: every token's term is ``−sg(clip(π_θ/anchor,
+    1 − clip_eps, 1 + clip_eps_high)) · A · log π_θ`` in place of PPO-clip, so a token whose
+    ratio leaves the band keeps a (bounded) gradient.
+
+    ``anchor="behaviour"`` takes the ratio against μ, the policy that sampled the token (the IS
+    weight is the staleness correction; SkyRL's ``cispo_anchor="rollout"``); ``"proximal"``
+    against π_prox, the trainer's weights before the batch (MiniMax-M1's π_old as verl, TRL and
+    SkyRL's default recompute it; the ratio is then 1 until a batch's second minibatch). No
+    behaviour weight is applied besides. Source: MiniMax 2025, "MiniMax-M1: scaling test-time
+    compute efficiently with lightning attention" (CISPO); bounds as SkyRL's and ScaleRL's
+    defaults (ratio clipped to [0, 5]).
+    """
+
+    type: Literal["cispo"] = "cispo"
+    """Selects this policy."""
+
+    clip_eps: float = Field(default=1.0, gt=0, le=1)
+    """Lower clip of the IS ratio at ``1 − clip_eps`` (1: no lower bound, as MiniMax-M1)."""
+
+    clip_eps_high: float = Field(default=4.0, gt=0)
+    """Upper clip of the IS ratio at ``1 + clip_eps_high`` (4: the ratio is capped at 5, TRL's
+    and ScaleRL's recommendation)."""
+
+    anchor: Literal["behaviour", "proximal"] = "behaviour"
+    """The IS ratio's denominator: μ (``behaviour``) or π_prox (``proximal``)."""
+
+
+class GSPO(_Model):
+    """Group sequence policy optimization: PPO-clip on the sequence's length-normalised ratio
+    ``s_b = exp(mean_t log(π_θ/π_prox))``, clipped to ``[1 − clip_eps, 1 + clip_eps_high]``, one
+    term per sequence; no behaviour weight. Needs ``loss_agg = "seq_mean"`` (the paper's mean
+    over sequences; verl forces it, TRL warns on the others).
+
+    As TRL's ``importance_sampling_level="sequence"`` and verl's ``policy_loss.loss_mode="gspo"``
+    (written in the GSPO-token form, equal in value and gradient when the advantage is one per
+    sequence, as GRPO's is). Source: Zheng et al. 2025, "Group sequence policy optimization".
+    """
+
+    type: Literal["gspo"] = "gspo"
+    """Selects this policy."""
+
+    clip_eps: float = Field(default=3e-4, gt=0, lt=1)
+    """Lower clip of the sequence ratio at ``1 − clip_eps`` (the paper's 3e-4)."""
+
+    clip_eps_high: float = Field(default=4e-4, gt=0)
+    """Upper clip of the sequence ratio at ``1 + clip_eps_high`` (the paper's 4e-4)."""
+
+
 Correction = Annotated[
-    NoCorrection | TruncatedIS | MaskedIS | DecoupledPPO | TokenMask,
+    NoCorrection | TruncatedIS | MaskedIS | DecoupledPPO | TokenMask | M2PO | CISPO | GSPO,
     Field(discriminator="type"),
 ]
 """One lag correction, chosen by its ``type`` key."""
@@ -295,6 +367,16 @@ class StalenessConfig(_Model):
         if self.loss_agg != "dr_grpo" and self.dr_grpo_tokens is not None:
             msg = (
                 f"dr_grpo_tokens: only used with loss_agg='dr_grpo', got loss_agg={self.loss_agg!r}"
+            )
+            raise ValueError(msg)
+        return self
+
+    @model_validator(mode="after")
+    def _gspo_is_per_sequence(self) -> StalenessConfig:
+        if isinstance(self.correction, GSPO) and self.loss_agg != "seq_mean":
+            msg = (
+                f"loss_agg: correction.type = 'gspo' is one term per sequence and needs "
+                f"loss_agg = 'seq_mean' (the paper's mean over sequences), got {self.loss_agg!r}"
             )
             raise ValueError(msg)
         return self

@@ -12,7 +12,10 @@ Every policy computes the per-token behaviour ratio ``ρ_t = exp(logp_prox_t −
 returns a :class:`~staleness.types.Corrected`: ``weights`` multiply each token's policy-gradient
 term (the PPO ratio in :mod:`staleness.loss` is always taken against π_prox), ``mask`` removes
 tokens from the loss (and, with the default ``kept`` normaliser, from its normaliser), and
-``valid`` is the input mask (the ``original`` normaliser).
+``valid`` is the input mask (the ``original`` normaliser). ``cispo`` and ``gspo`` weight and
+mask nothing; they name the term the loss takes instead of PPO-clip (``surrogate``,
+:mod:`staleness.surrogates`). Every policy decides each row by that row alone except ``m2po``,
+whose mask is a statistic of the whole batch given (:func:`batch_level`).
 
 Non-finite log ratios: a valid token whose ``logp_prox − logp_behav`` is NaN or ±inf (an engine
 that returned NaN or −inf for a sampled token, ``−inf − (−inf)``) is masked out by *every*
@@ -38,6 +41,9 @@ import torch
 from torch import Tensor
 
 from staleness.config import (
+    CISPO,
+    GSPO,
+    M2PO,
     Correction,
     DecoupledPPO,
     MaskedIS,
@@ -46,13 +52,17 @@ from staleness.config import (
     TruncatedIS,
 )
 from staleness.errors import ShapeError
-from staleness.types import Corrected
+from staleness.types import Corrected, Surrogate
 
 __all__ = [
     "Corrected",
+    "batch_level",
+    "cispo",
     "correct",
     "decoupled_ppo",
+    "gspo",
     "log_ratio",
+    "m2po",
     "masked_is",
     "no_correction",
     "nonfinite_tokens",
@@ -215,6 +225,61 @@ def token_mask(
     return _result(weights, kept, m)
 
 
+def m2po(threshold: float, *, logp_prox: Tensor, logp_behav: Tensor, mask: Tensor) -> Corrected:
+    """``m2po``: mask the tokens of largest ``(log ρ_t)²`` until the rest's mean is below
+    ``threshold``; kept tokens get weight 1.
+
+    Over every usable token of the batch given (a batch statistic: call it on the whole batch),
+    sorted by ``(log ρ_t)²`` descending (ties in position order), the smallest ``j`` for which
+    the mean of tokens ``j..n−1`` is ``< threshold`` masks tokens ``0..j−1``; when no ``j`` does,
+    all but the last are masked (AReaL 1.0.4 ``_get_m2po_loss_mask``, which keeps one token
+    rather than none). Squares and means are taken in float64. Source: Zheng et al. 2025,
+    "Prosperity before collapse: how far can off-policy RL reach with stale data on LLMs?"
+    (M2PO); AReaL's ``_apply_m2po_masking``, there per micro-batch of its engine.
+    """
+    m, usable = _usable(logp_prox, logp_behav, mask)
+    m2 = log_ratio(logp_prox, logp_behav, m).double().square()[usable]
+    n = m2.numel()
+    keep = torch.ones(n, dtype=torch.bool, device=m.device)
+    if n:
+        order = torch.sort(m2, descending=True, stable=True).indices
+        tail = m2[order].flip(0).cumsum(0).flip(0)
+        tail_mean = tail / torch.arange(n, 0, -1, dtype=tail.dtype, device=tail.device)
+        below = torch.nonzero(tail_mean < threshold)
+        cut = int(below[0, 0]) if below.numel() else n - 1
+        keep[order[:cut]] = False
+    kept = torch.zeros_like(usable)
+    kept[usable] = keep
+    return _result(torch.ones(m.shape, dtype=torch.float32, device=m.device), kept, m)
+
+
+def cispo(cfg: CISPO, *, logp_prox: Tensor, logp_behav: Tensor, mask: Tensor) -> Corrected:
+    """``cispo``: no weight, no mask; the loss takes CISPO's term
+    (:func:`staleness.surrogates.cispo`), its IS ratio anchored on μ (``log_rho`` carries
+    ``log ρ_t``) or on π_prox."""
+    m, usable = _usable(logp_prox, logp_behav, mask)
+    out = _result(torch.ones(m.shape, dtype=torch.float32, device=m.device), usable, m)
+    rho = log_ratio(logp_prox, logp_behav, m) if cfg.anchor == "behaviour" else None
+    how = Surrogate("cispo", cfg.clip_eps, cfg.clip_eps_high)
+    return Corrected(out.weights, out.mask, out.valid, surrogate=how, log_rho=rho)
+
+
+def gspo(cfg: GSPO, *, logp_prox: Tensor, logp_behav: Tensor, mask: Tensor) -> Corrected:
+    """``gspo``: no weight, no mask; the loss takes GSPO's sequence-level term
+    (:func:`staleness.surrogates.gspo`) over the sequences' usable tokens."""
+    m, usable = _usable(logp_prox, logp_behav, mask)
+    out = _result(torch.ones(m.shape, dtype=torch.float32, device=m.device), usable, m)
+    how = Surrogate("gspo", cfg.clip_eps, cfg.clip_eps_high)
+    return Corrected(out.weights, out.mask, out.valid, surrogate=how)
+
+
+def batch_level(cfg: Correction) -> bool:
+    """Whether the correction decides a token by a statistic of the whole batch (``m2po``), so a
+    trainer must apply it to the whole batch at once, not to each micro-batch; every other
+    decides per row."""
+    return isinstance(cfg, M2PO)
+
+
 def correct(cfg: Correction, *, logp_prox: Tensor, logp_behav: Tensor, mask: Tensor) -> Corrected:
     """Apply the configured correction (dispatch on ``cfg.type``)."""
     match cfg:
@@ -232,3 +297,9 @@ def correct(cfg: Correction, *, logp_prox: Tensor, logp_behav: Tensor, mask: Ten
             return token_mask(
                 c, reweight=reweight, logp_prox=logp_prox, logp_behav=logp_behav, mask=mask
             )
+        case M2PO(threshold=threshold):
+            return m2po(threshold, logp_prox=logp_prox, logp_behav=logp_behav, mask=mask)
+        case CISPO():
+            return cispo(cfg, logp_prox=logp_prox, logp_behav=logp_behav, mask=mask)
+        case GSPO():
+            return gspo(cfg, logp_prox=logp_prox, logp_behav=logp_behav, mask=mask)

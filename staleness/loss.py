@@ -11,6 +11,10 @@ The policy term, per valid token (``r_t = π_θ/π_prox``, ``w_t`` the correctio
     ℓ_t = w_t · max(−A r_t, −A clip(r_t, 1−ε_low, 1+ε_high))      (PPO-clip, Schulman et al. 2017)
     ℓ_t = min(ℓ_t, −c A)  where A < 0, when dual_clip_c is set      (dual-clip, Ye et al. 2020)
 
+or, when the correction names a surrogate (:mod:`staleness.surrogates`), CISPO's
+``w_t · −sg(clip(π_θ/anchor)) A log π_θ`` or GSPO's one PPO-clip term per sequence on its
+length-normalised ratio, each with its own clip band;
+
 aggregated (:func:`aggregate`) by ``token_mean`` (Σ ℓ / number of tokens in the batch;
 DAPO-style, long sequences weigh more), ``seq_mean`` (mean over sequences of each sequence's token
 mean; GRPO-style) or ``dr_grpo`` (Σ ℓ / (B · L) for a constant L; Dr. GRPO, Liu et al. 2025).
@@ -34,6 +38,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from staleness import surrogates
 from staleness.config import LossAgg, Normalizer
 from staleness.errors import ShapeError
 from staleness.rewards import EQUAL_ULPS
@@ -229,16 +234,19 @@ def policy_loss(
     dr_grpo_tokens: int | None = None,
     denominator: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """PPO-clip against π_prox, multiplied by the correction's weights, over its mask.
+    """PPO-clip against π_prox (or the correction's surrogate), multiplied by the correction's
+    weights, over its mask.
 
     ``clip_eps_high`` defaults to ``clip_eps`` (set it higher for DAPO's clip-higher);
-    ``dual_clip_c`` (> 1) bounds the loss of negative-advantage tokens at ``−c·A``;
-    ``loss_agg``, ``normalizer``, ``dr_grpo_tokens`` and ``denominator`` as in
+    ``dual_clip_c`` (> 1) bounds the loss of negative-advantage tokens at ``−c·A``. A correction
+    with a ``surrogate`` (``cispo``, ``gspo``: :mod:`staleness.surrogates`) replaces PPO-clip by
+    it, with the surrogate's own clip band; ``clip_eps``, ``clip_eps_high`` and ``dual_clip_c``
+    are then unused. ``loss_agg``, ``normalizer``, ``dr_grpo_tokens`` and ``denominator`` as in
     :func:`aggregate`, with ``corrected.valid`` as the original mask.
     Returns the scalar loss and metrics: ``clip_frac`` (kept tokens whose clipped branch is
-    active), ``dual_clip_frac``, ``ratio_mean``/``ratio_min``/``ratio_max`` of ``r_t``,
-    ``approx_kl`` (k3 estimate of KL(π_prox ‖ π_θ) over kept tokens), ``kept_tokens``,
-    ``weight_mean``.
+    active, or whose CISPO weight / GSPO sequence ratio was clipped), ``dual_clip_frac``,
+    ``ratio_mean``/``ratio_min``/``ratio_max`` of ``r_t``, ``approx_kl`` (k3 estimate of
+    KL(π_prox ‖ π_θ) over kept tokens), ``kept_tokens``, ``weight_mean``.
     """
     if logp.ndim != 2 or logp.shape != logp_prox.shape:
         msg = f"logp and logp_prox must share one [B, T] shape, got {logp.shape}, {logp_prox.shape}"
@@ -261,16 +269,26 @@ def policy_loss(
     adv = _broadcast_advantages(advantages, logp.shape).to(logp.dtype)
     weights = corrected.weights.detach().to(logp.dtype)
     log_r = torch.where(m, logp - logp_prox.detach(), torch.zeros_like(logp))
-    ratio = torch.exp(log_r)
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_high)
-    per_token = torch.maximum(unclipped, clipped)
-    dual_active = torch.zeros_like(m)
-    if dual_clip_c is not None:
-        bound = -dual_clip_c * adv
-        dual_active = (adv < 0) & (per_token > bound)
-        per_token = torch.where(dual_active, bound, per_token)
-    per_token = per_token * weights
+    how = corrected.surrogate
+    if how is None:
+        terms = surrogates.ppo_clip(
+            log_r, adv, m, clip_eps=clip_eps, clip_eps_high=eps_high, dual_clip_c=dual_clip_c
+        )
+    elif how.kind == "cispo":
+        terms = surrogates.cispo(
+            logp,
+            log_r,
+            corrected.log_rho,
+            adv,
+            m,
+            clip_eps=how.clip_eps,
+            clip_eps_high=how.clip_eps_high,
+        )
+    else:
+        terms = surrogates.gspo(
+            log_r, adv, m, clip_eps=how.clip_eps, clip_eps_high=how.clip_eps_high
+        )
+    per_token = terms.per_token * weights
     loss = aggregate(
         per_token,
         m,
@@ -280,22 +298,24 @@ def policy_loss(
         dr_grpo_tokens=dr_grpo_tokens,
         denominator=denominator,
     )
-    return loss, _clip_metrics(m, ratio, log_r, clipped > unclipped, dual_active, weights)
+    metrics = _clip_metrics(m, log_r, terms.clip_active, terms.dual_active, weights)
+    return loss, metrics
 
 
 @torch.no_grad()
 def _clip_metrics(
     m: Tensor,
-    ratio: Tensor,
     log_r: Tensor,
     clip_active: Tensor,
     dual_active: Tensor,
     weights: Tensor,
 ) -> dict[str, float]:
-    """:func:`policy_loss`'s metrics over the kept tokens ``m`` (0.0 where none is kept)."""
+    """:func:`policy_loss`'s metrics over the kept tokens ``m`` (0.0 where none is kept);
+    ``approx_kl`` over those whose ``log r_t`` is finite (a token π_θ can no longer sample has an
+    infinite one)."""
     n = int(m.sum().item())
-    kept_ratio = ratio[m]
-    kept_log_r = log_r[m]
+    kept_ratio = torch.exp(log_r)[m]
+    kept_log_r = log_r[m & torch.isfinite(log_r)]
     denom = max(n, 1)
     return {
         "clip_frac": float((clip_active & m).sum().item()) / denom,
@@ -303,7 +323,9 @@ def _clip_metrics(
         "ratio_mean": float(kept_ratio.mean().item()) if n else 0.0,
         "ratio_min": float(kept_ratio.min().item()) if n else 0.0,
         "ratio_max": float(kept_ratio.max().item()) if n else 0.0,
-        "approx_kl": float((torch.expm1(kept_log_r) - kept_log_r).mean().item()) if n else 0.0,
+        "approx_kl": float((torch.expm1(kept_log_r) - kept_log_r).mean().item())
+        if kept_log_r.numel()
+        else 0.0,
         "kept_tokens": float(n),
         "weight_mean": float(weights[m].mean().item()) if n else 0.0,
     }

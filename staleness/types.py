@@ -7,14 +7,14 @@ No I/O and no runtime torch import (the tensor annotation is for type checkers o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from staleness.errors import LagError
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-__all__ = ["Corrected", "LagStats", "SegmentVersions"]
+__all__ = ["Corrected", "LagStats", "SegmentVersions", "Surrogate"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,17 @@ class LagStats:
 
 
 @dataclass(frozen=True)
+class Surrogate:
+    """The policy-gradient term a correction trains with in place of PPO-clip
+    (:mod:`staleness.surrogates`): ``cispo`` or ``gspo``, with the clip band of its ratio,
+    ``[1 − clip_eps, 1 + clip_eps_high]``."""
+
+    kind: Literal["cispo", "gspo"]
+    clip_eps: float
+    clip_eps_high: float
+
+
+@dataclass(frozen=True)
 class Corrected:
     """A correction's verdict on a [B, T] batch.
 
@@ -61,8 +72,29 @@ class Corrected:
     ``mask`` is false. ``mask``: bool, the tokens that still count (a subset of the input mask).
     ``valid``: bool, the input mask the correction was given (what the ``original`` normaliser of
     :func:`staleness.loss.aggregate` counts); ``None`` means the same as ``mask``.
+    ``surrogate``: the term the loss takes instead of PPO-clip (``None``: PPO-clip with the
+    trainer's clip). ``log_rho``: ``log ρ_t = log π_prox/μ`` on the kept tokens (0 elsewhere)
+    when the surrogate's ratio is anchored on μ (CISPO's ``anchor="behaviour"``): its ratio is
+    ``exp(logp − logp_prox + log_rho) = π_θ/μ``; ``None``: anchored on π_prox.
     """
 
     weights: Tensor
     mask: Tensor
     valid: Tensor | None = None
+    surrogate: Surrogate | None = None
+    log_rho: Tensor | None = None
+
+    def rows(self, index: slice, width: int | None = None) -> Corrected:
+        """The rows ``index`` of the verdict (the first ``width`` positions; None: all): what a
+        minibatch or micro-batch of a batch corrected as a whole takes."""
+
+        def cut(t: Tensor) -> Tensor:
+            return t[index, :width]
+
+        return Corrected(
+            weights=cut(self.weights),
+            mask=cut(self.mask),
+            valid=None if self.valid is None else cut(self.valid),
+            surrogate=self.surrogate,
+            log_rho=None if self.log_rho is None else cut(self.log_rho),
+        )

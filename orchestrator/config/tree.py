@@ -5,9 +5,10 @@ A :class:`Config` that validates names a run that can start as configured: a res
 trainer has a checkpoint, islands of other engine kinds serve float views only, LoRA versions go
 to vLLM islands within their ranks, router replay has an engine that returns MoE routing, the
 environments are given in one form with unique names, an external trainer shares an explicit
-board, dynamic sampling has groups of two or more, and a soft overlong penalty's buffer fits in a
-model call. What is only known at run time (a model's chat template, an engine that starts) is not
-checked here.
+board, dynamic sampling has groups of two or more, a soft overlong penalty's buffer fits in a
+model call, a batch holds at least ``trainer.minibatches`` groups, and the trainer's PPO clip
+options are not set beside a correction that clips with its own (``cispo``, ``gspo``). What is
+only known at run time (a model's chat template, an engine that starts) is not checked here.
 """
 
 from __future__ import annotations
@@ -172,6 +173,31 @@ class Config(Section):
                 f"staleness.overlong_buffer = {s.overlong_buffer} exceeds sampling.max_tokens = "
                 f"{max_tokens}: every response would be penalized (the buffer is the last "
                 "tokens before max_tokens)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _minibatches_fit_the_batch(self) -> Config:
+        k, groups = self.trainer.minibatches, self.scheduler.groups_per_batch
+        if k > groups:
+            raise ValueError(
+                f"trainer.minibatches = {k}: a batch has scheduler.groups_per_batch = {groups} "
+                "groups and each minibatch takes whole groups; use at most that many"
+            )
+        surrogate = self.staleness.correction.type
+        unused = [
+            key
+            for key, value in (
+                ("clip_eps_high", self.trainer.clip_eps_high),
+                ("dual_clip_c", self.trainer.dual_clip_c),
+            )
+            if value is not None
+        ]
+        if surrogate in ("cispo", "gspo") and unused:
+            raise ValueError(
+                f"trainer.{unused[0]} clips the PPO-clip term; staleness.correction.type = "
+                f"{surrogate!r} trains with its own (set staleness.correction.clip_eps / "
+                "clip_eps_high instead)"
             )
         return self
 

@@ -93,7 +93,13 @@ class TrainerConfig(BaseModel):
     feed: FeedConfig = FeedConfig()
     """The batch feed of ``feed`` mode."""
     max_steps: int = Field(default=4, ge=1)
-    """Optimizer steps (= versions published after version 0)."""
+    """Trainer steps: batches trained, each published as one version after version 0."""
+    minibatches: int = Field(default=1, ge=1, le=1024)
+    """Optimizer steps per batch (AReaL's ``ppo_n_minibatches``): the batch's groups are split
+    into this many group-contiguous minibatches, each one AdamW step, against the proximal log
+    probs of the weights before the first; one version is published per batch. At most
+    ``scheduler.groups_per_batch``; when it does not divide the groups, the first minibatches
+    take one group more (docs/trainer.md#minibatches)."""
     lr: float = Field(default=2e-4, gt=0, le=1)
     """AdamW learning rate."""
     weight_decay: float = Field(default=0.0, ge=0)
@@ -112,7 +118,13 @@ class TrainerConfig(BaseModel):
     ``fixed_between_anchors`` recomputes them only at the versions the board must anchor,
     ``fresh`` at every version (docs/trainer.md)."""
     clip_eps: float = Field(default=0.2, gt=0, lt=1)
-    """PPO clip range."""
+    """PPO clip range: the ratio π_θ/π_prox is clipped to ``[1 − clip_eps, 1 + clip_eps_high]``
+    (the ``cispo`` and ``gspo`` corrections clip with their own bands)."""
+    clip_eps_high: float | None = Field(default=None, gt=0, le=10)
+    """Upper PPO clip range (DAPO's clip-higher, e.g. 0.28); unset: ``clip_eps``."""
+    dual_clip_c: float | None = Field(default=None, gt=1, le=100)
+    """Dual clip: a negative-advantage token's loss is at most ``−c·A`` (Ye et al. 2020; AReaL's
+    ``c_clip``, verl's ``clip_ratio_c``, e.g. 3); unset: off."""
     grad_clip: float = Field(default=1.0, gt=0)
     """Gradient norm clip."""
     device: Literal["cpu", "cuda"] = "cpu"

@@ -21,7 +21,15 @@ same correction:
   (``loss_agg``, ``normalizer``, ``dr_grpo_tokens``).
 
 :meth:`WireTensors.rows` takes a slice of the rows after the advantages were computed over the
-whole batch, so ranks that split a batch by rows keep GRPO's group statistics. Not covered:
+whole batch, so ranks that split a batch by rows keep GRPO's group statistics.
+
+Several optimizer steps per batch (the reference trainer's ``trainer.minibatches``) need nothing
+more from the protocol, which asks for one version per batch whatever happens in between: score
+the rows once without gradient before the first step (π_prox), take :func:`correction` over all of
+them, and give each step's ``policy_loss`` its rows of both (:meth:`WireTensors.rows`,
+:meth:`staleness.types.Corrected.rows`), as ``examples/torchrun_trainer.py --minibatches K``
+does. ``trainer.minibatches`` itself is the in-process trainer's and ``orchestrate train``'s; an
+external trainer takes its own setting. Not covered:
 splitting the loss normaliser across ranks; :func:`scored_logprobs` holds [B, T − 1, V] fp32
 logits at once (the reference trainer chunks them: ``trainer.logit_chunk_tokens``).
 """

@@ -1,12 +1,13 @@
 """The reference trainer's objective: the loss a micro-batch backpropagates, and a step's metrics.
 
-Composed from the pure loss math of :mod:`staleness` (steps 3–4 of :mod:`policies.train.trainer`):
+Composed from the pure loss math of :mod:`staleness` (step 3 of :mod:`policies.train.trainer`):
 the configured correction weights or masks each sampled token (π_prox = the weights before the
-step, μ = the engine's log probs); the loss is the PPO-clip policy term
+batch's first optimizer step, μ = the engine's log probs); the loss is the PPO-clip policy term
+(``trainer.clip_eps``, ``clip_eps_high``, ``dual_clip_c``; or the correction's surrogate)
 ``− entropy_coef · H(π_θ) + kl_coef · KL(π_θ ‖ π_ref)``, the KL over the kept tokens that π_ref's
 sampled set holds, all three aggregated alike by ``staleness.loss_agg`` with
 ``staleness.normalizer``. :func:`micro_batch_loss` gives a micro-batch's loss *sum* (denominator
-1: the step divides the summed gradients by the whole batch's normaliser once);
+1: the step divides the summed gradients by the minibatch's normaliser once);
 :func:`step_metrics` computes the terms over the whole batch, as the step reports them.
 
 Pure functions over tensors: the trainer owns the model, the forward passes and the optimizer.
@@ -22,6 +23,7 @@ from staleness.config import Correction, StalenessConfig
 from staleness.corrections import correct
 from staleness.loss import aggregate, kl_penalty, policy_loss
 from staleness.metrics import correction_metrics
+from staleness.types import Corrected
 
 
 def micro_batch_loss(
@@ -35,12 +37,20 @@ def micro_batch_loss(
     correction: Correction,
     config: TrainerConfig,
     staleness: StalenessConfig,
+    proximal: tuple[torch.Tensor, Corrected] | None = None,
 ) -> tuple[torch.Tensor, Scored]:
     """A micro-batch's loss sum, from π_θ's log probs ``logp`` and ``entropy`` (with grad) and
-    π_ref's ``logp_ref`` (None without a KL term), and its detached per-token values."""
+    π_ref's ``logp_ref`` (None without a KL term), and its detached per-token values.
+
+    ``proximal``: π_prox's log probs of these rows and the correction over them, computed before
+    the batch's first optimizer step (:class:`policies.train.passes.Proximal`); None: π_prox is
+    π_θ itself (one optimizer step per batch) and the rows are corrected here."""
     s, st = config, staleness
-    logp_prox = logp.detach()
-    corrected = correct(correction, logp_prox=logp_prox, logp_behav=behav, mask=mask)
+    if proximal is None:
+        logp_prox = logp.detach()
+        corrected = correct(correction, logp_prox=logp_prox, logp_behav=behav, mask=mask)
+    else:
+        logp_prox, corrected = proximal
     kept = corrected.mask
 
     def summed(values: torch.Tensor) -> torch.Tensor:
@@ -60,6 +70,8 @@ def micro_batch_loss(
         advantages,
         corrected,
         clip_eps=s.clip_eps,
+        clip_eps_high=s.clip_eps_high,
+        dual_clip_c=s.dual_clip_c,
         loss_agg=st.loss_agg,
         normalizer=st.normalizer,
         dr_grpo_tokens=st.dr_grpo_tokens,
@@ -74,7 +86,10 @@ def micro_batch_loss(
         excluded = int(outside.sum())
         kl = kl_penalty(logp, logp_ref, kept & ~outside, estimator=s.kl_estimator)
         loss = loss + s.kl_coef * summed(kl)
-    return loss, Scored(logp_prox, behav, mask, corrected, entropy.detach(), kl.detach(), excluded)
+    scored = Scored(
+        logp.detach(), logp_prox, behav, mask, corrected, entropy.detach(), kl.detach(), excluded
+    )
+    return loss, scored
 
 
 def step_metrics(
@@ -86,17 +101,20 @@ def step_metrics(
     staleness: StalenessConfig,
 ) -> dict[str, float]:
     """The step's loss terms over the whole batch (``loss``, ``loss_policy``, ``entropy``,
-    ``kl_ref``), the policy term's and the correction's metrics, and the tokens outside the
-    sampled set or left out of the KL."""
+    ``kl_ref``), the policy term's and the correction's metrics, and the tokens outside π_prox's
+    sampled set or left out of the KL. Each minibatch's values are those of the pass that took
+    its optimizer step: π_θ equals π_prox in the first, and drifts from it in the later ones
+    (``ratio_*``, ``clip_frac``)."""
     s, st = config, staleness
     kept = whole.corrected.mask
-    # π_θ equals π_prox in value before the update
     pg_loss, metrics = policy_loss(
         whole.logp,
-        whole.logp,
+        whole.logp_prox,
         advantages,
         whole.corrected,
         clip_eps=s.clip_eps,
+        clip_eps_high=s.clip_eps_high,
+        dual_clip_c=s.dual_clip_c,
         loss_agg=st.loss_agg,
         normalizer=st.normalizer,
         dr_grpo_tokens=st.dr_grpo_tokens,
@@ -120,12 +138,12 @@ def step_metrics(
         correction_metrics(
             correction,
             whole.corrected,
-            logp_prox=whole.logp,
+            logp_prox=whole.logp_prox,
             logp_behav=whole.behav,
             mask=whole.mask,
         )
     )
-    outside = whole.mask & torch.isneginf(whole.logp)
+    outside = whole.mask & torch.isneginf(whole.logp_prox)
     metrics.update(
         {
             "mismatch/outside_sampled_set": float(outside.sum()),

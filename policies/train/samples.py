@@ -39,6 +39,9 @@ class TrainSample:
     routed_experts: torch.Tensor | None = None
     """MoE: the experts positions ``0 .. R-1`` were routed to by the engine, ``[R, layers,
     top_k]`` int64 (``trainer.router_replay`` forces them); None: not reported."""
+    policy_versions: Sequence[tuple[int, int, int, int]] = ()
+    """Per segment ``(start_token, end_token, version_start, version_end)``, as the batch
+    protocol's: what the trainer's lag metrics count (empty: none reported)."""
 
     @classmethod
     def from_wire(cls, sample: BatchSample) -> TrainSample:
@@ -52,6 +55,7 @@ class TrainSample:
             routed_experts=None
             if sample.routed_experts is None
             else torch.from_numpy(decode_routing(sample.routed_experts)),
+            policy_versions=sample.policy_versions,
         )
 
     def __post_init__(self) -> None:

@@ -42,6 +42,7 @@ __all__ = [
     "check_head",
     "concat",
     "output_head",
+    "pad_cat",
     "sampled_logprobs",
     "score_chunked",
     "token_sampling",
@@ -162,9 +163,12 @@ def score_chunked(
 @dataclass
 class Scored:
     """One micro-batch's per-token values after its backward, detached, [rows, T-1] each, and the
-    tokens it left out of the KL term (outside π_ref's sampled set)."""
+    tokens it left out of the KL term (outside π_ref's sampled set). ``logp`` is π_θ's, the
+    weights that took the micro-batch's optimizer step; ``logp_prox`` π_prox's, the weights
+    before the batch's first (the same tensor with one minibatch)."""
 
     logp: torch.Tensor
+    logp_prox: torch.Tensor
     behav: torch.Tensor
     mask: torch.Tensor
     corrected: Corrected
@@ -173,25 +177,32 @@ class Scored:
     kl_excluded: int = 0
 
 
+def pad_cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[rows, T] tensors stacked by rows, each right-padded with 0 (False) to the widest."""
+    width = max(t.shape[1] for t in tensors)
+    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors])
+
+
 def concat(parts: Sequence[Scored]) -> Scored:
     """The micro-batches' values as one batch (rows in order, right-padded to the widest)."""
-    width = max(p.logp.shape[1] for p in parts)
-
-    def cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors])
-
+    first = parts[0].corrected
     corrected = Corrected(
-        weights=cat([p.corrected.weights for p in parts]),
-        mask=cat([p.corrected.mask for p in parts]),
-        valid=cat([p.mask if p.corrected.valid is None else p.corrected.valid for p in parts]),
+        weights=pad_cat([p.corrected.weights for p in parts]),
+        mask=pad_cat([p.corrected.mask for p in parts]),
+        valid=pad_cat([p.mask if p.corrected.valid is None else p.corrected.valid for p in parts]),
+        surrogate=first.surrogate,
+        log_rho=None
+        if first.log_rho is None
+        else pad_cat([p.corrected.log_rho for p in parts if p.corrected.log_rho is not None]),
     )
     return Scored(
-        logp=cat([p.logp for p in parts]),
-        behav=cat([p.behav for p in parts]),
-        mask=cat([p.mask for p in parts]),
+        logp=pad_cat([p.logp for p in parts]),
+        logp_prox=pad_cat([p.logp_prox for p in parts]),
+        behav=pad_cat([p.behav for p in parts]),
+        mask=pad_cat([p.mask for p in parts]),
         corrected=corrected,
-        entropy=cat([p.entropy for p in parts]),
-        kl=cat([p.kl for p in parts]),
+        entropy=pad_cat([p.entropy for p in parts]),
+        kl=pad_cat([p.kl for p in parts]),
         kl_excluded=sum(p.kl_excluded for p in parts),
     )
 

@@ -1,46 +1,48 @@
 """The reference trainer: GRPO with a PPO-clip loss, composed with a staleness correction.
 
-One :meth:`Trainer.step` per batch:
+One :meth:`Trainer.step` per batch, ``k = trainer.minibatches`` optimizer steps:
 
-1. recompute the current log probs of every sampled token with the trainer's weights, under the
-   distribution the engine sampled it from: its segment's temperature, top-k and top-p
-   (``TrainSample.sampling``, :mod:`policies.train.samples`; :mod:`policies.train.scoring`, a
-   chunk of tokens at a time, so no fp32 [tokens, vocab] tensor exists beyond
-   ``trainer.logit_chunk_tokens`` tokens);
-2. GRPO group-normalized advantages from the episode rewards (``staleness.loss.group_advantages``;
-   divided by the group std unless ``staleness.scale_rewards`` resolves to false, as for
-   ``dr_grpo``);
-3. the configured staleness correction weights/masks each token (π_prox = the weights before this
-   step, μ = the engine's log probs; ``staleness.corrections.correct``);
-4. loss = PPO-clip policy term (``staleness.loss.policy_loss``)
-   ``+ kl_coef · KL(π_θ ‖ π_ref)`` (``kl_penalty`` with ``kl_estimator``, π_ref = version 0, kept
-   frozen, scored with the same transforms; tokens outside its sampled set are left out)
-   ``− entropy_coef · H(π_θ)`` (full-vocabulary entropy of the distribution sampled from); all
-   three summed over the tokens the correction kept and aggregated alike, by
-   ``staleness.loss_agg`` with ``staleness.normalizer``. With ``trainer.micro_batch_tokens`` steps
-   1–4 run per micro-batch of consecutive samples, each backpropagating its loss *sum*; the
-   summed gradients are divided once by the whole batch's normaliser
-   (``staleness.loss.normaliser``), so the gradient is the unsplit batch's. Corrections are per
-   row (token or sequence level), so a micro-batch of whole rows computes them exactly
-   (steps 3–4: :mod:`policies.train.objective`);
-5. one AdamW step (fp32 or bf16 master weights) after clipping the global gradient norm;
-6. ``version += 1``; the checkpoint is written; the served view of the new version is published.
+1. GRPO group-normalized advantages from the episode rewards over the whole batch
+   (``staleness.loss.group_advantages``; divided by the group std unless
+   ``staleness.scale_rewards`` resolves to false, as for ``dr_grpo``);
+2. with ``k > 1`` (or a correction that is a batch statistic, ``m2po``, over several
+   micro-batches): π_prox, the log probs of every sampled token under the weights before the
+   batch's first step, scored once without gradient, and the correction over the whole batch
+   (:func:`policies.train.passes.proximal`); with ``k = 1`` π_prox is the training pass's own
+   log probs, detached, and no extra forward runs;
+3. the groups split into ``k`` group-contiguous minibatches (``passes.split_groups``); for each:
+   recompute π_θ's log probs of its sampled tokens under the distribution the engine sampled each
+   from (its segment's temperature, top-k and top-p; :mod:`policies.train.scoring`, a chunk of
+   ``trainer.logit_chunk_tokens`` tokens at a time); the correction weights/masks each token
+   (μ = the engine's log probs; ``staleness.corrections.correct``); loss = the policy term
+   against π_prox (``staleness.loss.policy_loss``: PPO-clip with ``clip_eps``,
+   ``clip_eps_high``, ``dual_clip_c``, or the correction's surrogate) ``+ kl_coef · KL(π_θ ‖
+   π_ref)`` (π_ref = version 0, frozen; tokens outside its sampled set left out) ``−
+   entropy_coef · H(π_θ)``, all three over the kept tokens and aggregated alike by
+   ``staleness.loss_agg`` with ``staleness.normalizer`` over the minibatch; with
+   ``trainer.micro_batch_tokens`` per micro-batch of consecutive samples, each backpropagating
+   its loss *sum*, the summed gradients divided once by the minibatch's normaliser
+   (:mod:`policies.train.objective`); one AdamW step (fp32 or bf16 masters) after clipping the
+   global gradient norm;
+4. ``version += 1``; the checkpoint is written; the served view of the new version is published.
 
-Version ``v`` is the number of optimizer steps taken.
+Version ``v`` is the number of batches trained (``k·v`` optimizer steps); a token ``L`` versions
+old trained in minibatch ``j`` is ``L·k + j`` optimizer steps behind (``lag_steps/*`` metrics).
 
 With ``trainer.lora`` set the model carries a fresh peft LoRA adapter and only the adapter is
 trained (the base weights stay frozen, bit for bit); each version's served view is the adapter,
 published through the board like any view (:mod:`policies.train.lora`).
 
-Checkpoints (when ``checkpoint_dir`` is set): after every step, one file ``trainer.pt`` holding the
-model state, the optimizer state, the torch CPU RNG state and the version, written to a temporary
-sibling, fsynced and renamed over the old one, so a crash loses at most the step in progress and
-never leaves a torn checkpoint (:mod:`policies.train.checkpoint`). The checkpoint is written
-*before* the version is published, so a resumed trainer is never behind the board;
-:meth:`Trainer.ensure_published` republishes the checkpointed version if the crash came between
-the two. ``resume=True`` restores the checkpoint if one exists; on CPU the resumed run is
-bit-identical to an uninterrupted one (same parameters and optimizer state, bit for bit, given the
-same batches).
+Checkpoints (when ``checkpoint_dir`` is set): after every batch (all ``k`` steps), one file
+``trainer.pt`` holding the model state, the optimizer state, the torch CPU RNG state and the
+version, written to a temporary sibling, fsynced and renamed over the old one, so a crash loses
+at most the batch in progress and never leaves a torn checkpoint
+(:mod:`policies.train.checkpoint`). The checkpoint is written *before* the version is published,
+so a resumed trainer is never behind the board; :meth:`Trainer.ensure_published` republishes the
+checkpointed version if the crash came between the two. ``resume=True`` restores the checkpoint
+if one exists and takes the interrupted batch again from its first minibatch; on CPU the resumed
+run is bit-identical to an uninterrupted one (same parameters and optimizer state, bit for bit,
+given the same batches).
 
 Not covered: CUDA RNG state (a CUDA resume is deterministic only as far as the kernels are),
 multi-GPU (FSDP), learning-rate schedules, and keeping more than the newest checkpoint. With bf16
@@ -60,29 +62,25 @@ from policies.board import Board, Manifest
 from policies.codec.digests import StorageKey, storage_key
 from policies.codec.views import ViewSpec, build_view, weight_sources
 from policies.errors import CheckpointError, ScoringError
-from policies.model.moe import replay_routing, routers
+from policies.model.moe import routers
 from policies.train.checkpoint import CHECKPOINT, restore_checkpoint, write_checkpoint
 from policies.train.config import TrainerConfig
 from policies.train.lora import adapter_view, with_lora
 from policies.train.objective import micro_batch_loss, step_metrics
-from policies.train.samples import (
-    TrainSample,
-    check_routing,
-    loss_targets,
-    micro_batches,
-    pad_batch,
-    routing_to_replay,
+from policies.train.passes import (
+    Layout,
+    Proximal,
+    lag_metrics,
+    layout,
+    proximal,
+    score,
+    split_groups,
 )
-from policies.train.scoring import (
-    Scored,
-    TokenSampling,
-    check_head,
-    concat,
-    output_head,
-    score_chunked,
-    token_sampling,
-)
+from policies.train.samples import TrainSample, check_routing, micro_batches
+from policies.train.scoring import Scored, check_head, concat
 from staleness.config import StalenessConfig
+from staleness.corrections import batch_level
+from staleness.errors import LagError
 from staleness.loss import group_advantages, normaliser
 
 log = structlog.get_logger(__name__)
@@ -245,40 +243,8 @@ class Trainer:
         log.info("trainer_resumed", version=self.version, checkpoint=str(path))
 
     # -- scoring -------------------------------------------------------------------------------
-    def _score(
-        self,
-        model: PreTrainedModel,
-        ids: torch.Tensor,
-        attn: torch.Tensor,
-        how: TokenSampling,
-        routed: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log probs [B, T-1] of tokens 1..T under the distribution each was sampled from (its
-        segment's transforms, ``how`` [B, T]) and that distribution's entropy; 0 on padding.
-        ``routed`` [B, T, layers, top_k]: the experts to route each position to (-1: the
-        router's own choice; :func:`policies.model.moe.replay_routing`)."""
-        if routed is None:
-            hidden = model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state
-        else:
-            with replay_routing(model, routed):
-                hidden = model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state
-        live = attn[:, 1:].bool()
-        logp, ent = score_chunked(
-            hidden[:, :-1][live],
-            output_head(model),
-            ids[:, 1:][live],
-            how[:, 1:].flat(live),
-            chunk_tokens=self.config.logit_chunk_tokens,
-        )
-        zeros = torch.zeros(live.shape, dtype=logp.dtype, device=logp.device)
-        return zeros.masked_scatter(live, logp), zeros.masked_scatter(live, ent)
-
-    def _sampling(self, samples: Sequence[TrainSample], width: int) -> TokenSampling:
-        rows = [s.sampling for s in samples]
-        return token_sampling(rows, width, self.sampling, self.config.device)
-
-    def _routing(self, samples: Sequence[TrainSample], width: int) -> torch.Tensor | None:
-        return routing_to_replay(samples, width, self.config.router_replay, self.config.device)
+    def _layout(self, samples: Sequence[TrainSample]) -> Layout:
+        return layout(samples, self.config, self.sampling)
 
     @torch.no_grad()
     def logprobs(self, samples: Sequence[TrainSample]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,50 +252,59 @@ class Trainer:
 
         For inspection (no gradient); :meth:`step` scores with gradients itself."""
         check_routing(samples, self.config.router_replay)
-        ids, attn = pad_batch(samples, self.config.device)
-        how, routed = self._sampling(samples, ids.shape[1]), self._routing(samples, ids.shape[1])
-        logp, _ = self._score(self.model, ids, attn, how, routed)
-        return logp, attn[:, 1:].bool()
+        lay = self._layout(samples)
+        logp, _ = score(self.model, lay, self.config.logit_chunk_tokens)
+        return logp, lay.attn[:, 1:].bool()
 
     # -- the update ----------------------------------------------------------------------------
-    def _backward(self, samples: Sequence[TrainSample], advantages: torch.Tensor) -> Scored:
-        """Forward and backward of one micro-batch's loss *sum* (the caller divides the summed
-        gradients by the whole batch's normaliser); returns its detached per-token values."""
-        ids, attn = pad_batch(samples, self.config.device)
-        how = self._sampling(samples, ids.shape[1])
-        routed = self._routing(samples, ids.shape[1])
-        mask, behav = loss_targets(samples, ids.shape[1] - 1, self.config.device)
-        logp, entropy = self._score(self.model, ids, attn, how, routed)
+    def _backward(
+        self,
+        samples: Sequence[TrainSample],
+        advantages: torch.Tensor,
+        rows: range,
+        prox: Proximal | None,
+    ) -> Scored:
+        """Forward and backward of the loss *sum* of the micro-batch ``rows`` of the batch (the
+        caller divides the summed gradients by the minibatch's normaliser); returns its detached
+        per-token values. ``prox``: π_prox of the batch (None: π_prox is this pass's π_θ)."""
+        samples, advantages = samples[rows.start : rows.stop], advantages[rows.start : rows.stop]
+        lay = self._layout(samples)
+        logp, entropy = score(self.model, lay, self.config.logit_chunk_tokens)
         logp_ref = None
         if self.reference is not None:
             with torch.no_grad():
-                logp_ref, _ = self._score(self.reference, ids, attn, how, routed)
+                logp_ref, _ = score(self.reference, lay, self.config.logit_chunk_tokens)
         loss, scored = micro_batch_loss(
             logp,
             entropy,
             logp_ref,
-            behav,
-            mask,
+            lay.behav,
+            lay.mask,
             advantages,
             correction=self.correction,
             config=self.config,
             staleness=self.staleness,
+            proximal=None if prox is None else prox.rows(rows, logp.shape[1]),
         )
         loss.backward()  # type: ignore[no-untyped-call]
         return scored
 
-    def _update(
-        self, samples: Sequence[TrainSample], advantages: torch.Tensor
-    ) -> tuple[Scored, int, float]:
-        """Accumulate the batch's gradient micro-batch by micro-batch, divide it once by the
-        whole batch's normaliser, clip its norm and step the optimizer; return the batch's
-        values, the number of micro-batches and the gradient norm before clipping."""
+    def _optimizer_step(
+        self,
+        samples: Sequence[TrainSample],
+        advantages: torch.Tensor,
+        rows: range,
+        prox: Proximal | None,
+    ) -> tuple[list[Scored], float]:
+        """One minibatch (``rows`` of the batch): accumulate its gradient micro-batch by
+        micro-batch, divide it once by its normaliser, clip its norm and step the optimizer;
+        return its micro-batches' values and the gradient norm before clipping."""
         st = self.staleness
         self.optimizer.zero_grad(set_to_none=True)
-        parts = [
-            self._backward([samples[i] for i in rows], advantages[rows.start : rows.stop])
-            for rows in micro_batches(samples, self.config.micro_batch_tokens)
-        ]
+        parts = []
+        for micro in micro_batches(samples[rows.start : rows.stop], self.config.micro_batch_tokens):
+            at = range(rows.start + micro.start, rows.start + micro.stop)
+            parts.append(self._backward(samples, advantages, at, prox))
         whole = concat(parts)
         den = normaliser(
             whole.corrected.mask,
@@ -343,15 +318,39 @@ class Trainer:
                 param.grad.div_(den)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         self.optimizer.step()
-        return whole, len(parts), float(grad_norm)
+        return parts, float(grad_norm)
+
+    def _update(
+        self, samples: Sequence[TrainSample], minibatches: Sequence[range], advantages: torch.Tensor
+    ) -> tuple[Scored, int, list[float]]:
+        """The batch's optimizer steps, one per minibatch, against π_prox; return the batch's
+        values, the number of micro-batches and each step's gradient norm before clipping."""
+        split = len(micro_batches(samples, self.config.micro_batch_tokens)) > 1
+        prox = None
+        if len(minibatches) > 1 or (batch_level(self.correction) and split):
+            prox = proximal(self.model, samples, self.correction, self.config, self.sampling)
+        parts: list[Scored] = []
+        norms = []
+        for rows in minibatches:
+            done, norm = self._optimizer_step(samples, advantages, rows, prox)
+            parts += done
+            norms.append(norm)
+        return concat(parts), len(parts), norms
 
     def step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
-        """One optimizer step on ``samples`` (group-contiguous), then publish version + 1."""
+        """``trainer.minibatches`` optimizer steps on ``samples`` (group-contiguous), then publish
+        version + 1."""
         s, st = self.config, self.staleness
         rewards = torch.tensor([sample.reward for sample in samples], device=s.device)
         advantages = group_advantages(rewards, self.group_size, normalize_std=st.scales_rewards)
         check_routing(samples, s.router_replay)
-        whole, micro, grad_norm = self._update(samples, advantages)
+        minibatches = split_groups(len(samples), self.group_size, s.minibatches)
+        try:
+            lags = lag_metrics(samples, minibatches, self.version)
+        except LagError as exc:  # stamps of another trainer's clock: train, without lag metrics
+            log.warning("trainer_lag_unknown", version=self.version, reason=str(exc))
+            lags = {}
+        whole, micro, norms = self._update(samples, minibatches, advantages)
         self.version += 1
         if self.checkpoint_path is not None:
             self.save_checkpoint()
@@ -360,10 +359,13 @@ class Trainer:
             whole, advantages, correction=self.correction, config=s, staleness=st
         )
         metrics.update(
-            grad_norm=grad_norm,
+            lags,
+            grad_norm=sum(norms) / len(norms),
+            grad_norm_max=max(norms),
             reward_mean=float(rewards.mean()),
             version_bytes=float(manifest.bytes),
             micro_batches=float(micro),
+            minibatches=float(len(minibatches)),
         )
         if s.router_replay:  # scored by the trainer's own routing: the engine reported none
             unrouted = sum(sample.routed_experts is None for sample in samples)

@@ -61,6 +61,33 @@ def test_demo_loop_two_steps(tmp_path: Path, tiny_model_dir: Path) -> None:
     assert not any(alive(p) for p in pids)
 
 
+def test_demo_loop_with_minibatches(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Two optimizer steps per batch against π_prox, M2PO's mask over the batch, clip-higher and
+    dual clip: one version per batch, each step's metrics with the lag in optimizer steps."""
+    flags = [
+        *("--trainer.max_steps", "2", "--trainer.minibatches", "2"),
+        *("--trainer.clip_eps_high", "0.28", "--trainer.dual_clip_c", "3"),
+        *("--staleness.correction", '{ type = "m2po", threshold = 0.04 }'),
+    ]
+    proc = subprocess.run(
+        orchestrate_cmd(tmp_path, tiny_model_dir, *flags),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "steps:     2" in proc.stdout
+    assert Board(str(tmp_path / "demo" / "board"), "demo").versions() == [0, 1, 2]
+    records = read_log(tmp_path / "demo" / "trajectories")
+    batches = [r for r in records if r["type"] == "batch"]
+    assert [b["produced_version"] for b in batches] == [1, 2]
+    for b in batches:
+        metrics = b["metrics"]
+        assert metrics["minibatches"] == 2.0
+        assert metrics["lag_steps/max"] >= metrics["lag_steps/minibatch_1"] >= 1.0
+    _assert_exactly_once(records)
+
+
 def test_sigint_shuts_everything_down(tmp_path: Path, tiny_model_dir: Path) -> None:
     proc = subprocess.Popen(
         orchestrate_cmd(tmp_path, tiny_model_dir, "--trainer.max_steps", "1000"),

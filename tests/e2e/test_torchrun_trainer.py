@@ -1,6 +1,7 @@
 """examples/torchrun_trainer.py, two gloo ranks on CPU (FSDP2 + the batch feed + the sharded
-publisher), trains a real run of ``orchestrate``; killed mid-run together with the orchestrator,
-both restart (``--checkpoint-dir``, ``run.resume``) and every batch is trained exactly once."""
+publisher), trains a real run of ``orchestrate`` for two steps, with one and two optimizer steps
+per batch; killed mid-run together with the orchestrator, both restart (``--checkpoint-dir``,
+``run.resume``) and every batch is trained exactly once."""
 
 from __future__ import annotations
 
@@ -49,8 +50,9 @@ def _feed_args(tmp_path: Path, steps: int) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("minibatches", [1, 2])
 def test_the_torchrun_example_trains_a_run_over_the_feed(
-    tmp_path: Path, tiny_model_dir: Path
+    tmp_path: Path, tiny_model_dir: Path, minibatches: int
 ) -> None:
     with contextlib.ExitStack() as stack:
         orch_log = stack.enter_context((tmp_path / "orch.log").open("w"))
@@ -62,7 +64,7 @@ def test_the_torchrun_example_trains_a_run_over_the_feed(
             text=True,
         )
         trainer = subprocess.Popen(
-            _trainer_cmd(tmp_path, tiny_model_dir, STEPS),
+            _trainer_cmd(tmp_path, tiny_model_dir, STEPS, "--minibatches", str(minibatches)),
             env=ENV,
             stdout=trainer_log,
             stderr=trainer_log,
@@ -86,6 +88,9 @@ def test_the_torchrun_example_trains_a_run_over_the_feed(
     batches = batch_records(tmp_path / "demo" / "trajectories")
     assert [b.produced_version for b in batches] == list(range(1, STEPS + 1))
     assert all("loss" in b.metrics and "clip_frac" in b.metrics for b in batches)  # the acks'
+    # the acks carry the last minibatch's ratios to π_prox: 1 with one step, moved with two
+    moved = [b.metrics["ratio_min"] < 1 or b.metrics["ratio_max"] > 1 for b in batches]
+    assert moved == [minibatches > 1] * STEPS
     acc = account(tmp_path / "demo")
     assert acc.ok, acc.problems
 

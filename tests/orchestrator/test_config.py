@@ -116,6 +116,21 @@ def test_external_trainer_needs_a_shared_board() -> None:
     assert cfg.board_url == "/tmp/b"
 
 
+def test_minibatches_fit_the_batch_and_surrogates_keep_their_own_clip() -> None:
+    cfg = load_config(None, {"scheduler.groups_per_batch": 3, "trainer.minibatches": 3})
+    assert cfg.trainer.minibatches == 3
+    with pytest.raises(ConfigError, match=r"trainer\.minibatches = 4: a batch has"):
+        load_config(None, {"scheduler.groups_per_batch": 3, "trainer.minibatches": 4})
+    gspo = {"staleness.correction.type": "gspo", "staleness.loss_agg": "seq_mean"}
+    assert load_config(None, gspo).staleness.correction.type == "gspo"
+    with pytest.raises(ConfigError, match=r"trainer\.dual_clip_c clips the PPO-clip term"):
+        load_config(None, {**gspo, "trainer.dual_clip_c": 3.0})
+    cispo = {"staleness.correction.type": "cispo", "trainer.clip_eps_high": 0.28}
+    with pytest.raises(ConfigError, match=r"trainer\.clip_eps_high clips"):
+        load_config(None, cispo)
+    assert load_config(None, {"trainer.clip_eps_high": 0.28, "trainer.dual_clip_c": 3.0})
+
+
 @pytest.mark.parametrize(
     "bench", ["codec", "engine", "sync", "sparsity", "router-replay", "scheduler", "async"]
 )

@@ -10,6 +10,9 @@ import pytest
 from pydantic import ValidationError
 
 from staleness.config import (
+    CISPO,
+    GSPO,
+    M2PO,
     DecoupledPPO,
     DropRule,
     MaskedIS,
@@ -58,6 +61,13 @@ def test_toml_layout_from_the_docs_parses() -> None:
         ('type = "decoupled_ppo"', DecoupledPPO(cap=None)),
         ('type = "decoupled_ppo"\ncap = 5.0', DecoupledPPO(cap=5.0)),
         ('type = "token_mask"\nc = 1.5', TokenMask(c=1.5)),
+        ('type = "m2po"', M2PO(threshold=0.04)),
+        ('type = "m2po"\nthreshold = 0.1', M2PO(threshold=0.1)),
+        ('type = "cispo"', CISPO(clip_eps=1.0, clip_eps_high=4.0, anchor="behaviour")),
+        (
+            'type = "cispo"\nanchor = "proximal"\nclip_eps = 0.2\nclip_eps_high = 0.28',
+            CISPO(anchor="proximal", clip_eps=0.2, clip_eps_high=0.28),
+        ),
     ],
 )
 def test_each_policy_parses(table: str, expected: object) -> None:
@@ -94,6 +104,30 @@ def test_loss_option_errors_name_the_key() -> None:
         StalenessConfig(loss_agg="dr_grpo")
     with pytest.raises(ValidationError, match="dr_grpo_tokens: only used"):
         StalenessConfig(dr_grpo_tokens=64)
+
+
+def test_gspo_parses_with_seq_mean_and_names_loss_agg_without() -> None:
+    cfg = _load('[staleness]\nloss_agg = "seq_mean"\n[staleness.correction]\ntype = "gspo"\n')
+    assert cfg.correction == GSPO(clip_eps=3e-4, clip_eps_high=4e-4)
+    with pytest.raises(ValidationError, match=r"loss_agg: correction\.type = 'gspo'.*'token_mean'"):
+        StalenessConfig(correction=GSPO())
+
+
+@pytest.mark.parametrize(
+    ("correction", "loc"),
+    [
+        ({"type": "m2po", "threshold": 0.0}, ("correction", "m2po", "threshold")),
+        ({"type": "cispo", "clip_eps": 1.5}, ("correction", "cispo", "clip_eps")),
+        ({"type": "cispo", "clip_eps_high": 0.0}, ("correction", "cispo", "clip_eps_high")),
+        ({"type": "cispo", "anchor": "old"}, ("correction", "cispo", "anchor")),
+        ({"type": "gspo", "clip_eps": 1.0}, ("correction", "gspo", "clip_eps")),
+    ],
+)
+def test_new_policy_bounds_name_the_key(
+    correction: dict[str, object], loc: tuple[str, ...]
+) -> None:
+    data = {"correction": correction, "loss_agg": "seq_mean"}
+    assert _error_locs(data) == [loc]
 
 
 def test_effective_drop_is_the_lag_budget_without_a_rule() -> None:
@@ -169,7 +203,8 @@ def test_mis_lower_must_be_below_one() -> None:
 
 
 def test_every_field_is_documented() -> None:
-    for model in (DropRule, NoCorrection, TruncatedIS, MaskedIS, DecoupledPPO, TokenMask):
+    models = (DropRule, NoCorrection, TruncatedIS, MaskedIS, DecoupledPPO, TokenMask)
+    for model in (*models, M2PO, CISPO, GSPO):
         for name, field in model.model_fields.items():
             assert field.description, f"{model.__name__}.{name} has no docstring"
     for name, field in StalenessConfig.model_fields.items():

@@ -13,6 +13,9 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from staleness.config import (
+    CISPO,
+    GSPO,
+    M2PO,
     Correction,
     DecoupledPPO,
     MaskedIS,
@@ -21,8 +24,13 @@ from staleness.config import (
     TruncatedIS,
 )
 from staleness.corrections import (
+    batch_level,
+    cispo,
     correct,
     decoupled_ppo,
+    gspo,
+    log_ratio,
+    m2po,
     masked_is,
     no_correction,
     nonfinite_tokens,
@@ -30,7 +38,7 @@ from staleness.corrections import (
     truncated_is,
 )
 from staleness.errors import ShapeError
-from staleness.types import Corrected
+from staleness.types import Corrected, Surrogate
 
 
 class Batch(TypedDict):
@@ -139,6 +147,9 @@ NONFINITE_POLICIES: list[Correction] = [
     DecoupledPPO(),
     DecoupledPPO(cap=2.0),
     TokenMask(c=2.0, reweight=True),
+    M2PO(threshold=0.01),
+    CISPO(),
+    GSPO(),
 ]
 
 
@@ -182,6 +193,37 @@ def test_token_mask_two_sided() -> None:
     _close(icepop.weights, [[2.0, 0.5, 0.0, 0.0, 1.0]])
 
 
+def test_m2po_masks_the_largest_squared_log_ratios_until_the_mean_is_below_threshold() -> None:
+    # (log ρ)² = 4, 1, 0.25, 0, 0, 0 over the batch (rows pooled): the means of the tails are
+    # 0.875, 0.25, ... → masking the 4 leaves a mean of 0.25 < 0.3
+    batch = _batch([[1.0, math.exp(-1), math.exp(-2)], [math.exp(0.5), 1.0, 1.0]])
+    out = m2po(0.3, **batch)
+    assert out.mask.tolist() == [[True, True, False], [True, True, True]]
+    _close(out.weights, [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    assert m2po(0.1, **batch).mask.tolist() == [[True, False, False], [True, True, True]]
+    # no tail's mean is below the threshold: every token but the smallest is masked, as AReaL
+    stale = _batch([[2.0, 0.5, 4.0]])
+    assert m2po(0.1, **stale).mask.tolist() == [[False, True, False]]
+    # a statistic of the batch: the same row is decided differently beside another
+    alone = m2po(0.3, **_batch([[1.0, math.exp(-1), math.exp(-2)]]))
+    assert alone.mask.tolist() == [[True, False, False]]
+    assert batch_level(M2PO())
+    assert not batch_level(TokenMask())
+
+
+def test_cispo_and_gspo_weight_nothing_and_name_their_term() -> None:
+    batch = _batch([[2.0, 0.5, 1.3]], [[True, True, False]])
+    for out in (cispo(CISPO(), **batch), gspo(GSPO(), **batch)):
+        assert out.mask.tolist() == [[True, True, False]]
+        _close(out.weights, [[1.0, 1.0, 0.0]])
+    behaviour = cispo(CISPO(clip_eps=0.5, clip_eps_high=2.0), **batch)
+    assert behaviour.surrogate == Surrogate("cispo", 0.5, 2.0)
+    assert behaviour.log_rho is not None
+    torch.testing.assert_close(behaviour.log_rho, log_ratio(**batch))
+    assert cispo(CISPO(anchor="proximal"), **batch).log_rho is None
+    assert gspo(GSPO(), **batch).surrogate == Surrogate("gspo", 3e-4, 4e-4)
+
+
 @pytest.mark.parametrize(
     "cfg",
     [
@@ -193,6 +235,9 @@ def test_token_mask_two_sided() -> None:
         DecoupledPPO(cap=2.0),
         DecoupledPPO(),
         TokenMask(c=1.5, reweight=True),
+        M2PO(threshold=0.1),
+        CISPO(anchor="proximal"),
+        GSPO(),
     ],
 )
 def test_correct_dispatches_to_the_policy(cfg: Correction) -> None:
@@ -209,8 +254,15 @@ def test_correct_dispatches_to_the_policy(cfg: Correction) -> None:
             want = decoupled_ppo(cfg.cap, **batch)
         case TokenMask():
             want = token_mask(cfg.c, reweight=cfg.reweight, **batch)
+        case M2PO():
+            want = m2po(cfg.threshold, **batch)
+        case CISPO():
+            want = cispo(cfg, **batch)
+        case GSPO():
+            want = gspo(cfg, **batch)
     torch.testing.assert_close(got.weights, want.weights)
     assert torch.equal(got.mask, want.mask)
+    assert got.surrogate == want.surrogate
 
 
 def test_shape_errors() -> None:
@@ -240,6 +292,11 @@ ALL_POLICIES: list[Correction] = [
     DecoupledPPO(cap=1.5),
     TokenMask(c=2.0),
     TokenMask(c=1.2, reweight=True),
+    M2PO(threshold=0.04),
+    M2PO(threshold=1e-6),
+    CISPO(),
+    CISPO(anchor="proximal"),
+    GSPO(),
 ]
 
 
@@ -268,6 +325,8 @@ def _bound(cfg: Correction) -> tuple[float, float]:
             return (0.0, cap) if cap is not None else (1.0, 1.0)
         case TokenMask(c=c, reweight=reweight):
             return (1 / c, c) if reweight else (1.0, 1.0)
+        case M2PO() | CISPO() | GSPO():
+            return 1.0, 1.0
 
 
 @settings(max_examples=60, deadline=None)
@@ -326,6 +385,18 @@ def test_on_policy_keeps_everything_at_weight_one(batch: Batch, cfg: Correction)
     assert torch.equal(out.mask, batch["mask"])
     expected = 0.7 if isinstance(cfg, TruncatedIS) and cfg.cap < 1 else 1.0
     torch.testing.assert_close(out.weights, batch["mask"].float() * expected)
+
+
+@pytest.mark.parametrize("cfg", [TruncatedIS(cap=1.5, level="sequence"), CISPO(), GSPO()], ids=str)
+def test_rows_of_a_batch_correction_are_the_correction_of_those_rows(cfg: Correction) -> None:
+    mask = [[True] * 3, [True, True, False], [True, False, False]]  # rows 1-2 fit in 2 columns
+    batch = _batch([[2.0, 0.5, 1.3], [1.1, 0.9, 5.0], [0.7, 1.0, 1.2]], mask)
+    part = correct(cfg, **batch).rows(slice(1, 3), 2)
+    alone = correct(cfg, **{k: v[1:3, :2] for k, v in batch.items()})  # type: ignore[misc]
+    assert torch.equal(part.mask, alone.mask)
+    torch.testing.assert_close(part.weights, alone.weights)
+    assert part.surrogate == alone.surrogate
+    assert (part.log_rho is None) == (alone.log_rho is None)
 
 
 def test_corrected_is_frozen() -> None:

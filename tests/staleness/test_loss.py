@@ -11,6 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from staleness.config import (
+    CISPO,
+    GSPO,
+    M2PO,
     Correction,
     DecoupledPPO,
     MaskedIS,
@@ -277,6 +280,7 @@ POLICIES: list[Correction] = [
     DecoupledPPO(cap=2.0),
     DecoupledPPO(),
     TokenMask(c=1.5, reweight=True),
+    M2PO(threshold=0.05),
 ]
 
 
@@ -419,7 +423,9 @@ def test_original_normalizer_keeps_per_token_gradients_of_kept_tokens() -> None:
     assert (grads["original"][0, 2:] == 0).all()
 
 
-@pytest.mark.parametrize("policy", [*POLICIES, TruncatedIS(cap=2.0), DecoupledPPO(cap=None)])
+@pytest.mark.parametrize(
+    "policy", [*POLICIES, TruncatedIS(cap=2.0), DecoupledPPO(cap=None), CISPO(), GSPO()]
+)
 @pytest.mark.parametrize("bad", [float("nan"), float("-inf"), float("inf")])
 def test_one_nonfinite_engine_logprob_is_masked_not_nan(policy: Correction, bad: float) -> None:
     """A NaN (or ±inf) engine log prob on a valid token leaves the loss and gradient finite and
