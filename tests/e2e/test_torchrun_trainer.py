@@ -7,7 +7,6 @@ import contextlib
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from orchestrator.record.trajlog import batch_records
 from policies.board import BoardReader
 from policies.serve.backends.base import free_port
 from tests.support.processes import orchestrate_cmd
+from tests.support.waiting import until_sync
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "torchrun_trainer.py"
@@ -54,10 +54,12 @@ def test_the_torchrun_example_trains_a_run_over_the_feed(
         )
         trainer = subprocess.Popen(trainer_cmd, env=env, stdout=trainer_log, stderr=trainer_log)
         try:
-            deadline = time.monotonic() + 600
-            while orch.poll() is None and time.monotonic() < deadline:  # fail fast if it dies
+
+            def orchestrator_done() -> bool:  # fails fast if the trainer dies
                 assert trainer.poll() in (None, 0), (tmp_path / "trainer.log").read_text()[-3000:]
-                time.sleep(0.5)
+                return orch.poll() is not None
+
+            until_sync(orchestrator_done, "the orchestrator's end", timeout_s=600, every_s=0.5)
             out, _ = orch.communicate(timeout=1)
             assert orch.returncode == 0, (tmp_path / "orch.log").read_text()[-3000:]
             assert trainer.wait(timeout=120) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
