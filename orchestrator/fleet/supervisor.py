@@ -38,7 +38,7 @@ from typing import Protocol
 
 import anyio
 import structlog
-from anyio.abc import TaskGroup
+from anyio.abc import TaskGroup, TaskStatus
 
 from orchestrator.errors import FleetError
 from orchestrator.loop.pool import Pool
@@ -114,13 +114,20 @@ class Supervisor:
         self._tg: TaskGroup | None = None
         self._tending: dict[str, tuple[anyio.CancelScope, list[Island]]] = {}
 
-    async def run(self, islands: Sequence[Island]) -> None:
+    async def run(
+        self,
+        islands: Sequence[Island],
+        *,
+        task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
         """Tend ``islands`` (one per launcher, already registered) until cancelled, and those
-        :meth:`add` ed meanwhile; raises FleetError once no endpoint is left to serve."""
+        :meth:`add` ed meanwhile; raises FleetError once no endpoint is left to serve. Started
+        with ``tg.start``, it returns once :meth:`add` may be called."""
         async with anyio.create_task_group() as tg:
             self._tg = tg
             for island in islands:
                 self._start_tending(island)
+            task_status.started()
             await anyio.sleep_forever()
 
     def add(self, endpoint: str, launch: Launch, island: Island) -> None:

@@ -7,7 +7,6 @@ import contextlib
 import json
 import signal
 import subprocess
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from orchestrator.record.accounting import account
 from orchestrator.record.trajlog import batch_records
 from policies.board import Board
 from tests.support.processes import orchestrate_cmd
+from tests.support.waiting import until_sync
 
 STEPS = 4
 
@@ -33,11 +33,14 @@ def _events(path: Path, kind: str) -> list[dict[str, object]]:
 
 def _wait_for(proc: subprocess.Popen[str], path: Path, kind: str, count: int) -> None:
     """Until ``proc`` logged ``count`` events of ``kind`` into ``path``."""
-    deadline = time.monotonic() + 300
-    while len(_events(path, kind)) < count:
+
+    def logged() -> bool:
+        if len(_events(path, kind)) >= count:
+            return True
         assert proc.poll() is None, path.read_text()[-3000:]
-        assert time.monotonic() < deadline, path.read_text()[-3000:]
-        time.sleep(0.05)
+        return False
+
+    until_sync(logged, f"{count} {kind} in {path}", timeout_s=300, every_s=0.05)
 
 
 @pytest.mark.slow

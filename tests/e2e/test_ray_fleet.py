@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from orchestrator.fleet.ray_cluster import ray_head
 from orchestrator.record.accounting import account
 from orchestrator.record.events import read_events
 from tests.support.processes import orchestrate_cmd
+from tests.support.waiting import until_sync
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -37,14 +37,20 @@ def _fleet(run_dir: Path, *args: str) -> dict[str, Any]:
 
 
 def _wait_for(
-    proc: subprocess.Popen[str], lines: list[str], needle: str, timeout_s: float = 300
+    proc: subprocess.Popen[str],
+    lines: list[str],
+    needle: str,
+    *,
+    after: int = 0,
+    timeout_s: float = 300,
 ) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        if any(needle in line for line in list(lines)):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"no {needle!r} in the run's log: {''.join(lines[-20:])}")
+    """Until the run logs ``needle`` (in a line past the first ``after``)."""
+
+    def logged() -> bool:
+        assert proc.poll() is None, f"the run ended: {''.join(lines[-20:])}"
+        return any(needle in line for line in lines[after:])
+
+    until_sync(logged, f"{needle!r} in the run's log", timeout_s=timeout_s, every_s=0.2)
 
 
 def test_islands_on_ray_are_replaced_and_scaled_during_a_run(
@@ -83,7 +89,7 @@ def test_islands_on_ray_are_replaced_and_scaled_during_a_run(
             assert [(i["id"], i["state"]) for i in three] == serving
             one = _fleet(run_dir, "scale", "1", "--wait")["islands"]
             assert [i["id"] for i in one] == ["ray-0"]
-            time.sleep(3)  # a little of the run on one island
+            _wait_for(proc, lines, '"trainer_step"', after=len(lines))  # a step on one island
         finally:
             proc.send_signal(signal.SIGINT)
             out, _ = proc.communicate(timeout=180)

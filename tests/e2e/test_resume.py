@@ -23,6 +23,7 @@ from orchestrator.record.frames import parts, scan_frames
 from orchestrator.record.trajlog import batch_records, episode_records
 from policies.board import Board
 from tests.support.processes import external_trainer_args, orchestrate_cmd
+from tests.support.waiting import until_sync
 
 
 def _orchestrate(tmp_path: Path, model_dir: Path, *extra: str, train: bool = False) -> list[str]:
@@ -94,8 +95,7 @@ def _summary(stdout: str) -> dict[str, int]:
 
 
 def _gone(pids: list[int]) -> bool:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    def none_alive() -> bool:
         alive = []
         for pid in pids:
             try:
@@ -103,10 +103,12 @@ def _gone(pids: list[int]) -> bool:
                 alive.append(pid)
             except ProcessLookupError:
                 pass
-        if not alive:
-            return True
-        time.sleep(0.2)
-    return False
+        return not alive
+
+    try:
+        return until_sync(none_alive, f"{pids} gone", timeout_s=30, every_s=0.2)
+    except AssertionError:
+        return False
 
 
 @pytest.mark.slow
@@ -234,10 +236,10 @@ def test_an_external_trainer_killed_mid_run_resumes_from_its_checkpoint(
 
 
 def _wait_for(path: Path, marker: str) -> None:
-    deadline = time.monotonic() + 300
-    while marker not in path.read_text():
-        assert time.monotonic() < deadline, path.read_text()[-3000:]
-        time.sleep(0.2)
+    try:
+        until_sync(lambda: marker in path.read_text(), marker, timeout_s=300, every_s=0.2)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {path.read_text()[-3000:]}") from None
 
 
 @pytest.mark.slow

@@ -7,13 +7,13 @@ import re
 import shlex
 import shutil
 import subprocess
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 
 from tests.support.processes import orchestrate_cmd
+from tests.support.waiting import until_sync
 
 pytestmark = [
     pytest.mark.slow,
@@ -56,19 +56,20 @@ def test_a_run_in_a_real_terminal_shows_one_clean_view_that_becomes_the_summary(
     subprocess.run(
         ["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "45", shell], check=True
     )
+    seen_view = False
+
+    def done() -> bool:
+        """Whether the run is done; every screen on the way is checked (a sample every 0.3 s)."""
+        nonlocal seen_view
+        screen = _pane(session)
+        headers = [ln for ln in screen if HEADER.match(ln)]
+        assert len(headers) <= 1, "\n".join(screen)  # a stale frame's header
+        assert _inside_the_view(screen) == [], "\n".join(screen)
+        seen_view = seen_view or bool(headers)
+        return any(DONE in ln for ln in screen)
+
     try:
-        seen_view = False
-        deadline = time.monotonic() + 600
-        while True:
-            screen = _pane(session)
-            headers = [ln for ln in screen if HEADER.match(ln)]
-            assert len(headers) <= 1, "\n".join(screen)  # a stale frame's header
-            assert _inside_the_view(screen) == [], "\n".join(screen)
-            seen_view = seen_view or bool(headers)
-            if any(DONE in ln for ln in screen):
-                break
-            assert time.monotonic() < deadline, "\n".join(screen)
-            time.sleep(0.3)
+        until_sync(done, "the run's end in the terminal", timeout_s=600, every_s=0.3)
         final = _pane(session)
         everything = _pane(session, history=True)
     finally:

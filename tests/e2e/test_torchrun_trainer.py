@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 from typing import IO
@@ -26,6 +25,7 @@ from orchestrator.record.trajlog import batch_records
 from policies.board import BoardReader
 from policies.serve.backends.base import free_port
 from tests.support.processes import orchestrate_cmd
+from tests.support.waiting import until_sync
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "torchrun_trainer.py"
@@ -70,10 +70,12 @@ def test_the_torchrun_example_trains_a_run_over_the_feed(
             stderr=trainer_log,
         )
         try:
-            deadline = time.monotonic() + 600
-            while orch.poll() is None and time.monotonic() < deadline:  # fail fast if it dies
+
+            def orchestrator_done() -> bool:  # fails fast if the trainer dies
                 assert trainer.poll() in (None, 0), (tmp_path / "trainer.log").read_text()[-3000:]
-                time.sleep(0.5)
+                return orch.poll() is not None
+
+            until_sync(orchestrator_done, "the orchestrator's end", timeout_s=600, every_s=0.5)
             out, _ = orch.communicate(timeout=1)
             assert orch.returncode == 0, (tmp_path / "orch.log").read_text()[-3000:]
             assert trainer.wait(timeout=120) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
@@ -108,11 +110,12 @@ def _lines(path: Path, event: str, key: str = "event") -> list[dict[str, object]
 
 def _wait_for(proc: subprocess.Popen[str], path: Path, event: str, **fields: object) -> None:
     """Until ``proc`` wrote a JSON line of ``event`` with ``fields`` into ``path``."""
-    deadline = time.monotonic() + 300
-    while not any(fields.items() <= r.items() for r in _lines(path, event)):
+
+    def written() -> bool:
         assert proc.poll() is None, path.read_text()[-3000:]
-        assert time.monotonic() < deadline, path.read_text()[-3000:]
-        time.sleep(0.05)
+        return any(fields.items() <= r.items() for r in _lines(path, event))
+
+    until_sync(written, f"{event} {fields} in {path.name}", timeout_s=300, every_s=0.05)
 
 
 def _tree(proc: subprocess.Popen[str]) -> list[psutil.Process]:

@@ -72,8 +72,8 @@ class Toy(Environment):
 
     @tool
     async def sleepy(self) -> str:
-        """Sleeps too long."""
-        await anyio.sleep(5)
+        """Never answers (a hung tool)."""
+        await anyio.sleep_forever()
         return "late"
 
     @tool
@@ -182,7 +182,8 @@ async def test_tool_timeout_and_output_cap_and_call_cap() -> None:
     env = Toy(EnvConfig(max_tool_output_chars=100, max_tool_calls_per_turn=2))
     env.tool_timeout_s = 0.05
     text = _call("sleepy") + _call("shout", text="ab") + _call("add", a=1)
-    played = await play(env, env.tasks()[0], [text])
+    with anyio.fail_after(10):  # a tool timeout that did not hold would hang here
+        played = await play(env, env.tasks()[0], [text])
     sleepy, shout, capped = (m["content"] for m in played.replies[0].messages)
     assert "timed out after 0.05s (timeouts.tool_s)" in sleepy
     assert shout.startswith("ab" * 50)

@@ -22,6 +22,7 @@ from sandbox.errors import SandboxRequestError, SandboxUnavailableError
 from sandbox.pool import SandboxPool
 from sandbox.types import ExecResult, SandboxConfig
 from tests.support.sandbox import verdict
+from tests.support.waiting import until
 
 TIGHT = SandboxConfig(
     wall_seconds=2,
@@ -40,6 +41,19 @@ def pool() -> SandboxPool:
         return SandboxPool(TIGHT)
     except SandboxUnavailableError as exc:
         pytest.skip(f"bubblewrap cannot run here: {exc}")
+
+
+def _sleeps(marker: str) -> list[int]:
+    """Host ``sleep`` processes given ``marker`` (not the shell or sandbox that started them)."""
+    found = []
+    for pid in host_pids_with(marker):
+        try:
+            argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+        except OSError:  # gone meanwhile
+            continue
+        if Path(argv0.decode()).name == "sleep":
+            found.append(pid)
+    return found
 
 
 def host_pids_with(marker: str) -> list[int]:
@@ -433,8 +447,10 @@ async def test_no_leftover_processes_after_normal_exit_or_cancel(pool: SandboxPo
     assert result.ok
     assert result.stdout == "started\n"
     assert host_pids_with(marker) == []
-    with anyio.move_on_after(0.5):
-        await pool.run(["sh", "-c", f"sleep {marker} & sleep {marker}"])
+    async with anyio.create_task_group() as tg:  # cancelled while both of its sleeps run
+        tg.start_soon(pool.run, ["sh", "-c", f"sleep {marker} & sleep {marker}"])
+        await until(lambda: len(_sleeps(marker)) == 2, "both sleeps running")
+        tg.cancel_scope.cancel()
     assert host_pids_with(marker) == []
 
 

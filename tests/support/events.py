@@ -20,6 +20,7 @@ from orchestrator.types import (
 )
 from policies.wire.lane import GenerateRequest, VersionBounds
 from tests.support.fakes import ScriptedTransport
+from tests.support.waiting import elapse
 
 
 def bounded_request(lo: int | None, hi: int | None = None) -> GenerateRequest:
@@ -51,7 +52,7 @@ def pool_run(directory: Path, also: EventSink | None = None) -> ScriptedTranspor
         rng = random.Random(0)
 
         async def call(i: int) -> None:
-            await anyio.sleep(rng.random() * 0.2)
+            await elapse(rng.random() * 0.2)
             lo = rng.choice([None, 0, 1, 1, 2])
             with contextlib.suppress(EndpointError):
                 await pool.generate(
@@ -59,9 +60,9 @@ def pool_run(directory: Path, also: EventSink | None = None) -> ScriptedTranspor
                 )
 
         async def fleet_moves() -> None:
-            await anyio.sleep(0.1)
+            await elapse(0.1)
             t.versions["d"] = None  # d stops serving without telling the pool → 409s
-            await anyio.sleep(0.1)
+            await elapse(0.1)
             t.versions["a"] = t.versions["b"] = 2  # a new version lands
             await pool.refresh_all()
 

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from policies.board import Board
 from policies.serve.backends.standalone import serve_sidecar
+from tests.support.waiting import until
 
 
 @asynccontextmanager
@@ -66,11 +67,11 @@ async def policy(url: str) -> dict[str, Any]:
 
 async def wait_version(url: str, version: int, timeout_s: float = 20.0) -> None:
     """Until the sidecar serves ``version``."""
-    with anyio.fail_after(timeout_s):
-        while True:
-            if (await policy(url))["applied_version"] == version:
-                return
-            await anyio.sleep(0.02)
+
+    async def applied() -> bool:
+        return bool((await policy(url))["applied_version"] == version)
+
+    await until(applied, f"{url} serving version {version}", timeout_s=timeout_s)
 
 
 async def metric(url: str, name: str) -> float:
@@ -83,8 +84,9 @@ async def metric(url: str, name: str) -> float:
 
 
 async def wait_metric(url: str, name: str, at_least: float, timeout_s: float = 20.0) -> None:
-    with anyio.fail_after(timeout_s):
-        while True:
-            if await metric(url, name) >= at_least:
-                return
-            await anyio.sleep(0.02)
+    """Until the sidecar's ``name`` is at least ``at_least``."""
+
+    async def reached() -> bool:
+        return await metric(url, name) >= at_least
+
+    await until(reached, f"{name} >= {at_least:g}", timeout_s=timeout_s)

@@ -23,7 +23,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import IO
 import fsspec
 
 from tests.support.s3 import KEY, SECRET
+from tests.support.waiting import until_sync
 
 BUCKET = "sprawl"
 """The bucket made at the first start."""
@@ -149,10 +149,11 @@ class Weed:
             **self.options(),
             config_kwargs={"connect_timeout": 1, "read_timeout": 2, "retries": {"max_attempts": 1}},
         )
-        deadline = time.monotonic() + START_S
         probe = f"{BUCKET}/.ready-{self.starts}"
         error: Exception | None = None
-        while time.monotonic() < deadline:
+
+        def ready() -> bool:
+            nonlocal error
             assert self.proc is not None
             if self.proc.poll() is not None:
                 raise RuntimeError(
@@ -163,12 +164,16 @@ class Weed:
                 fs.pipe_file(probe, b"ready")
                 if fs.cat_file(probe) == b"ready":
                     fs.rm_file(probe)
-                    return
+                    return True
             except Exception as exc:  # not up yet: connection refused, 5xx, no volume yet
                 error = exc
-            time.sleep(0.05)
-        self.kill()
-        raise RuntimeError(f"weed not ready after {START_S} s: {error!r}")
+            return False
+
+        try:
+            until_sync(ready, "weed serving S3", timeout_s=START_S, every_s=0.05)
+        except AssertionError:
+            self.kill()
+            raise RuntimeError(f"weed not ready after {START_S} s: {error!r}") from None
 
     def kill(self) -> None:
         """SIGKILL the server and its process group, and wait for it."""

@@ -124,7 +124,10 @@ class FakeSGLang:
     """The scripted engine; ``calls`` holds (path, body, start, end) for every request."""
 
     context_len: int = 512
-    delay: float = 0.0
+    hold: anyio.Event | None = None
+    """Set, every ``/generate`` waits for it: the test decides how long a generation lasts."""
+    generating: int = 0
+    """``/generate`` requests at the engine now."""
     tokens: list[int] = field(default_factory=lambda: [7, 8, 9])
     sampling_logprobs: bool = True
     fail_updates: int = 0
@@ -189,7 +192,12 @@ class FakeSGLang:
         unknown = set(params) - SAMPLING_FIELDS
         if unknown:
             return web.json_response({"error": {"message": f"unknown {unknown}"}}, status=400)
-        await anyio.sleep(self.delay)
+        self.generating += 1
+        try:
+            if self.hold is not None:
+                await self.hold.wait()
+        finally:
+            self.generating -= 1
         ids = self.tokens[: params["max_new_tokens"]]
         meta: dict[str, Any] = {
             "id": "rid",

@@ -7,10 +7,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
+
+from tests.support.waiting import until_sync
 
 
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux's setpriv")
@@ -23,11 +24,9 @@ def test_a_sigkilled_guard_takes_its_command_with_it() -> None:
         start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 30
-        while not (children := psutil.Process(guard.pid).children()):
-            assert time.monotonic() < deadline, "the guard never started its command"
-            time.sleep(0.05)
-        (command,) = children
+        (command,) = until_sync(
+            psutil.Process(guard.pid).children, "the guard's command", timeout_s=30
+        )
         os.kill(guard.pid, signal.SIGKILL)
         guard.wait(timeout=10)
         command.wait(timeout=10)  # psutil.TimeoutExpired if it outlived the guard

@@ -31,6 +31,7 @@ from staleness.config import NoCorrection, StalenessConfig
 from tests.support.boards import publish_scaled, tiny_board
 from tests.support.models import model_copy
 from tests.support.s3 import SECRET, moto_server, s3_options
+from tests.support.waiting import until
 
 ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -50,9 +51,23 @@ async def _policy(url: str, token: str | None) -> tuple[int, dict[str, object]]:
 
 
 async def _until_applied(url: str, token: str | None, version: int) -> None:
-    with anyio.fail_after(180):
-        while (await _policy(url, token))[1]["applied_version"] != version:  # noqa: ASYNC110
-            await anyio.sleep(0.5)
+    async def applied() -> bool:
+        return (await _policy(url, token))[1]["applied_version"] == version
+
+    await until(applied, f"{url} serving version {version}", timeout_s=180, every_s=0.5)
+
+
+async def _until_gone(url: str, token: str | None, timeout_s: float) -> None:
+    """Until ``url`` refuses connections (its engine went with its actor)."""
+
+    async def gone() -> bool:
+        try:
+            await _policy(url, token)
+        except aiohttp.ClientError:
+            return True
+        return False
+
+    await until(gone, f"{url} gone", timeout_s=timeout_s, every_s=0.5)
 
 
 async def test_an_island_serves_the_board_and_a_killed_actor_is_down(
@@ -78,13 +93,7 @@ async def test_an_island_serves_the_board_and_a_killed_actor_is_down(
     with anyio.fail_after(20):
         down = await island.down()
     assert "ray-0: its actor died" in down.reason
-    with anyio.fail_after(30):  # the engine went with its actor
-        while True:
-            try:
-                await _policy(island.ref.url, island.ref.token)
-            except aiohttp.ClientError:
-                break
-            await anyio.sleep(0.5)
+    await _until_gone(island.ref.url, island.ref.token, timeout_s=30)
 
 
 async def test_resources_no_node_has_are_named(cluster: RayHead, tmp_path: Path) -> None:
@@ -166,13 +175,7 @@ async def test_a_vllm_island_on_ray_serves_takes_a_patch_and_goes_with_its_actor
     publish_scaled(board, 1, small, scale=0.5)
     await _until_applied(url, token, 1)
     await anyio.to_thread.run_sync(ray.kill, island.actor)
-    with anyio.fail_after(60):  # the sidecar and vLLM went with their actor
-        while True:
-            try:
-                await _policy(url, token)
-            except aiohttp.ClientError:
-                break
-            await anyio.sleep(0.5)
+    await _until_gone(url, token, timeout_s=60)  # the sidecar and vLLM went with their actor
 
 
 async def test_an_island_of_a_lora_run_on_ray_serves_each_adapter_version_on_the_base_model(

@@ -25,6 +25,7 @@ from orchestrator.loop.admin import serve_admin
 from orchestrator.loop.pool import Pool
 from tests.support.fakes import ScriptedTransport
 from tests.support.islands import Events, Fleet
+from tests.support.waiting import elapse
 
 pytestmark = pytest.mark.anyio
 IDS = [f"ray-{i}" for i in range(6)]
@@ -62,9 +63,8 @@ async def _scaler(
         events=events,
     )
     async with anyio.create_task_group() as tg:
-        tg.start_soon(supervisor.run, first)
+        await tg.start(supervisor.run, first)  # the scaler adds islands to a running supervisor
         tg.start_soon(scaler.run)
-        await anyio.sleep(0.1)
         yield scaler, fleet, events
         tg.cancel_scope.cancel()
 
@@ -80,13 +80,13 @@ def _states(scaler: Scaler) -> list[tuple[str, str]]:
 async def test_islands_added_get_new_ids_join_the_pool_and_are_supervised() -> None:
     async with _scaler(1) as (scaler, fleet, events):
         assert scaler.scale(3)["target"] == 3
-        await anyio.sleep(1)
+        await elapse(1)
         assert _states(scaler) == [("ray-0", "serving"), ("ray-1", "serving"), ("ray-2", "serving")]
         assert [e for e in ("ray-1", "ray-2") if fleet.in_rotation(e)] == ["ray-1", "ray-2"]
         fleet.current["ray-2"].die()  # an added island is supervised like the first ones
-        await anyio.sleep(0.5)
+        await elapse(0.5)
         assert _states(scaler)[2] == ("ray-2", "restarting")
-        await anyio.sleep(2)
+        await elapse(2)
         assert fleet.in_rotation("ray-2")
         assert fleet.launches["ray-2"] == 2
     assert events.kinds() == [
@@ -99,7 +99,7 @@ async def test_removal_takes_the_newest_first_and_drains_before_it_stops() -> No
         ep = scaler.pool.endpoints["ray-2"]
         ep.outstanding = 1  # a call in flight there
         scaler.scale(1)
-        await anyio.sleep(0.5)
+        await elapse(0.5)
         # both out of rotation at once; ray-1 (idle) is stopped, ray-2 waits for its call
         assert not fleet.in_rotation("ray-1")
         assert not fleet.in_rotation("ray-2")
@@ -107,11 +107,11 @@ async def test_removal_takes_the_newest_first_and_drains_before_it_stops() -> No
         assert not _stopped(fleet, "ray-2")
         assert _states(scaler) == [("ray-0", "serving"), ("ray-2", "draining")]
         ep.outstanding = 0
-        await anyio.sleep(0.5)
+        await elapse(0.5)
         assert _stopped(fleet, "ray-2")
         assert _states(scaler) == [("ray-0", "serving")]
         fleet.current["ray-2"].die()  # a removed island is not restarted
-        await anyio.sleep(5)
+        await elapse(5)
         assert fleet.launches["ray-2"] == 1
         removed = [f for _, k, f in events.seen if k == "island_removed"]
         assert sorted((f["endpoint"], f["drained"]) for f in removed) == [
@@ -123,9 +123,9 @@ async def test_a_call_that_outlasts_the_drain_timeout_is_left_to_fail_over() -> 
     async with _scaler(2, drain_timeout_s=3.0) as (scaler, fleet, events):
         scaler.pool.endpoints["ray-1"].outstanding = 1  # never finishes
         scaler.scale(1)
-        await anyio.sleep(2.5)
+        await elapse(2.5)
         assert not _stopped(fleet, "ray-1")
-        await anyio.sleep(1)
+        await elapse(1)
         assert _stopped(fleet, "ray-1")
         [removed] = [f for _, k, f in events.seen if k == "island_removed"]
         assert removed == {"endpoint": "ray-1", "drained": False}
@@ -135,30 +135,32 @@ async def test_an_island_that_cannot_start_is_an_event_and_is_not_retried() -> N
     async with _scaler(1) as (scaler, fleet, events):
         fleet.fail["ray-1"] = 1
         scaler.scale(2)
-        await anyio.sleep(5)
+        await elapse(5)
         assert _states(scaler) == [("ray-0", "serving")]
         assert fleet.launches.get("ray-1", 0) == 0  # the launch raised before an island
         [failed] = [f for _, k, f in events.seen if k == "island_start_failed"]
         assert failed["endpoint"] == "ray-1"
         assert "exited before it was ready" in failed["error"]
         scaler.scale(2)  # asking again tries a new island
-        await anyio.sleep(1)
+        await elapse(1)
         assert _states(scaler) == [("ray-0", "serving"), ("ray-2", "serving")]
 
 
 async def test_an_island_removed_while_it_restarts_is_not_started_again() -> None:
     async with _scaler(2) as (scaler, fleet, _):
         fleet.current["ray-1"].die()
-        await anyio.sleep(0.5)  # within its 1 s backoff
+        await elapse(0.5)  # within its 1 s backoff
         scaler.scale(1)
-        await anyio.sleep(5)
+        await elapse(5)
         assert fleet.launches["ray-1"] == 1
         assert _states(scaler) == [("ray-0", "serving")]
 
 
-def _args(url: str, action: str, islands: int | None = None) -> argparse.Namespace:
+def _args(
+    url: str, action: str, islands: int | None = None, wait: bool = False
+) -> argparse.Namespace:
     return argparse.Namespace(
-        orchestrator=url, token=None, action=action, islands=islands, wait=False, wait_s=5.0
+        orchestrator=url, token=None, action=action, islands=islands, wait=wait, wait_s=20.0
     )
 
 
@@ -178,8 +180,7 @@ async def test_the_admin_api_scales_the_islands(tmp_path: Path) -> None:
         )
         asked = await _call(_args(str(tmp_path), "scale", 2))
         assert asked["target"] == 2
-        await anyio.sleep(0.5)
-        state = await _call(_args(str(tmp_path), "up", 2))
+        state = await _call(_args(str(tmp_path), "up", 2, wait=True))  # until both serve
         assert [i["state"] for i in state["islands"]] == ["serving", "serving"]
         assert (await _call(_args(str(tmp_path), "down", 0)))["target"] == 0
         with pytest.raises(SprawlError, match=r"HTTP 400: islands: Input should be greater"):

@@ -15,6 +15,7 @@ from orchestrator.loop.pool import Pool
 from orchestrator.observe.metrics import RunMetrics, Tee
 from tests.support.fakes import ScriptedTransport
 from tests.support.islands import Events, Fleet
+from tests.support.waiting import elapse
 
 pytestmark = pytest.mark.anyio
 
@@ -54,13 +55,13 @@ async def test_a_dead_engine_leaves_rotation_first_and_comes_back_under_its_id()
     first = fleet.current["engine-0"]
     async with anyio.create_task_group() as tg:
         tg.start_soon(supervisor.run, list(fleet.current.values()))
-        await anyio.sleep(10)
+        await elapse(10)
         t_death = anyio.current_time()
         first.die(-9)
-        await anyio.sleep(0.5)  # the supervisor has seen the exit; the backoff is 1 s
+        await elapse(0.5)  # the supervisor has seen the exit; the backoff is 1 s
         assert not fleet.in_rotation("engine-0")  # no new call goes there, before any restart
         assert fleet.in_rotation("engine-1")
-        await anyio.sleep(5)
+        await elapse(5)
         tg.cancel_scope.cancel()
 
     # stopped (reaped) while already out of rotation, relaunched after the first backoff
@@ -92,7 +93,7 @@ async def test_restarts_are_bounded_with_a_doubling_backoff_and_the_run_goes_on(
     async with anyio.create_task_group() as tg:
         tg.start_soon(supervisor.run, list(fleet.current.values()))
         fleet.current["engine-0"].die(1)
-        await anyio.sleep(60)
+        await elapse(60)
         assert fleet.in_rotation("engine-1")  # the other endpoint keeps serving
         tg.cancel_scope.cancel()
 
@@ -134,11 +135,11 @@ async def test_an_engine_whose_health_checks_keep_failing_is_replaced() -> None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(pool.watch)
         tg.start_soon(supervisor.run, list(fleet.current.values()))
-        await anyio.sleep(0.5)
+        await elapse(0.5)
         transport.dead.add("engine-0")  # alive, answers nothing: checks at 1, 2, 3, 4 fail
-        await anyio.sleep(4.0)
+        await elapse(4.0)
         transport.dead.discard("engine-0")  # answers again before unhealthy_s (5 s)
-        await anyio.sleep(10)
+        await elapse(10)
         tg.cancel_scope.cancel()
     assert events.kinds() == []  # left alone
     assert fleet.in_rotation("engine-0")
@@ -149,7 +150,7 @@ async def test_an_engine_whose_health_checks_keep_failing_is_replaced() -> None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(pool.watch)
         tg.start_soon(supervisor.run, list(fleet.current.values()))
-        await anyio.sleep(7.5)
+        await elapse(7.5)
         tg.cancel_scope.cancel()
     assert hung.stopped  # killed, though it never exited
     died = events.seen[0]
@@ -166,10 +167,10 @@ async def test_an_endpoint_the_user_removed_is_restarted_but_left_out_of_rotatio
     async with anyio.create_task_group() as tg:
         tg.start_soon(pool.watch)
         tg.start_soon(supervisor.run, list(fleet.current.values()))
-        await anyio.sleep(20)  # not probed while removed: never judged unhealthy
+        await elapse(20)  # not probed while removed: never judged unhealthy
         assert events.kinds() == []
         fleet.current["engine-0"].die(0)
-        await anyio.sleep(5)
+        await elapse(5)
         tg.cancel_scope.cancel()
     assert events.kinds() == ["island_died", "island_restarted"]
     assert not fleet.in_rotation("engine-0")

@@ -26,6 +26,7 @@ from policies.wire.batches import BatchFile
 from policies.wire.feed import FeedClient, feed_address
 from staleness.config import StalenessConfig, TruncatedIS
 from tests.support.trajectories import two_token_episode
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.anyio
 
@@ -115,7 +116,9 @@ async def test_a_long_poll_returns_the_batch_as_soon_as_it_is_offered(tmp_path: 
             answered.set()
 
         tg.start_soon(trainer)
-        await anyio.sleep(0.2)  # the trainer's request is waiting on the feed
+        await until(  # the trainer's request waits on the feed (nothing else does here)
+            lambda: feed._changed.statistics().tasks_waiting == 1, "the long poll waiting"
+        )
         with anyio.fail_after(10):  # far below the 60 s it asked to wait
             await feed.offer(_wire(0))
             await answered.wait()

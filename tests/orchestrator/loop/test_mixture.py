@@ -25,6 +25,7 @@ from orchestrator.loop.scheduler import Scheduler, VersionClock
 from orchestrator.types import Batch, Group, GroupDecision, NullEvents
 from staleness.config import DropRule, StalenessConfig
 from tests.support.fakes import ScriptedTransport
+from tests.support.waiting import elapse
 
 
 @given(
@@ -92,7 +93,7 @@ class _Trainer:
     trained: list[Batch] = field(default_factory=list)
 
     async def train(self, batch: Batch) -> dict[str, float]:
-        await anyio.sleep(0.5)
+        await elapse(0.5)
         self.trained.append(batch)
         self.version += 1
         for name in self.transport.versions:

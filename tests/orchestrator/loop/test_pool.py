@@ -15,6 +15,7 @@ from orchestrator.loop.pool import Pool
 from orchestrator.types import EndpointRef
 from policies.wire.lane import GenerateRequest, VersionBounds
 from tests.support.fakes import ScriptedTransport
+from tests.support.waiting import elapse
 
 pytestmark = pytest.mark.anyio
 
@@ -81,7 +82,7 @@ async def test_waits_for_a_version_without_polling_then_serves() -> None:
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(call)
-        await anyio.sleep(5)
+        await elapse(5)
         assert got == []  # waiting,
         assert t.calls == []  # and nothing was sent
         t.versions["b"] = 1
@@ -145,10 +146,10 @@ async def test_oldest_episode_is_served_first() -> None:
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(call, 50.0)  # takes the only slot
-        await anyio.sleep(0.1)
+        await elapse(0.1)
         for p in (30.0, 10.0, 20.0):  # queue up, newest first
             tg.start_soon(call, p)
-            await anyio.sleep(0.01)
+            await elapse(0.01)
     assert order == [50.0, 10.0, 20.0, 30.0]
 
 
@@ -164,7 +165,7 @@ async def test_breaker_opens_after_repeated_failures_and_recovers() -> None:
     t.broken.clear()
     await pool.generate(bounded_request(0), affinity="a")
     assert t.calls[-1][0] == "b"  # open: healthy, but not routed to until the cooldown ends
-    await anyio.sleep(61)
+    await elapse(61)
     await pool.generate(bounded_request(0), affinity="a")
     assert t.calls[-1][0] == "a"  # half-open probe succeeded
     assert pool.endpoints["a"].failures == 0

@@ -25,6 +25,7 @@ from orchestrator.loop.train_sink import drain
 from orchestrator.types import Batch, Group, GroupDecision, NullEvents
 from staleness.config import DropRule, LengthBiasConfig, StalenessConfig
 from tests.support.fakes import ScriptedTransport
+from tests.support.waiting import elapse
 
 
 @dataclass
@@ -38,7 +39,7 @@ class FakeTrainer:
     trained: list[tuple[int, Batch]] = field(default_factory=list)
 
     async def train(self, batch: Batch) -> dict[str, float]:
-        await anyio.sleep(self.rng.uniform(0.1, 2.0))
+        await elapse(self.rng.uniform(0.1, 2.0))
         self.trained.append((self.version, batch))
         self.version += 1
         return {"reward_mean": 0.0}
@@ -62,7 +63,7 @@ async def _catch_up(
 ) -> None:
     """Engines apply the newest version after a delay; one endpoint lags far behind."""
     while True:
-        await anyio.sleep(0.3)
+        await elapse(0.3)
         for name in t.versions:
             if name in t.dead:
                 continue

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import anyio
@@ -27,6 +26,7 @@ from policies.errors import PointerMalformed
 from policies.wire.batches import BatchSample, metrics_path, read_batch, write_atomic
 from staleness.config import LengthBiasConfig, StalenessConfig
 from tests.support.trajectories import two_token_episode
+from tests.support.waiting import until_sync
 
 pytestmark = pytest.mark.anyio
 
@@ -78,8 +78,7 @@ async def test_external_trainer_round_trip(tmp_path: Path) -> None:
     seen: list[int] = []
 
     def external() -> None:  # a trainer in "another process": reads the file, publishes v1
-        while (wire := read_batch(batches, 0)) is None:
-            time.sleep(0.01)
+        wire = until_sync(lambda: read_batch(batches, 0), "batch 0's file", timeout_s=30)
         seen.append(len(wire.samples))
         write_atomic(metrics_path(batches, 0), b'{"loss": 0.5}')
         board.publish(1, {"w": torch.ones(2)}, view_name="float32")

@@ -17,6 +17,7 @@ from orchestrator.types import Endpoint, EndpointRef
 from policies.wire.logs import configure
 from staleness.config import LengthBiasConfig
 from tests.support.events import pool_run
+from tests.support.waiting import until
 
 
 def test_frame_shows_endpoints_lag_histogram_and_progress(tmp_path: Path) -> None:
@@ -60,9 +61,10 @@ async def test_run_redraws_until_cancelled() -> None:
     view = LiveView(max_steps=2)
     buf = io.StringIO()
     console = Console(file=buf, width=100, force_terminal=True, color_system=None)
-    with anyio.move_on_after(0.35):
-        await view.run(console, refresh_s=0.1)
-    assert buf.getvalue().count("trainer v0/2") >= 2
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(view.run, console, 0.1)
+        await until(lambda: buf.getvalue().count("trainer v0/2") >= 2, "a second frame")
+        tg.cancel_scope.cancel()
 
 
 def test_frame_shows_drop_rate_by_tokens_and_turns() -> None:

@@ -33,6 +33,7 @@ from orchestrator.types import (
 from policies.wire.lane import VersionStamp
 from staleness.config import DropRule, StalenessConfig
 from tests.support.events import pool_run, run_in_virtual_time
+from tests.support.waiting import elapse
 
 
 def test_pool_decisions_resimulate_exactly(tmp_path: Path) -> None:
@@ -85,7 +86,7 @@ class _Runner:
         ids = [1, 2, 3]
         for turn in range(rng.randint(1, 3)):
             start = self.clock.version
-            await anyio.sleep(rng.random() * 1.5)
+            await elapse(rng.random() * 1.5)
             sampled = [rng.randrange(50) for _ in range(3)]
             segments.append(
                 Segment(
@@ -122,7 +123,7 @@ class _Sink:
         self.version = 0
 
     async def train(self, batch: Batch) -> dict[str, float]:
-        await anyio.sleep(0.4)
+        await elapse(0.4)
         self.version += 1
         return {"reward_mean": 0.0}
 

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -41,6 +40,7 @@ from orchestrator.types import (
 )
 from policies.wire.lane import VersionStamp
 from tests.support.trajectories import make_group, write_synthetic_log
+from tests.support.waiting import until_sync
 
 
 def test_round_trip_keeps_every_field(tmp_path: Path) -> None:
@@ -159,7 +159,8 @@ def test_sigkill_mid_write_loses_at_most_the_last_frame(tmp_path: Path) -> None:
     ) as proc:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "ready"
-        time.sleep(0.3)
+        # killed while it writes on, once it has rotated to a second part
+        until_sync(lambda: len(parts(tmp_path, "episodes")) > 1, "a second part", every_s=0.005)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     records = list(read_log(tmp_path))

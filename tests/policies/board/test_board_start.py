@@ -12,6 +12,7 @@ from structlog.testing import capture_logs
 from policies.board import Board
 from tests.support.boards import engine, publish_scaled, tiny_board
 from tests.support.lane import policy, wait_version
+from tests.support.logs import Logged
 
 pytestmark = pytest.mark.anyio
 
@@ -64,10 +65,18 @@ async def test_a_replica_never_serves_a_tampered_base_file(
     publish_scaled(board, 1, tiny_model_dir, scale=0.5)
     config = Path(board.root) / "base" / "config.json"
     config.write_text(config.read_text().replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 0.1'))
-    with capture_logs() as logs:
-        with anyio.move_on_after(3):  # it waits for a version that records its base files
-            async with engine(board):
-                raise AssertionError("the reader listened on a tampered config.json")
+    logged = Logged()
+
+    async def start() -> None:
+        async with engine(board):
+            raise AssertionError("the reader listened on a tampered config.json")
+
+    with capture_logs(processors=[logged]) as logs:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(start)  # it waits for a version that records its base files
+            for version in (0, 1):
+                await logged.until("version_refused", version=version)
+            tg.cancel_scope.cancel()
     refused = {e["version"]: e["error"] for e in logs if e["event"] == "version_refused"}
     assert sorted(refused) == [0, 1]
     for version, error in refused.items():

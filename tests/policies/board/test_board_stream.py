@@ -4,6 +4,7 @@ version before it is published (policies/board/stream.py)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -551,25 +552,63 @@ def test_the_commit_is_watched_while_the_last_chunks_are_applied(
     assert read_first == [True]  # all chunks were asked for at once: watched from the start
 
 
+class _ReaderClock:
+    """The stream reader's clock (``board_stream.time``), moved by the test alone; it records
+    which threads read it since it last moved, so the test knows when a reader has looked at
+    the new time (and, finding nothing new, checked its stall clock against it)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.readers: list[str] = []
+        self._read = threading.Condition()
+
+    def monotonic(self) -> float:
+        with self._read:
+            self.readers.append(threading.current_thread().name)
+            self._read.notify_all()
+            return self.now
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)  # the reader's own poll interval (POLL_S), passed through
+
+    def move(self, seconds: float, *, seen_by: tuple[str, ...]) -> None:
+        """Move on ``seconds``, then wait until every thread named ``seen_by…`` has read the
+        new time twice (one whole poll of its loop)."""
+        with self._read:
+            self.now += seconds
+            self.readers = []
+            assert self._read.wait_for(
+                lambda: all(sum(r.startswith(who) for r in self.readers) >= 2 for who in seen_by),
+                10,
+            ), f"{seen_by} never looked at the clock at {self.now:g} s"
+
+
 def test_a_slow_publisher_is_not_taken_for_a_stalled_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every chunk, and the commit, come within the stall timeout of the one before, though the
     whole stream takes longer: the reader keeps following (its stall clocks count from the
-    last progress, not from when it first asked)."""
+    last progress, not from when it first asked). The reader's clock is the test's: each step
+    is 0.3 s of it (STALL_S is 0.5), all of them 1.5 s, whatever the machine's pace."""
     _stub_apply(monkeypatch)
     monkeypatch.setattr(board_stream, "STALL_S", 0.5)
+    clock = _ReaderClock()
+    monkeypatch.setattr(board_stream, "time", clock)
     stream = Stream(
         version=1, id="s", bases={0: "d0"}, chunks=[["a"], ["b"], ["c"], ["d"]], limits=[9] * 4
     )
     chunks = _Chunks(stream, {}, latest=0)
 
     def publisher() -> None:
-        # the pace under test (each step well within STALL_S, all of them past it), not a wait
-        # for the reader: its stall clock is real time
-        for i in range(4):
-            time.sleep(0.3)
-            chunks.write({chunk_file(0, i): bytes([i])})
-        time.sleep(0.3)
-        chunks.write({}, latest=1)
+        try:
+            for i in range(4):  # 0.3 s without chunk i, seen by its fetch and the commit watch
+                clock.move(0.3, seen_by=("board-fetch", "board-commit"))
+                rel = chunk_file(0, i)
+                chunks.write({rel: bytes([i])})
+                assert chunks.until(lambda rel=rel: any(rel in w for w in chunks.asked(rel)))
+            clock.move(0.3, seen_by=("board-commit",))  # 0.3 s without the commit
+            chunks.write({}, latest=1)
+        except AssertionError:  # a reader thread is gone: let the others stall out, not hang
+            clock.now = math.inf
+            raise
 
     writer = threading.Thread(target=publisher)
     writer.start()

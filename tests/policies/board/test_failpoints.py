@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import torch
 
 from policies.board import Board, failpoints, stream_publish
 from policies.errors import BoardError, VersionCorrupt
+from tests.support.waiting import until_sync
 
 
 @pytest.fixture
@@ -90,8 +90,7 @@ def test_a_damaged_chunk_of_a_streamed_patch_is_never_served(
     errors: list[BaseException] = []
 
     def follow() -> None:
-        while (s := reader.stream()) is None or s.version != 1:
-            time.sleep(0.002)
+        until_sync(lambda: (s := reader.stream()) is not None and s.version == 1, "v1's stream")
         try:
             reader.advance(held, 0, 1)
         except BoardError as exc:

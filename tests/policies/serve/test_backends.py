@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import anyio
 import numpy as np
 import pytest
 import torch
@@ -28,7 +27,7 @@ from policies.board import Board, BoardReader, ShardedPublisher
 from policies.serve.backends.vllm_worker import SprawlWorkerExtension
 from policies.wire.routing import decode_routing, encode_routing
 from tests.support.boards import publish_scaled, tiny_board
-from tests.support.lane import generate, loopback, standalone, wait_version
+from tests.support.lane import generate, loopback, standalone, wait_metric, wait_version
 
 pytestmark = pytest.mark.anyio
 Reply = Callable[[dict[str, Any]], Awaitable[Any]]
@@ -72,16 +71,7 @@ def board(tmp_path: Path, tiny_model_dir: Path) -> Board:
 
 
 async def _wait_failures(url: str, n: int) -> None:
-    async with aiohttp.ClientSession() as s:
-        with anyio.fail_after(20):
-            while True:
-                for line in (await _text(s, url)).splitlines():
-                    if (
-                        line.startswith("sprawl_version_failures_total ")
-                        and float(line.split()[1]) >= n
-                    ):
-                        return
-                await anyio.sleep(0.02)
+    await wait_metric(url, "sprawl_version_failures_total", n)
 
 
 async def _text(s: aiohttp.ClientSession, url: str) -> str:

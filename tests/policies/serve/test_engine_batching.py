@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from policies.serve.engine import Engine
 from policies.serve.sampling import sample_token
 from policies.serve.types import Generation, OutOfBounds
 from policies.wire.lane import GenerateRequest, VersionBounds
+from tests.support.waiting import until_sync
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +42,9 @@ def _submit(engine: Engine, req: GenerateRequest) -> concurrent.futures.Future[G
 
 
 def _wait_steps(engine: Engine, n: int) -> None:
+    """Until the engine has taken ``n`` more decode steps (its own tick)."""
     target = engine.batcher.steps + n
-    deadline = time.monotonic() + 30
-    while engine.batcher.steps < target:
-        assert time.monotonic() < deadline, "engine made no progress"
-        time.sleep(0.002)
+    until_sync(lambda: engine.batcher.steps >= target, f"{n} decode steps", timeout_s=30)
 
 
 PROMPTS = [[5, 6, 7], list(range(10, 40)), [100], list(range(200, 212))]
@@ -118,18 +116,11 @@ def test_cancelled_request_leaves_the_batch(engine: Engine) -> None:
     _wait_steps(engine, 3)
     assert doomed.cancel()
     assert len(other.result(timeout=60).choices[0].token_ids) == 30
-    _wait_steps(engine, 0)
-    deadline = time.monotonic() + 10
-    while engine.batcher.active_rows:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    _until(lambda: engine.batcher.active_rows == 0)
 
 
-def _until(check: Any) -> None:
-    deadline = time.monotonic() + 30
-    while not check():
-        assert time.monotonic() < deadline, "engine made no progress"
-        time.sleep(0.002)
+def _until(check: Callable[[], bool]) -> None:
+    until_sync(check, "the engine's state", timeout_s=30)
 
 
 def test_a_cancelled_request_frees_its_rows_or_its_queue_place_at_once(engine: Engine) -> None:

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from policies.board import Board
 from tests.support.boards import engine, publish_scaled, tiny_board
 from tests.support.logs import Logged
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.anyio
 
@@ -37,12 +38,11 @@ def bounded_request(**kw: Any) -> dict[str, Any]:
 
 
 async def _wait_version(s: aiohttp.ClientSession, url: str, version: int) -> None:
-    with anyio.fail_after(20):
-        while True:
-            async with s.get(f"{url}/v1/policy") as r:
-                if (await r.json())["applied_version"] == version:
-                    return
-            await anyio.sleep(0.05)
+    async def applied() -> bool:
+        async with s.get(f"{url}/v1/policy") as r:
+            return bool((await r.json())["applied_version"] == version)
+
+    await until(applied, f"version {version} applied")
 
 
 async def test_generate_returns_tokens_logprobs_and_stamps(board: Board) -> None:

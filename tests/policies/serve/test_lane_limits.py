@@ -29,6 +29,7 @@ from policies.wire.flags import add_flags, parse_flags
 from tests.support.boards import engine, tiny_board
 from tests.support.lane import metric, standalone
 from tests.support.raw_http import raw_http
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.anyio
 ABANDONED = 'sprawl_lane_abandoned_total{route="/v1/generate"}'
@@ -49,11 +50,14 @@ def _post(path: str, body: dict[str, Any]) -> bytes:
 
 async def _until(url: str, name: str, check: Any, timeout_s: float = 20.0) -> float:
     """Poll ``/metrics`` until ``check(value of name)``; the value."""
-    with anyio.fail_after(timeout_s):
-        while True:
-            if check(value := await metric(url, name)):
-                return value
-            await anyio.sleep(0.02)
+
+    async def value() -> tuple[float] | None:
+        got = await metric(url, name)
+        return (got,) if check(got) else None  # a tuple: a value of 0 may be the one asked for
+
+    found = await until(value, f"{name} as asked", timeout_s=timeout_s)
+    assert found is not None
+    return found[0]
 
 
 # -- abandoned work -----------------------------------------------------------------------------
@@ -131,8 +135,8 @@ async def test_a_client_that_disconnects_cancels_the_sidecars_engine_request(
         await client.aclose()
         with anyio.fail_after(20):
             await aborted.wait()  # the engine saw its request's connection close
+        # counted once the request's handler has unwound: no choice can be asked for after it
         assert await _until(url, ABANDONED, lambda n: n == 1) == 1
-        await anyio.sleep(0.2)
         assert seen == ["started", "aborted"]  # and the two other choices were never asked for
 
 

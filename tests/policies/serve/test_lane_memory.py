@@ -26,6 +26,7 @@ from policies.board import Board
 from policies.serve.connections import LaneLimits
 from policies.serve.prompt_size import PIECE_CHARS, tokens_over
 from tests.support.boards import engine, tiny_board
+from tests.support.waiting import until
 
 REPO = Path(__file__).resolve().parents[3]
 MB = 1 << 20
@@ -179,7 +180,12 @@ async def test_hostile_prompts_cost_the_serving_process_a_bounded_memory(
                 await _refused(url, "/v1/completions", {"prompt": text, "max_tokens": 4}, 4)
                 chat = {"messages": [{"role": "user", "content": text}], "max_tokens": 4}
                 await _refused(url, "/v1/chat/completions", chat, 4)
-        await anyio.sleep(0.5)
+        # the refused requests' memory is back within the bound once they are answered
+        await until(
+            lambda: _memory(proc.pid)["VmRSS"] - baseline < 200 * MB,
+            "the serving process's memory back within 200 MB of its baseline",
+            timeout_s=10,
+        )
         after = _memory(proc.pid)
         peak, held = after["VmHWM"] - baseline, after["VmRSS"] - baseline
         figures = f"peak +{peak // MB} MB, held +{held // MB} MB over {baseline // MB} MB"

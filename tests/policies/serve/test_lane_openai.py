@@ -18,6 +18,8 @@ from policies.serve.server import run_lane
 from policies.serve.sidecar import Sidecar
 from tests.support.backends import ScriptedBackend
 from tests.support.boards import engine, publish_scaled, tiny_board
+from tests.support.lane import metric
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.anyio
 
@@ -115,7 +117,9 @@ async def test_pause_mode_response_spanning_an_update(board: Board, tiny_model_d
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(call)
-            await anyio.sleep(0.3)
+            await until(  # the generation is decoding (1500 tokens: far longer than an update)
+                lambda: metric(url, "sprawl_engine_active_rows"), "the long generation decoding"
+            )
             publish_scaled(board, 1, tiny_model_dir, scale=0.5)
             await _post(s, f"{url}/v1/policy/notify", {})
         assert result["status"] == 200

@@ -34,6 +34,7 @@ from policies.serve.sampling import sample_token
 from policies.wire.lane import GenerateRequest
 from tests.support.boards import adam_like_step
 from tests.support.lane import standalone
+from tests.support.waiting import until
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
 
@@ -99,15 +100,15 @@ async def fresh_engine(server: Path, gguf: Path) -> AsyncIterator[str]:
         url = f"http://127.0.0.1:{port}"
         try:
             async with aiohttp.ClientSession() as s:
-                with anyio.fail_after(30):
-                    while True:
-                        try:
-                            async with s.get(f"{url}/health") as r:
-                                if r.status == 200:
-                                    break
-                        except aiohttp.ClientError:
-                            pass
-                        await anyio.sleep(0.02)
+
+                async def healthy() -> bool:
+                    try:
+                        async with s.get(f"{url}/health") as r:
+                            return r.status == 200
+                    except aiohttp.ClientError:
+                        return False
+
+                await until(healthy, f"llama-server healthy at {url}", timeout_s=30)
             yield url
         finally:
             proc.terminate()
@@ -121,12 +122,12 @@ async def post(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tupl
 
 async def wait_applied(s: aiohttp.ClientSession, url: str, version: int) -> None:
     await post(s, f"{url}/v1/policy/notify", {})
-    with anyio.fail_after(30):
-        while True:
-            async with s.get(f"{url}/v1/policy") as r:
-                if (await r.json())["applied_version"] == version:
-                    return
-            await anyio.sleep(0.02)
+
+    async def applied() -> bool:
+        async with s.get(f"{url}/v1/policy") as r:
+            return bool((await r.json())["applied_version"] == version)
+
+    await until(applied, f"version {version} applied", timeout_s=30)
 
 
 async def metric(s: aiohttp.ClientSession, url: str, name: str) -> float:
@@ -139,10 +140,7 @@ async def metric(s: aiohttp.ClientSession, url: str, name: str) -> float:
 
 async def until_counted(s: aiohttp.ClientSession, url: str, name: str) -> None:
     """Until the sidecar's counter ``name`` is at least 1 (its /metrics, polled)."""
-    while True:
-        if await metric(s, url, name) >= 1:
-            return
-        await anyio.sleep(0.02)
+    await until(lambda: metric(s, url, name), f"{name} counted")
 
 
 async def fresh_answers(
@@ -369,17 +367,20 @@ async def test_engine_killed_mid_request_then_recovers(
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(send)
-            await anyio.sleep(0.3)
+            await until(  # the sidecar serves it, waiting on the stopped engine
+                lambda: metric(s, url, "sprawl_lane_inflight"), "the request in flight"
+            )
             os.kill(engine.pid, signal.SIGKILL)
         ((status, answer),) = answers
         assert (status, answer["error"]["type"]) == (503, "engine_unavailable")
-        with anyio.fail_after(30):  # the next requests restart it on the live version
-            while True:
-                status, after = await post(s, f"{url}/v1/generate", body)
-                if status == 200:
-                    break
-                assert status == 503
-                await anyio.sleep(0.05)
+
+        async def served() -> Any:
+            code, again = await post(s, f"{url}/v1/generate", body)
+            assert code in (200, 503), again
+            return again if code == 200 else None
+
+        # the next requests restart it on the live version
+        after = await until(served, "an answer from the restarted engine", timeout_s=30)
         assert after["choices"] == before["choices"]
         assert after["policy_version"] == {"start": 0, "end": 0}
     assert not [p for p in psutil.Process().children(recursive=True) if p.name() == "llama-server"]

@@ -31,6 +31,7 @@ from policies.wire.lane import VersionBounds
 from staleness.config import NoCorrection, StalenessConfig
 from tests.support.boards import engine
 from tests.support.lane import loopback
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.anyio
 GROUP = 4
@@ -75,12 +76,12 @@ async def _generate(s: aiohttp.ClientSession, url: str, lo: int | None, hi: int 
 async def _activate(s: aiohttp.ClientSession, url: str, version: int) -> None:
     async with s.post(f"{url}/v1/policy/notify", json={}) as r:
         assert r.status == 200
-    with anyio.fail_after(30):
-        while True:
-            async with s.get(f"{url}/v1/policy") as r:
-                if (await r.json())["applied_version"] == version:
-                    return
-            await anyio.sleep(0.05)
+
+    async def applied() -> bool:
+        async with s.get(f"{url}/v1/policy") as r:
+            return bool((await r.json())["applied_version"] == version)
+
+    await until(applied, f"version {version} applied", timeout_s=30)
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ directory as SGLang's loader would, so each activation is checked bit for bit ag
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,9 @@ from policies.serve.backends.sglang import INDEX
 from policies.serve.types import QuiesceMode
 from policies.wire.routing import decode_routing
 from tests.support.boards import publish_scaled, tiny_board
-from tests.support.lane import generate, standalone, wait_metric, wait_version
+from tests.support.lane import generate, policy, standalone, wait_metric, wait_version
 from tests.support.sglang import FakeSGLang, expert_of, load_model_dir, sglang_server
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.anyio
 
@@ -238,11 +240,22 @@ async def test_every_sampling_field_is_sent_and_log_probs_are_of_what_was_sample
     assert (sp["temperature"], sp["top_k"], sp["top_p"]) == (0.7, 5, 0.9)
 
 
+def _activating(url: str, version: int) -> Callable[[], Awaitable[bool]]:
+    """Whether the sidecar activates ``version`` now (or already did: then the test's
+    assertions, not this wait, say what went wrong)."""
+
+    async def activating() -> bool:
+        state = await policy(url)
+        return bool(state["state"] == "activating" or state["applied_version"] == version)
+
+    return activating
+
+
 @pytest.mark.parametrize("mode", ["wait", "pause"])
 async def test_activation_modes(
     board: Board, tiny_model_dir: Path, tmp_path: Path, mode: QuiesceMode
 ) -> None:
-    fake = FakeSGLang(delay=0.6)
+    fake = FakeSGLang(hold=anyio.Event())  # a choice lasts until the test lets it end
     async with (
         sglang_server(fake) as engine,
         standalone(
@@ -264,9 +277,13 @@ async def test_activation_modes(
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(call)
-            await anyio.sleep(0.2)  # the first choice is in flight at the engine
+            await until(lambda: fake.generating, "the first choice at the engine")
             publish_scaled(board, 1, tiny_model_dir, scale=0.5)
+            if mode == "wait":  # the update waits for the choice in flight: let it end
+                await until(_activating(url, 1), "the sidecar activating version 1")
+                fake.hold.set()
             await wait_version(url, 1)
+            fake.hold.set()  # the choice in flight ends after the update ("pause")
         status, body = result["out"]
     assert status == 200
     seeds = [b["sampling_params"]["sampling_seed"] for b in fake.bodies("/generate")]

@@ -31,6 +31,7 @@ from policies.wire.lane import GenerateRequest
 from staleness.config import StalenessConfig
 from tests.support.lane import generate, metric, policy, standalone, wait_metric, wait_version
 from tests.support.vllm import PROMPTS, head_dim_32, samples
+from tests.support.waiting import until
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
 
@@ -112,17 +113,17 @@ async def _restart_engine(
                 results.append((await generate(url, body))[0])
 
         tg.start_soon(long)
-        await anyio.sleep(1.0)
+        await until(lambda: metric(url, "sprawl_lane_inflight"), "a long generation in flight")
         engine.stack.close()  # SIGTERM to the whole process group, mid-generation
     assert results[-1] == 503
     status, _ = await generate(url, bodies[0])
     assert status == 503
     await anyio.to_thread.run_sync(engine.restart)  # on v0's weights, as a restarted engine is
-    with anyio.fail_after(60):
-        while True:
-            if (await generate(url, bodies[0]))[0] == 200:
-                break
-            await anyio.sleep(0.2)
+
+    async def serves() -> bool:
+        return (await generate(url, bodies[0]))[0] == 200
+
+    await until(serves, "the restarted engine serving", timeout_s=60, every_s=0.2)
     again = [(await generate(url, b))[1] for b in bodies]
     assert [r["choices"][0] for r in again] == [r["choices"][0] for r in before]
 
