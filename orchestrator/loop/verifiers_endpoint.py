@@ -36,6 +36,7 @@ Guarantees, per call (:class:`EpisodeCalls`):
 from __future__ import annotations
 
 import hmac
+import os
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -54,8 +55,9 @@ log = structlog.get_logger(__name__)
 SESSION_HEADER = "X-Session-ID"
 """verifiers' per-rollout header: the trace id, the same on every call of a rollout."""
 API_KEY_VAR = "SPRAWL_VERIFIERS_API_KEY"
-"""The variable verifiers reads the endpoint's bearer token from (its runtimes keep variables
-named ``*API_KEY*`` from the programs they start)."""
+"""The prefix of the variable verifiers reads an endpoint's bearer token from, one per endpoint
+(:attr:`PolicyEndpoint.key_var`; verifiers' runtimes keep variables named ``*API_KEY*`` from
+the programs they start)."""
 MAX_BODY = 16 * 2**20
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_STOP_IDS = 64
@@ -186,6 +188,8 @@ class PolicyEndpoint:
         self.model = model
         self.max_context = max_context
         self.token = secrets.token_urlsafe(32)
+        self.key_var = f"{API_KEY_VAR}_{secrets.token_hex(4).upper()}"
+        """The process variable holding :attr:`token` while :meth:`serve` runs."""
         self.episodes: dict[str, EpisodeCalls] = {}
         """Trace id → the episode it plays in."""
 
@@ -207,18 +211,21 @@ class PolicyEndpoint:
 
     @asynccontextmanager
     async def serve(self) -> AsyncIterator[str]:
-        """Serve on 127.0.0.1 (a free port); yields the base URL."""
+        """Serve on 127.0.0.1 (a free port), the token in :attr:`key_var`; yields the base
+        URL."""
         app = web.Application(client_max_size=MAX_BODY)
         app.router.add_post("/inference/v1/generate", self._generate)
         app.router.add_get("/v1/models", self._models)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
+        os.environ[self.key_var] = self.token
         try:
             site = web.TCPSite(runner, "127.0.0.1", 0)
             await site.start()
             port = runner.addresses[0][1]
             yield f"http://127.0.0.1:{port}"
         finally:
+            os.environ.pop(self.key_var, None)
             await runner.cleanup()
 
     def _authorized(self, request: web.Request) -> bool:

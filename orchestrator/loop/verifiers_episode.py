@@ -41,7 +41,7 @@ from environments.types import EpisodeState
 from environments.verifiers_adapter import OUTCOME_KEY, VerifiersEnvironment
 from environments.verifiers_trace import Outcome, tool_calls
 from orchestrator.loop.episode import EpisodeRunner, environment_code
-from orchestrator.loop.verifiers_endpoint import API_KEY_VAR, EpisodeCalls, PolicyEndpoint
+from orchestrator.loop.verifiers_endpoint import EpisodeCalls, PolicyEndpoint
 from orchestrator.types import StopReason
 from policies.wire.lane import VersionBounds
 from policies.wire.toolcalls import ToolCall
@@ -70,14 +70,13 @@ class VerifiersRunner(EpisodeRunner):
         """Serve the endpoint and hold the environment's serving resources (module docstring)."""
         import verifiers.v1 as vf
 
-        os.environ[API_KEY_VAR] = self.endpoint.token
         here = Path(sys.executable).parent  # `uv` of the verifiers extra, for the harnesses
         if shutil.which("uv") is None and (here / "uv").is_file():
             os.environ["PATH"] = f"{here}{os.pathsep}{os.environ.get('PATH', '')}"
         async with self.endpoint.serve() as url:
             client = vf.TrainClientConfig(
                 base_url=f"{url}/v1",
-                api_key_var=API_KEY_VAR,
+                api_key_var=self.endpoint.key_var,
                 renderer=self.env.renderer,
                 renderer_model_name=str(self.chat.tokenizer.name_or_path),
             )

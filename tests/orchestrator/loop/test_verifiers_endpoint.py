@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -231,3 +232,16 @@ async def test_models_reports_the_context_limit(served: tuple[PolicyEndpoint, st
         assert r.status == 200
         card = (await r.json())["data"][0]
     assert card == {"id": "sprawl-policy", "object": "model", "max_model_len": 512}
+
+
+async def test_each_endpoint_of_a_mixture_has_its_own_token_variable() -> None:
+    """A mixture serves one endpoint per environment: each client must read its own token (one
+    shared variable made every environment but the last answer 401)."""
+    first, second = PolicyEndpoint("m", 64), PolicyEndpoint("m", 64)
+    async with first.serve(), second.serve():
+        assert first.key_var != second.key_var
+        assert "API_KEY" in first.key_var  # verifiers' runtimes keep it from their programs
+        assert os.environ[first.key_var] == first.token
+        assert os.environ[second.key_var] == second.token
+    assert first.key_var not in os.environ
+    assert second.key_var not in os.environ
