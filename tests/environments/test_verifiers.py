@@ -13,6 +13,7 @@ stamps, rewards are the task's, and failures are data.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, cast
 
@@ -164,3 +165,18 @@ def test_the_renderer_is_only_for_verifiers_environments() -> None:
         EnvironmentConfig(renderer={"name": "qwen3"})
     config = EnvironmentConfig(kind="verifiers", id="vf_reverse", renderer={"name": "qwen3"})
     assert config.renderer == {"name": "qwen3"}
+
+
+def test_the_documented_v1_environment_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 20 lines of docs/environments.md are a taskset sprawl loads as written."""
+    text = Path("docs/environments.md").read_text()
+    section = text[text.index("## verifiers environments") :]
+    code = re.findall(r"```python\n(.*?)```", section, re.DOTALL)[0]
+    assert len(code.strip().splitlines()) <= 20
+    (tmp_path / "doc_reverse.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = _env("doc_reverse")
+    assert env.tasks()["id"] == ["0", "1", "2"]
+    assert env.task(dict(env.tasks()[1])).data.answer == "nretnal"
