@@ -1,19 +1,22 @@
-"""verifiers 0.4 environments end to end: a mixture of three v1 environments installed as their
-own packages (``examples/verifiers/``: ``vf_reverse``, single turn; ``vf_tools``, a tool server
-over MCP; ``vf_broken``, a reward that raises), loaded by ``kind = "verifiers"`` with no sprawl
-code in them, each episode played by verifiers' own harness program and train client, on the
-tiny model with a reference engine, for three trainer steps. The trainer's recomputed log probs
-of the logged tokens match the engine's (``mismatch/logp_abs_mean``), so the log holds the
-tokens the engine saw; every segment is stamped, and each verifiers episode's ``PolicySpan`` is
-its segments' stamps."""
+"""verifiers 0.4 environments end to end: a mixture of four v1 environments installed as their own
+packages (``examples/verifiers/``: ``vf_reverse``, single turn; ``vf_tools``, a tool server over
+MCP; ``vf_broken``, a reward that raises; ``vf_hints``, its own ``vf.Env`` that gives a hint after
+a wrong guess, so its episodes are multi-turn whatever the model says), loaded by ``kind =
+"verifiers"`` with no sprawl code in them, each episode played by verifiers' own harness program
+and train client, on the tiny model with a reference engine, for three trainer steps. The trainer's
+recomputed log probs of the logged tokens match the engine's (``mismatch/logp_abs_mean``), so the
+log holds the tokens the engine saw; every segment is stamped, and each verifiers episode's
+``PolicySpan`` is its segments' stamps."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from orchestrator.offline.resimulate import resimulate
 from orchestrator.record.events import read_events
@@ -67,6 +70,13 @@ id = "vf_broken"
 renderer = { name = "qwen3", enable_thinking = false }
 args = { agent = { harness = { id = "null" }, runtime = { type = "subprocess" } } }
 
+[[environments]]
+name = "hints"
+kind = "verifiers"
+id = "vf_hints"
+renderer = { name = "qwen3", enable_thinking = false }
+args = { agent = { harness = { id = "null" }, runtime = { type = "subprocess" } } }
+
 [staleness]
 drop = { statistic = "max", max_lag = 1 }
 
@@ -101,8 +111,9 @@ def test_verifiers_environments_train_under_the_loop(tmp_path: Path, qwen3_model
     run_dir = tmp_path / "vf"
     records = read_log(run_dir / "trajectories")
     episodes = [r["episode"] for r in records if r["type"] == "episode"]
-    assert {e["environment"] for e in episodes} == {"reverse", "tools", "broken"}
-    scored = 0
+    assert {e["environment"] for e in episodes} == {"reverse", "tools", "broken", "hints"}
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_model)
+    scored = multi = 0
     for e in episodes:
         if e["stop_reason"] == "interrupted":  # in flight when the run ended
             continue
@@ -115,6 +126,12 @@ def test_verifiers_environments_train_under_the_loop(tmp_path: Path, qwen3_model
             assert len(seg["logprobs"]) == len(seg["token_ids"])
             assert seg["policy_version"]["start"] <= seg["policy_version"]["end"]
             assert seg["bounds"]["min"] is not None  # the group's lag bound rode every call
+        for before, after in itertools.pairwise(segments):  # what the user said, bridged
+            between = e["token_ids"][
+                before["prompt_len"] + len(before["token_ids"]) : after["prompt_len"]
+            ]
+            assert "No. Hint: it starts with" in tokenizer.decode(between)
+            multi += 1
         facts = e["metadata"]["verifiers"]
         assert facts["policy"] == {
             "start": min(s["policy_version"]["start"] for s in segments),
@@ -129,11 +146,11 @@ def test_verifiers_environments_train_under_the_loop(tmp_path: Path, qwen3_model
                 assert "KeyError" in e["error"]["message"]
             continue
         assert e["environment"] != "broken" or e["reward"] == 1.0  # it said "yes"
-        assert set(e["rewards"]) == {"reverse": {"exact", "overlap"}, "tools": {"correct"}}.get(
-            e["environment"], {"echoed"}
-        )
+        names = {"reverse": {"exact", "overlap"}, "tools": {"correct"}, "hints": {"guessed"}}
+        assert set(e["rewards"]) == names.get(e["environment"], {"echoed"})
         scored += 1
     assert scored > 0
+    assert multi > 0, "no multi-turn episode reached the log"
 
     batches = [r for r in records if r["type"] == "batch"]
     assert [b["produced_version"] for b in batches] == [1, 2, 3]

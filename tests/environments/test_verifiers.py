@@ -2,7 +2,8 @@
 
 The environments are the packages under ``examples/verifiers/`` (``make install`` installs them
 as users install theirs): ``vf_reverse`` (single turn, two weighted rewards), ``vf_tools`` (a
-tool server over MCP, multi-turn) and ``vf_broken`` (a reward that raises). Each episode is
+tool server over MCP, multi-turn), ``vf_hints`` (its own ``vf.Env`` that answers a wrong guess
+with a hint) and ``vf_broken`` (a reward that raises). Each episode is
 verifiers' own: its ``null`` harness program in the subprocess runtime, its interception
 server, its train client and renderer; the engine is a scripted pool that records what it was
 sent. Shows: the tokens recorded are exactly the engine's, each call carries the episode's
@@ -131,6 +132,22 @@ async def test_a_tool_using_environment_is_multi_turn_and_token_exact(qwen3_mode
     assert [(c.name, c.result) for c in episode.tool_calls] == [("calc_add", "42")]
     assert episode.rewards == {"correct": 1.0}
     assert episode.metadata["verifiers"]["metrics"] == {"tool_calls": 1.0}
+
+
+async def test_an_environment_that_talks_back_is_bridged_across_user_turns(
+    qwen3_model: Path,
+) -> None:
+    episode, pool = await _episode(
+        _env("vf_hints", renderer=QWEN3), qwen3_model, ["bread", "amber"]
+    )
+    assert episode.error is None, episode.error
+    _engine_tokens(episode, pool)
+    first = pool.requests[0].prompt_token_ids + pool.sampled[0]
+    between = pool.requests[1].prompt_token_ids[len(first) :]  # the user's hint, rendered
+    text = AutoTokenizer.from_pretrained(qwen3_model).decode(between)
+    assert "No. Hint: it starts with 'a'. Guess again." in text
+    assert episode.rewards == {"guessed": 1.0}
+    assert [m["role"] for m in episode.messages] == ["user", "assistant", "user", "assistant"]
 
 
 async def test_a_reward_that_raises_is_the_episodes_error(tiny_model_dir: Path) -> None:
