@@ -27,10 +27,15 @@ lint: $(STAMP)
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/install-system-deps.sh scripts/constraints-cpu.txt
+# the verifiers environments the tests run, installed as users install theirs
+VF_EXAMPLES := $(sort $(dir $(wildcard examples/verifiers/*/pyproject.toml)))
+
+$(STAMP): pyproject.toml scripts/install-system-deps.sh scripts/constraints-cpu.txt \
+		$(wildcard examples/verifiers/*/pyproject.toml)
 	bash scripts/install-system-deps.sh
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c scripts/constraints-cpu.txt -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -c scripts/constraints-cpu.txt $(addprefix -e ,$(VF_EXAMPLES))
 	$(BIN)/python -m policies.codec.warm
 	touch $(STAMP)

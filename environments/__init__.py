@@ -2,8 +2,8 @@
 
 See docs/environments.md. ``base`` (the class), ``tools`` (schemas and calls), ``tasks`` (task
 sources), ``types`` (configs, state, replies), ``loader`` (import path → instance), ``scripted``
-(play an environment with fixed assistant texts), ``verifiers_adapter`` (verifiers environments,
-``kind = "verifiers"``, with its model client ``verifiers_client`` and ``verifiers_rubric``);
+(play an environment with fixed assistant texts), ``verifiers_adapter`` (verifiers 0.4 environments,
+``kind = "verifiers"``, with ``verifiers_trace``: a verifiers episode read as sprawl's);
 examples: ``calculator``, ``coding``, ``guess``, ``retrieval``.
 Importing this package imports nothing heavy.
 """

@@ -1,5 +1,6 @@
 """Load an environment: a class by import path (``module:Class``), its arguments validated by
-its ``Config``; or a verifiers environment by id (:mod:`environments.verifiers_adapter`)."""
+its ``Config``; or a verifiers 0.4 environment by its taskset's id
+(:mod:`environments.verifiers_adapter`)."""
 
 from __future__ import annotations
 
@@ -18,14 +19,16 @@ def load_environment(
     *,
     key: str = "environment",
     kind: Literal["class", "verifiers"] = "class",
+    renderer: dict[str, Any] | None = None,
 ) -> Environment:
     """Import ``path`` and build it with ``args`` validated by its ``Config`` model; errors name
     the config table ``key`` (``environments[0]`` in a mixture). ``kind = "verifiers"``:
-    ``path`` is a verifiers environment's id, built by its ``load_environment(**args)``."""
+    ``path`` is a verifiers taskset's id, ``args`` its environment's ``[env]`` table and
+    ``renderer`` its train client's renderer config."""
     if kind == "verifiers":
         from environments.verifiers_adapter import load_verifiers_environment
 
-        return load_verifiers_environment(path, args, key=key)
+        return load_verifiers_environment(path, args, renderer=renderer, key=key)
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise EnvironmentLoadError(f"{key}.cls: expected 'module:Class', got {path!r}")

@@ -23,13 +23,17 @@ class EnvironmentConfig(Section):
     cls: str = "environments.calculator:Calculator"
     """Import path ``module:Class`` of the Environment subclass (``kind = "class"``)."""
     id: str | None = None
-    """The verifiers environment's module or id (``kind = "verifiers"``): ``my_env``, or
-    ``owner/my-env`` for the module ``my_env``."""
+    """The verifiers environment's taskset id (``kind = "verifiers"``): an installed package's
+    module ``my_env``, or ``owner/my-env`` for the module ``my_env``."""
     max_turns: int = Field(default=3, ge=1)
     """Model calls per episode at most."""
     args: dict[str, Any] = Field(default_factory=dict)
     """Arguments validated by the environment's own config model (``kind = "verifiers"``: the
-    keyword arguments of its ``load_environment``)."""
+    environment's ``[env]`` table, verifiers' ``EnvConfig``: ``agent``, ``taskset``, ...)."""
+    renderer: dict[str, Any] | None = None
+    """``kind = "verifiers"``: the ``renderers`` package's ``RendererConfig`` the environment's
+    train client renders prompts with (``{name = "qwen3", enable_thinking = false}``); None:
+    ``auto``, from the model's name, else the tokenizer's chat template."""
 
     @model_validator(mode="after")
     def _kind_names_the_environment(self) -> EnvironmentConfig:
@@ -43,6 +47,8 @@ class EnvironmentConfig(Section):
                 raise ValueError("cls: not used when kind = 'verifiers'; name it in id")
         elif self.id is not None:
             raise ValueError("id: only for kind = 'verifiers'; a class is named by cls")
+        elif self.renderer is not None:
+            raise ValueError("renderer: only for kind = 'verifiers'")
         return self
 
     def target(self) -> str:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, Literal
@@ -306,10 +306,14 @@ class EpisodeRunner:
         rec: dict[str, Any],
         bounds: Callable[[], VersionBounds],
         seed: int | None,
+        *,
+        max_tokens: int | None = None,
+        stop_token_ids: Sequence[int] = (),
     ) -> GenerateChoice | None:
         """One model call on the sequence ``ids`` under ``bounds()``: recorded as the next
         segment of ``rec``, its sampled tokens appended to ``ids``; None when the sequence has
-        reached the context limit (no call is made)."""
+        reached the context limit (no call is made). ``max_tokens`` (at most the run's) and
+        ``stop_token_ids``: a caller's own (a verifiers renderer's)."""
         engines = self.pool.max_context()
         limit = self.max_context if engines is None else min(self.max_context, engines)
         room = limit - len(ids)
@@ -319,13 +323,15 @@ class EpisodeRunner:
         turn = len(segments)
         # MoE routing of the positions earlier calls forwarded is in their segments already
         routed = segments[-1].prompt_len + len(segments[-1].token_ids) - 1 if segments else 0
+        wanted = self.sampling.max_tokens if max_tokens is None else max_tokens
         req = GenerateRequest(
             prompt_token_ids=list(ids),
-            max_tokens=min(self.sampling.max_tokens, room),
+            max_tokens=min(self.sampling.max_tokens, wanted, room),
             temperature=self.sampling.temperature,
             top_p=self.sampling.top_p,
             top_k=self.sampling.top_k,
             seed=None if seed is None else seed + turn,
+            stop_token_ids=list(stop_token_ids),
             policy_version=bounds(),
             routed_experts_prompt_start=routed,
         )
@@ -347,7 +353,9 @@ class EpisodeRunner:
                 endpoint=endpoint.id,
                 latency_s=time.perf_counter() - t0,
                 attempts=attempts,
-                sampling=self.sampling.model_copy(update={"seed": req.seed}),
+                sampling=self.sampling.model_copy(
+                    update={"seed": req.seed, "max_tokens": min(self.sampling.max_tokens, wanted)}
+                ),
                 routed_experts=choice.routed_experts,
                 routed_experts_start=routed,
             )

@@ -1,55 +1,93 @@
-"""The episode runner of ``verifiers`` environments (``environment.kind = "verifiers"``).
+"""The episode runner of verifiers 0.4 environments (``environment.kind = "verifiers"``).
 
-The environment runs its own rollout loop (:mod:`environments.verifiers_adapter`); this runner
-is the model behind its client. Everything else is :class:`EpisodeRunner`'s: the episode's
-record, the errors kept as data, the whole-episode timeout, scoring (the rubric) and the
-``Episode`` built at the end.
+The environment plays its own episode (``vf.Env.run_episode``: its agents, their harness
+programs, its tool servers and its scoring); this runner is the model behind it. While the run
+lasts, :meth:`VerifiersRunner.serving` holds the environment's serving resources
+(``Env.serving()``: its interception server, its shared tool servers) and sprawl's
+:class:`~orchestrator.loop.verifiers_endpoint.PolicyEndpoint`, which every episode's train
+client calls (``TrainClientConfig``: the run's model directory as the renderer's tokenizer, the
+environment's ``renderer``). Everything else is :class:`EpisodeRunner`'s: the record, the
+whole-episode timeout, the ``Episode`` built at the end.
 
-Guarantees, per model call the environment makes:
+Guarantees:
 
-- the first call's prompt is the chat template's rendering of the environment's prompt; each
-  later prompt is the previous prompt + the tokens the previous call sampled + the tokens of the
-  messages the environment added (:meth:`ChatTokens.continuation`), never re-tokenized;
-- it is a :class:`~orchestrator.types.Segment` with version stamps and bounds, like a native
-  call (:meth:`EpisodeRunner._call`), so staleness corrections apply unchanged;
-- the call after ``environment.max_turns`` calls, and a call with no room left under the
-  context limit, end the episode (``max_turns``, ``context``) without reaching an engine;
-- a history the environment rewrote is recorded (``history_rewritten``), not applied.
+- each model call is a segment with its version stamps and bounds, token-exact
+  (:mod:`~orchestrator.loop.verifiers_endpoint`); the episode's tokens are the engine's;
+- the verifiers episode is stamped as sprawl's: its group (``GroupInfo``: the GRPO group) and
+  its run (``TrainRunInfo``: the run's name, the version the group was admitted at, and the
+  ``PolicySpan`` from the lowest version stamp of its calls to the highest);
+- a failed episode is data: a pool failure is ``model_error``; a refused call of the
+  environment's (a re-tokenized history, a second agent), a failed agent, harness, tool server
+  or ``Env`` hook are ``env_error`` with verifiers' error type and message; a reward function
+  that raised is the episode's reward error; a verifiers deadline is ``episode_timeout``;
+  ``environment.max_turns`` and the context limit end the episode as for any environment.
 
-Not covered: tools that differ from the environment's ``tool_defs`` (per-task ``tool_defs`` in
-``info``): the call is refused and the episode ends with ``env_error``.
+Not covered: ``env.retries`` (a group treats a failed episode as data; an agent's own
+``retries`` are run, its discarded attempts leave the episode).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+import shutil
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from environments.errors import EnvError
 from environments.types import EpisodeState
-from environments.verifiers_adapter import StopKind, VerifiersEnvironment
-from environments.verifiers_client import Sampled
-from orchestrator.errors import EndpointError
-from orchestrator.loop.episode import EpisodeRunner, OrchestratorFailed, environment_code
+from environments.verifiers_adapter import OUTCOME_KEY, VerifiersEnvironment
+from environments.verifiers_trace import Outcome, tool_calls
+from orchestrator.loop.episode import EpisodeRunner, environment_code
+from orchestrator.loop.verifiers_endpoint import EpisodeCalls, PolicyEndpoint
 from orchestrator.types import StopReason
 from policies.wire.lane import VersionBounds
-from policies.wire.toolcalls import Message
+from policies.wire.toolcalls import ToolCall
 
-_REWRITTEN = "history_rewritten"  # EpisodeState.data key
+MODEL_NAME = "sprawl-policy"
+"""The ``model`` the environment's calls name (the run's policy answers them)."""
 
 
-class _Stopped(Exception):
-    """The episode reached a limit of sprawl's before a model call; ``reason`` is the stop."""
-
-    def __init__(self, reason: StopKind) -> None:
-        super().__init__(reason)
-        self.reason = reason
+class VerifiersRolloutError(EnvError):
+    """What failed a verifiers episode, as verifiers recorded it: ``Type: message``."""
 
 
 class VerifiersRunner(EpisodeRunner):
-    """:class:`EpisodeRunner` whose turns are a verifiers environment's rollout."""
+    """:class:`EpisodeRunner` whose turns are a verifiers 0.4 environment's episode."""
 
     env: VerifiersEnvironment
+
+    def __init__(self, *args: Any, run_name: str = "sprawl", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.run_name = run_name
+        self.endpoint = PolicyEndpoint(MODEL_NAME, self.max_context)
+        self._ctx: Any = None
+
+    @asynccontextmanager
+    async def serving(self) -> AsyncIterator[None]:
+        """Serve the endpoint and hold the environment's serving resources (module docstring)."""
+        import verifiers.v1 as vf
+
+        here = Path(sys.executable).parent  # `uv` of the verifiers extra, for the harnesses
+        if shutil.which("uv") is None and (here / "uv").is_file():
+            os.environ["PATH"] = f"{here}{os.pathsep}{os.environ.get('PATH', '')}"
+        async with self.endpoint.serve() as url:
+            client = vf.TrainClientConfig(
+                base_url=f"{url}/v1",
+                api_key_var=self.endpoint.key_var,
+                renderer=self.env.renderer,
+                renderer_model_name=str(self.chat.tokenizer.name_or_path),
+            )
+            sampling = vf.Sampling(
+                temperature=self.sampling.temperature,
+                top_p=self.sampling.top_p,
+                max_tokens=self.sampling.max_tokens,
+            )
+            self._ctx = vf.ModelContext(model=MODEL_NAME, client=client, sampling=sampling)
+            async with self.env.vf.serving():
+                yield
 
     async def _turns(
         self,
@@ -59,55 +97,51 @@ class VerifiersRunner(EpisodeRunner):
         bounds: Callable[[], VersionBounds],
         seed: int | None,
     ) -> StopReason:
-        ids: list[int] = rec["token_ids"]
-        last: list[int] = []
-
-        async def model(new: list[Message], tools: list[dict[str, Any]] | None) -> Sampled:
-            if (tools or None) != self.chat.tools:
-                names = [t["function"]["name"] for t in tools or []]
-                raise EnvError(
-                    f"the environment called the model with tools {names}; sprawl renders "
-                    "an environment's tool_defs, the same for every call"
-                )
-            state.turn = len(rec["segments"])
-            if state.turn >= self.max_turns:
-                raise _Stopped("max_turns")
-            try:
-                return await sample(new)
-            except (EndpointError, _Stopped):
-                raise
-            except Exception as exc:  # sprawl's own: not the environment's, though it called
-                raise OrchestratorFailed(str(exc)) from exc
-
-        async def sample(new: list[Message]) -> Sampled:
-            nonlocal last
-            if state.turn == 0:
-                ids.extend(self.chat.initial(new))
-                rec["prompt_len"] = len(ids)
-            else:
-                ids.extend(self.chat.continuation(last, new))
-            prompt = list(ids)
-            choice = await self._call(ids, rec, bounds, seed)
-            if choice is None:
-                raise _Stopped("context")
-            last = choice.token_ids
-            parsed = await self._parse(last, state, f"{rec['id']}:{state.turn}")
-            return Sampled(
-                parsed=parsed,
-                prompt_token_ids=prompt,
-                token_ids=last,
-                tokens=list(self.chat.tokenizer.convert_ids_to_tokens(last)),
-                logprobs=choice.logprobs,
-                finish_reason=choice.finish_reason,
+        if self._ctx is None:
+            raise RuntimeError("VerifiersRunner.serving() is not open")
+        calls = EpisodeCalls(rec, bounds, seed, self.max_turns, self._call)
+        with environment_code(), self.endpoint.expecting(calls) as on_trace:
+            vf_task = self.env.task(task)
+            episode = await self.env.vf.run_episode(
+                vf_task, self._ctx, on_trace=on_trace, on_discard=calls.discard
             )
+        self._stamp(episode, rec)
+        outcome = Outcome.of(episode)
+        state.data[OUTCOME_KEY] = outcome
+        state.messages = outcome.messages()
+        if outcome.trace is not None:
+            state.tool_results = [
+                (ToolCall(id="", name=name, arguments=args), result, None)
+                for name, args, result in tool_calls(outcome.trace)
+            ]
+        if calls.failure is not None:
+            raise calls.failure
+        if calls.stop is not None:
+            return calls.stop
+        with environment_code():
+            if calls.refused is not None:
+                raise VerifiersRolloutError(calls.refused)
+            failure = outcome.failure
+            if failure is not None and not outcome.timed_out:
+                raise VerifiersRolloutError(failure)
+        return "episode_timeout" if outcome.timed_out else "done"
 
-        try:
-            with environment_code(_Stopped):
-                stop, rewritten = await self.env.rollout(state, model)
-        except _Stopped as stopped:
-            return stopped.reason
-        state.data[_REWRITTEN] = rewritten
-        return stop
+    def _stamp(self, episode: Any, rec: dict[str, Any]) -> None:
+        """The episode's group, run and policy span, as sprawl recorded them."""
+        import verifiers.v1 as vf
+
+        segments = rec["segments"]
+        span = None
+        if segments:
+            span = vf.PolicySpan(
+                start=min(s.policy_version.start for s in segments),
+                end=max(s.policy_version.end for s in segments),
+            )
+        episode.env.name = self.name
+        episode.group = vf.GroupInfo(id=rec["group_id"])
+        work = vf.TrainWorkInfo(step=rec["admitted_at_version"], policy=span)
+        episode.record_run(vf.TrainRunInfo(id=self.run_name, work=work))
 
     def _history_rewritten(self, state: EpisodeState) -> bool:
-        return bool(state.data.get(_REWRITTEN)) or super()._history_rewritten(state)
+        """Never: a call whose prompt re-tokenizes the history is refused."""
+        return False

@@ -40,13 +40,22 @@ def load_environments(cfg: Config) -> list[RunEnvironment]:
         one = cfg.environment
         envs = [
             RunEnvironment(
-                load_environment(one.target(), one.args, kind=one.kind), None, 1.0, one.max_turns
+                load_environment(one.target(), one.args, kind=one.kind, renderer=one.renderer),
+                None,
+                1.0,
+                one.max_turns,
             )
         ]
     else:
         envs = [
             RunEnvironment(
-                load_environment(e.target(), e.args, key=f"environments[{i}]", kind=e.kind),
+                load_environment(
+                    e.target(),
+                    e.args,
+                    key=f"environments[{i}]",
+                    kind=e.kind,
+                    renderer=e.renderer,
+                ),
                 e.name,
                 e.weight,
                 e.max_turns,

@@ -10,6 +10,7 @@ group and step to the trajectory log and TensorBoard and keeps the run's summary
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine, Sequence
+from contextlib import AsyncExitStack
 from typing import Any
 
 import anyio
@@ -76,6 +77,7 @@ class RunLoop:
             # a verifiers environment runs its own rollout loop, with the pool as its model
             verifiers = isinstance(e.env, VerifiersEnvironment)
             runner_cls = VerifiersRunner if verifiers else EpisodeRunner
+            extra = {"run_name": cfg.run.name} if verifiers else {}
             runner = runner_cls(
                 e.env,
                 chat.chat,
@@ -86,8 +88,10 @@ class RunLoop:
                 episode_timeout_s=cfg.timeouts.episode_s,
                 max_context=chat.max_context,
                 name=e.name,
+                **extra,
             )
             sources.append(Source(runner.name, runner, e.env.tasks(), e.weight))
+        self.serving = [s.runner for s in sources if isinstance(s.runner, VerifiersRunner)]
         self.scheduler = Scheduler(
             None,
             None,
@@ -133,7 +137,9 @@ class RunLoop:
         health watch, the live view and ``supervise`` (the fleet's supervisor) beside it."""
         cfg = self.cfg
         try:
-            async with anyio.create_task_group() as tg:
+            async with AsyncExitStack() as stack, anyio.create_task_group() as tg:
+                for runner in self.serving:  # verifiers environments' servers, for the run
+                    await stack.enter_async_context(runner.serving())
                 if cfg.admin.enabled:
                     url = await tg.start(
                         lambda task_status: serve_admin(
