@@ -133,7 +133,8 @@ def test_verdict_reports_each_run_across_seeds_and_the_targets() -> None:
     assert lines[0].endswith("(rose beyond 2σ in 3 of 3)")
     assert "95% t-interval over 3 seed(s)" in lines[1]
     # second-half means 0.500 / 0.510 / 0.520 over seeds: 0.510 ± t(0.975, 2)·SE = 4.303·0.00577
-    assert lines[2].lstrip().startswith("on_policy") and "0.510 ± 0.025" in lines[2]
+    assert lines[2].lstrip().startswith("on_policy")
+    assert "0.510 ± 0.025" in lines[2]
     tis = next(line for line in lines if line.lstrip().startswith("lag4_tis"))
     assert "within noise of on-policy; within noise in 3 of 3 seeds" in tis
     mask = next(line for line in lines if line.lstrip().startswith("lag4_token_mask"))
@@ -155,18 +156,11 @@ def test_a_target_that_fails_says_not_met() -> None:
     results += [_result("uncorrected", RISING, seed) for seed in range(3)]
     found = checks(results)
     assert found["uncorrected"]["met"] is False
-    assert found["best_correction"] == {
-        "arm": "token_mask",
-        "lags": found["best_correction"]["lags"],
-        "met": False,
-    }
-    assert (
-        verdict(results)
-        .splitlines()[-1]
-        .startswith(
-            "target, best correction (token_mask) within 2σ pooled of on-policy up to lag 8: not met"
-        )
-    )
+    assert found["best_correction"]["arm"] == "token_mask"
+    assert found["best_correction"]["met"] is False
+    last = verdict(results).splitlines()[-1]
+    assert last.startswith("target, best correction (token_mask) within 2σ pooled of on-policy")
+    assert "up to lag 8: not met (lag 4 Δ -0.200" in last
     assert "uncorrected" not in checks([_result("on_policy", RISING)])
 
 
@@ -175,7 +169,8 @@ def test_the_table_has_an_arm_per_row_and_a_lag_per_column() -> None:
     assert header == ["arm", "lag 0 (on-policy)", "lag 2", "lag 4", "lag 8"]
     assert [row[0] for row in rows] == ["uncorrected", "tis", "token_mask"]
     assert {row[1] for row in rows} == {"0.510 ± 0.025"}  # on-policy, shared by every arm
-    assert rows[1][2] == "" and rows[1][4] != ""  # tis ran at lags 4 and 8, not 2
+    assert rows[1][2] == ""  # tis ran at lags 4 and 8, not 2
+    assert rows[1][4] != ""
     md = markdown_table(_sweep()).splitlines()
     assert md[0] == "| arm | lag 0 (on-policy) | lag 2 | lag 4 | lag 8 |"
     assert md[1] == "|---|---:|---:|---:|---:|"
@@ -208,7 +203,7 @@ def test_arms_and_lags_are_parsed_with_on_policy_always_run() -> None:
         pick_arms(" , ")
     assert parse_lags("8,4, 2,1,4") == (0, 1, 2, 4, 8)
     for bad in ("4,-1", "two", "4,,8", "1e9"):
-        with pytest.raises(ConfigError, match="--lags: .* is not a lag"):
+        with pytest.raises(ConfigError, match=r"--lags: .* is not a lag"):
             parse_lags(bad)
     assert [r.name for r in plan(pick_arms("tis"), (0,))] == ["on_policy"]
 
