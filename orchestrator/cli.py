@@ -13,7 +13,7 @@
     orchestrate fleet list|add|remove|up|scale|down --orchestrator URL|RUN_DIR [...]
     orchestrate train --config X.toml [--section.key V …]   (an external reference trainer)
     orchestrate sidecar --engine-url URL --engine-kind vllm|sglang|openai --board URL [--port P]
-    orchestrate experiment lag --config X.toml [--steps N] [--out DIR] [--section.key V …]
+    orchestrate experiment lag --config X.toml [--lags 0,4] [--arms a,b] [--section.key V …]
     orchestrate chaos --config X.toml --fault NAME|all … [--runs N] [--out DIR] [--json]
     orchestrate inspect LOG [--episode ID]
     orchestrate replay LOG (--what-if POLICIES.toml [--model DIR] | --train --config X.toml)

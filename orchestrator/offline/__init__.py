@@ -6,6 +6,7 @@
 - :mod:`~orchestrator.offline.resimulate` — re-derive every logged decision from the event log;
 - :mod:`~orchestrator.offline.report` — ``orchestrate report``: the HTML report;
 - :mod:`~orchestrator.offline.experiment` — ``orchestrate experiment lag``, with its arms
-  (:mod:`~orchestrator.offline.experiment_arms`) and its verdict
-  (:mod:`~orchestrator.offline.experiment_verdict`).
+  (:mod:`~orchestrator.offline.experiment_arms`), its verdict
+  (:mod:`~orchestrator.offline.experiment_verdict`) and its page
+  (:mod:`~orchestrator.offline.experiment_report`).
 """

@@ -1,18 +1,19 @@
-"""The verdict of ``orchestrate experiment lag``: each arm's reward across seeds against on-policy.
+"""The verdict of ``orchestrate experiment lag``: each run's reward across seeds against on-policy.
 
 The statistic of a run is its *second-half reward*: the mean per-step reward over the second
-half of its steps, with its standard error (the steps taken as independent samples). Per arm: the
-mean of that statistic over seeds ± the half-width of its 95% interval (Student's t with
-``seeds − 1`` degrees of freedom on the per-seed values; none for one seed). Two checks, stated
-as measured, not assumed:
+half of its steps, with its standard error (the steps taken as independent samples). Per run (an
+arm at a lag): the mean of that statistic over seeds ± the half-width of its 95% interval
+(Student's t with ``seeds − 1`` degrees of freedom on the per-seed values; none for one seed),
+which :func:`table` lays out per arm and lag. A run is compared with on-policy by Δ, the mean over
+seeds of (run − on-policy), against 2σ pooled, σ = √(Σ_seeds (SE_run² + SE_on²)) / seeds. The
+issue's two targets, stated as measured, not assumed (:func:`checks`):
 
-- *best correction within noise of on-policy in every seed*: the corrected arm with the highest
-  across-seed mean; in each seed, its second-half reward minus on-policy's against 2σ, σ the
-  two runs' standard errors combined;
-- *uncorrected worse beyond 2σ pooled*: the mean over seeds of (uncorrected − on-policy) against
-  2σ pooled, σ = √(Σ_seeds (SE_on² + SE_none²)) / seeds.
+- *uncorrected below on-policy beyond 2σ pooled at every lag ≥ 4* (:data:`UNCORRECTED_FROM`);
+- *the best correction within 2σ pooled of on-policy at every lag up to 8*
+  (:data:`CORRECTED_UP_TO`): the corrected arm with the highest mean over those lags, not below
+  on-policy by more than 2σ pooled at any of them.
 
-Pure functions of the arms' results: nothing here runs or reads a run.
+Pure functions of the runs' results: nothing here runs or reads a run.
 """
 
 from __future__ import annotations
@@ -25,11 +26,15 @@ from typing import Any
 from orchestrator.observe.trend import halves, mean_se
 from orchestrator.offline.experiment_arms import (
     ARMS,
-    CORRECTED,
     REFERENCE,
     UNCORRECTED,
     ArmResult,
 )
+
+UNCORRECTED_FROM = 4
+"""The uncorrected target holds at every lag from this one."""
+CORRECTED_UP_TO = 8
+"""The best-correction target holds at every lag up to this one."""
 
 # Two-sided 95% quantiles of Student's t, t(0.975, dof), for dof 1..30 (the normal's 1.96 beyond).
 _T975 = (
@@ -55,27 +60,31 @@ def interval95(values: Sequence[float]) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class ArmStats:
-    """An arm's second-half reward across seeds."""
+    """One run's (an arm at a lag) second-half reward across seeds."""
 
     arm: str
+    """the run's name: ``on_policy`` or ``lag<L>_<arm>``"""
     label: str
     per_seed: dict[int, tuple[float, float]]
     """seed → (second-half mean, its standard error)"""
     mean: float
     ci95: float
+    correction: str = REFERENCE
+    lag: int = 0
 
 
 def arm_stats(results: Sequence[ArmResult]) -> list[ArmStats]:
-    """One :class:`ArmStats` per arm, in :data:`ARMS` order."""
+    """One :class:`ArmStats` per run name, by lag, then in :data:`ARMS` order."""
     order = {a.name: i for i, a in enumerate(ARMS)}
     by_arm: dict[str, list[ArmResult]] = {}
-    for r in sorted(results, key=lambda r: order.get(r.arm, len(order))):
+    for r in sorted(results, key=lambda r: (r.lag, order.get(r.correction, -1))):
         by_arm.setdefault(r.arm, []).append(r)
     stats = []
     for name, runs in by_arm.items():
         per_seed = {r.seed: tail_stats(r.rewards) for r in runs}
         mean, ci = interval95([m for m, _ in per_seed.values()])
-        stats.append(ArmStats(name, runs[0].label, per_seed, mean, ci))
+        first = runs[0]
+        stats.append(ArmStats(name, first.label, per_seed, mean, ci, first.correction, first.lag))
     return stats
 
 
@@ -98,34 +107,54 @@ def _judge(delta: float, noise: float) -> str:
     return "better than on-policy" if delta > 0 else "worse than on-policy"
 
 
+def _reference(stats: Sequence[ArmStats]) -> ArmStats:
+    ref = next((s for s in stats if s.arm == REFERENCE), None)
+    if ref is None:
+        raise ValueError(f"the verdict compares every arm with {REFERENCE}, which did not run")
+    return ref
+
+
 def checks(results: Sequence[ArmResult]) -> dict[str, Any]:
-    """The two checks of the module docstring, as data (``summary.json["checks"]``)."""
-    stats = {s.arm: s for s in arm_stats(results)}
-    ref = stats[REFERENCE]
+    """The issue's two targets, as data (``summary.json["checks"]``): per lag, Δ against
+    on-policy and 2σ pooled; ``met`` is None when no lag the target names was run."""
+    stats = arm_stats(results)
+    ref = _reference(stats)
     out: dict[str, Any] = {}
-    corrected = [stats[n] for n in CORRECTED if n in stats]
-    if corrected:
-        best = max(corrected, key=lambda s: s.mean)
-        rows, _, _ = _gap(best, ref)
+    unc = [s for s in stats if s.correction == UNCORRECTED and s.lag >= UNCORRECTED_FROM]
+    if unc:
+        lags = [_lag_gap(s, ref, worse=True) for s in unc]
+        out["uncorrected"] = {"lags": lags, "met": all(g["worse_beyond_2sigma"] for g in lags)}
+    corrected = [s for s in stats if s.correction not in (REFERENCE, UNCORRECTED)]
+    held = [s for s in corrected if s.lag <= CORRECTED_UP_TO]
+    if held:
+        means: dict[str, list[float]] = {}
+        for s in held:
+            means.setdefault(s.correction, []).append(s.mean)
+        best = max(means, key=lambda name: sum(means[name]) / len(means[name]))
+        lags = [_lag_gap(s, ref, worse=False) for s in held if s.correction == best]
         out["best_correction"] = {
-            "arm": best.arm,
-            "seeds": [{"seed": s, "delta": d, "noise": n} for s, d, n in rows],
-            "not_worse_every_seed": all(d >= -n for _, d, n in rows),
+            "arm": best,
+            "lags": lags,
+            "met": all(g["within_2sigma"] for g in lags),
         }
-    if UNCORRECTED in stats:
-        _, delta, noise = _gap(stats[UNCORRECTED], ref)
-        out["uncorrected"] = {"delta": delta, "noise": noise, "worse_beyond_2sigma": delta < -noise}
     return out
 
 
+def _lag_gap(s: ArmStats, ref: ArmStats, *, worse: bool) -> dict[str, Any]:
+    _, delta, noise = _gap(s, ref)
+    found: dict[str, Any] = {"lag": s.lag, "delta": delta, "noise": noise}
+    if worse:
+        found["worse_beyond_2sigma"] = delta < -noise
+    else:
+        found["within_2sigma"] = delta >= -noise
+    return found
+
+
 def verdict(results: Sequence[ArmResult]) -> str:
-    """The verdict, one statement per line: whether on-policy reward rose, each arm's second-half
-    reward across seeds (mean ± 95% interval) and how it compares with on-policy's, the checks."""
+    """The verdict, one statement per line: whether on-policy reward rose, each run's second-half
+    reward across seeds (mean ± 95% interval) and how it compares with on-policy's, the targets."""
     stats = arm_stats(results)
-    by_name = {s.arm: s for s in stats}
-    if REFERENCE not in by_name:
-        raise ValueError(f"the verdict compares every arm with {REFERENCE}, which did not run")
-    ref = by_name[REFERENCE]
+    ref = _reference(stats)
     seeds = len(ref.per_seed)
     rises = [halves(r.rewards) for r in results if r.arm == REFERENCE]
     rose = sum(c.judged == "rose" for c in rises)
@@ -133,11 +162,11 @@ def verdict(results: Sequence[ArmResult]) -> str:
     after = sum(c.after for c in rises) / len(rises)
     lines = [
         f"on-policy reward, first→second half (mean of {seeds} seed(s)): {before:.3f}→{after:.3f}"
-        f" (rose beyond 2σ in {rose} of {seeds})"
+        f" (rose beyond 2σ in {rose} of {seeds})",
+        f"second-half reward, mean ± 95% t-interval over {seeds} seed(s); Δ against on-policy:",
     ]
-    lines.append(f"second-half reward, mean ± 95% interval over {seeds} seed(s):")
     for s in stats:
-        line = f"  {s.label:<34} {s.mean:.3f} ± {s.ci95:.3f}"
+        line = f"  {s.label:<40} {s.mean:.3f} ± {s.ci95:.3f}"
         if s is not ref:
             rows, delta, noise = _gap(s, ref)
             within = sum(abs(d) <= n for _, d, n in rows)
@@ -146,19 +175,54 @@ def verdict(results: Sequence[ArmResult]) -> str:
                 f" within noise in {within} of {len(rows)} seeds)"
             )
         lines.append(line)
-    found = checks(results)
-    if "best_correction" in found:
-        best = found["best_correction"]
-        ok = sum(r["delta"] >= -r["noise"] for r in best["seeds"])
-        lines.append(
-            f"best correction {best['arm']}: not worse than on-policy beyond 2σ in {ok} of "
-            f"{len(best['seeds'])} seeds"
-        )
+    return "\n".join(lines + _target_lines(checks(results)))
+
+
+def _target_lines(found: dict[str, Any]) -> list[str]:
+    lines = []
     if "uncorrected" in found:
         unc = found["uncorrected"]
-        judged = "worse beyond 2σ" if unc["worse_beyond_2sigma"] else "not worse beyond 2σ"
-        lines.append(
-            f"uncorrected vs on-policy, pooled: Δ {unc['delta']:+.3f}, 2σ {unc['noise']:.3f}"
-            f" ({judged})"
+        gaps = ", ".join(
+            f"lag {g['lag']} Δ {g['delta']:+.3f} (2σ {g['noise']:.3f})" for g in unc["lags"]
         )
+        lines.append(
+            f"target, uncorrected below on-policy beyond 2σ pooled at lag ≥ {UNCORRECTED_FROM}: "
+            f"{'met' if unc['met'] else 'not met'} ({gaps})"
+        )
+    if "best_correction" in found:
+        best = found["best_correction"]
+        gaps = ", ".join(
+            f"lag {g['lag']} Δ {g['delta']:+.3f} (2σ {g['noise']:.3f})" for g in best["lags"]
+        )
+        lines.append(
+            f"target, best correction ({best['arm']}) within 2σ pooled of on-policy up to lag "
+            f"{CORRECTED_UP_TO}: {'met' if best['met'] else 'not met'} ({gaps})"
+        )
+    return lines
+
+
+def table(results: Sequence[ArmResult]) -> tuple[list[str], list[list[str]]]:
+    """Second-half reward (mean ± 95% t-interval over seeds) per arm (rows) and lag (columns):
+    the header and rows; the lag-0 column is on-policy, shared by every arm."""
+    stats = arm_stats(results)
+    ref = _reference(stats)
+    lags = sorted({s.lag for s in stats})
+    cells = {(s.correction, s.lag): f"{s.mean:.3f} ± {s.ci95:.3f}" for s in stats}
+    arms = [a.name for a in ARMS if any(s.correction == a.name for s in stats)] or [REFERENCE]
+    header = ["arm", *("lag 0 (on-policy)" if lag == 0 else f"lag {lag}" for lag in lags)]
+    rows = [
+        [
+            arm,
+            *(cells[ref.correction, 0] if lag == 0 else cells.get((arm, lag), "") for lag in lags),
+        ]
+        for arm in arms
+    ]
+    return header, rows
+
+
+def markdown_table(results: Sequence[ArmResult]) -> str:
+    """:func:`table` as a markdown table."""
+    header, rows = table(results)
+    lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)

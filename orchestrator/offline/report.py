@@ -162,7 +162,8 @@ def _from_events(d: ReportData, events: list[dict[str, Any]], t0: float) -> None
 
 
 # -- rendering ------------------------------------------------------------------------------------
-def _png(draw: Callable[[Axes], None], title: str) -> str:
+def png(draw: Callable[[Axes], None], title: str) -> str:
+    """One plot, drawn by ``draw`` on titled, gridded axes, as a base64 PNG."""
     fig = Figure(figsize=(7.5, 3.2), dpi=100, layout="tight")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -271,7 +272,7 @@ _PLOTS: tuple[tuple[str, str, Callable[[ReportData, Axes], None]], ...] = (
 
 def plots(d: ReportData) -> dict[str, str]:
     """Title → base64 PNG, one per plot, in page order."""
-    return {title: _png(partial(draw, d), caption) for title, caption, draw in _PLOTS}
+    return {title: png(partial(draw, d), caption) for title, caption, draw in _PLOTS}
 
 
 def render_html(d: ReportData) -> str:

@@ -1,4 +1,5 @@
-"""``orchestrate experiment lag``: arm configs, lag accounting, the verdict, and a reduced run."""
+"""``orchestrate experiment lag``: run configs, lag accounting, the verdict, the table and page,
+and a reduced run."""
 
 from __future__ import annotations
 
@@ -16,10 +17,20 @@ from orchestrator.offline.experiment_arms import (
     ARMS,
     ArmResult,
     arm_config,
+    check_overrides,
     lag_histogram,
+    parse_lags,
     pick_arms,
+    plan,
 )
-from orchestrator.offline.experiment_verdict import checks, interval95, verdict
+from orchestrator.offline.experiment_report import render_html
+from orchestrator.offline.experiment_verdict import (
+    checks,
+    interval95,
+    markdown_table,
+    table,
+    verdict,
+)
 from orchestrator.record.frames import FrameWriter
 from orchestrator.warm_start import sft_phases, warm_model
 from policies.errors import ModelBuildError
@@ -29,23 +40,25 @@ LOOP = Path("tests/support/loop.toml")  # the small loop most e2e tests run
 EXPERIMENT = Path("configs/experiment-lag.toml")
 
 
-def test_arm_configs_differ_only_in_lag_and_correction(tmp_path: Path) -> None:
+def test_run_configs_differ_only_in_lag_and_correction(tmp_path: Path) -> None:
+    runs = plan(pick_arms("uncorrected,tis,decoupled_ppo,token_mask"), parse_lags("4,2"))
     cfgs = {
-        arm.name: arm_config(
+        run.name: arm_config(
             DEMO,
-            arm,
+            run,
             out=tmp_path,
             model_dir=tmp_path / "model",
             steps=7,
             seed=3,
-            overrides={"scheduler.group_size": 2},
+            overrides={"scheduler.group_size": 2, "trainer.minibatches": 2},
         )
-        for arm in ARMS
+        for run in runs
     }
+    assert list(cfgs)[:3] == ["on_policy", "lag2_uncorrected", "lag2_tis"]
+    assert len(cfgs) == 1 + 2 * 4  # on-policy once, every arm at every lag above 0
     assert cfgs["on_policy"].scheduler.max_lag == 0
-    lagged = [cfg for name, cfg in cfgs.items() if name != "on_policy"]
-    assert {cfg.scheduler.max_lag for cfg in lagged} == {4}
-    assert [cfg.staleness.correction.type for cfg in lagged] == [
+    assert cfgs["on_policy"].staleness.correction.type == "none"
+    assert [cfg.staleness.correction.type for name, cfg in cfgs.items() if "lag4" in name] == [
         "none",
         "tis",
         "decoupled_ppo",
@@ -53,12 +66,14 @@ def test_arm_configs_differ_only_in_lag_and_correction(tmp_path: Path) -> None:
     ]
     for name, cfg in cfgs.items():
         assert cfg.run_dir == tmp_path / "runs" / "s3" / name  # one directory per seed
-        assert cfg.staleness.drop is None  # demo.toml's drop rule is cleared in every arm
+        assert cfg.scheduler.max_lag == (0 if name == "on_policy" else int(name[3]))
+        assert cfg.staleness.drop is None  # demo.toml's drop rule is cleared in every run
         assert (cfg.trainer.max_steps, cfg.run.seed, cfg.scheduler.group_size) == (7, 3, 2)
+        assert cfg.trainer.minibatches == 2  # overrides reach every run
         assert cfg.model.path == tmp_path / "model"
         assert cfg.model.init is None
-    # the lag arms may keep (1 + 4) batches of episodes in flight
-    assert cfgs["lag4_none"].scheduler.max_concurrent_episodes >= 5 * 2 * 2
+    # the lag-4 runs may keep (1 + 4) batches of episodes in flight
+    assert cfgs["lag4_uncorrected"].scheduler.max_concurrent_episodes >= 5 * 2 * 2
 
 
 def test_lag_histogram_counts_model_calls_of_trained_groups(tmp_path: Path) -> None:
@@ -82,41 +97,93 @@ def test_lag_histogram_counts_model_calls_of_trained_groups(tmp_path: Path) -> N
     assert lag_histogram(tmp_path) == {0: 1, 1: 2, 2: 1}
 
 
-def _result(name: str, rewards: list[float], seed: int = 0) -> ArmResult:
-    return ArmResult(arm=name, label=name, rewards=rewards, seed=seed)
+def _result(name: str, rewards: list[float], seed: int = 0, lag: int = 4) -> ArmResult:
+    run = f"lag{lag}_{name}" if name != "on_policy" else name
+    return ArmResult(
+        arm=run, label=run, rewards=rewards, seed=seed, correction=name, lag=lag * (run != name)
+    )
 
 
 RISING = [0.1, 0.2, 0.3, 0.5, 0.52, 0.48, 0.5, 0.51, 0.49]
 FLAT_LOW = [0.1, 0.1, 0.12, 0.1, 0.11, 0.1, 0.09, 0.1, 0.11]
 
 
-def test_verdict_reports_each_arm_across_seeds_and_the_checks() -> None:
+def _sweep() -> list[ArmResult]:
+    """3 seeds; tis close to on-policy at lags 4 and 8, token_mask 0.2 below, uncorrected flat
+    and low at lag 4 but close at lag 2."""
     results = []
     for seed in range(3):
         shift = 0.01 * seed
         results += [
             _result("on_policy", [r + shift for r in RISING], seed),
-            _result("lag4_tis", [r + shift + 0.005 for r in RISING], seed),
-            _result("lag4_mask", [r + shift - 0.2 for r in RISING], seed),
-            _result("lag4_none", FLAT_LOW, seed),
+            _result("uncorrected", [r + shift for r in RISING], seed, lag=2),
+            _result("tis", [r + shift + 0.005 for r in RISING], seed),
+            _result("tis", [r + shift - 0.01 for r in RISING], seed, lag=8),
+            _result("token_mask", [r + shift - 0.2 for r in RISING], seed),
+            _result("uncorrected", FLAT_LOW, seed),
         ]
+    return results
+
+
+def test_verdict_reports_each_run_across_seeds_and_the_targets() -> None:
+    results = _sweep()
     text = verdict(results)
     lines = text.splitlines()
     assert lines[0].startswith("on-policy reward, first→second half (mean of 3 seed(s)): 0.285")
     assert lines[0].endswith("(rose beyond 2σ in 3 of 3)")
+    assert "95% t-interval over 3 seed(s)" in lines[1]
     # second-half means 0.500 / 0.510 / 0.520 over seeds: 0.510 ± t(0.975, 2)·SE = 4.303·0.00577
+    assert lines[2].lstrip().startswith("on_policy")
     assert "0.510 ± 0.025" in lines[2]
     tis = next(line for line in lines if line.lstrip().startswith("lag4_tis"))
     assert "within noise of on-policy; within noise in 3 of 3 seeds" in tis
-    mask = next(line for line in lines if line.lstrip().startswith("lag4_mask"))
+    mask = next(line for line in lines if line.lstrip().startswith("lag4_token_mask"))
     assert "worse than on-policy" in mask
-    assert "best correction lag4_tis: not worse than on-policy beyond 2σ in 3 of 3 seeds" in text
-    assert lines[-1].startswith("uncorrected vs on-policy, pooled: Δ -0.408")
-    assert lines[-1].endswith("(worse beyond 2σ)")
+    assert lines[-2].startswith(
+        "target, uncorrected below on-policy beyond 2σ pooled at lag ≥ 4: met (lag 4 Δ -0.408"
+    )
+    assert lines[-1].startswith(
+        "target, best correction (tis) within 2σ pooled of on-policy up to lag 8: met (lag 4 Δ"
+    )
     found = checks(results)
-    assert found["best_correction"]["arm"] == "lag4_tis"
-    assert found["best_correction"]["not_worse_every_seed"] is True
-    assert found["uncorrected"]["worse_beyond_2sigma"] is True
+    assert [g["lag"] for g in found["uncorrected"]["lags"]] == [4]  # lag 2 is not a target lag
+    assert found["best_correction"]["arm"] == "tis"
+    assert [g["lag"] for g in found["best_correction"]["lags"]] == [4, 8]
+
+
+def test_a_target_that_fails_says_not_met() -> None:
+    results = [r for r in _sweep() if r.correction in ("on_policy", "token_mask")]
+    results += [_result("uncorrected", RISING, seed) for seed in range(3)]
+    found = checks(results)
+    assert found["uncorrected"]["met"] is False
+    assert found["best_correction"]["arm"] == "token_mask"
+    assert found["best_correction"]["met"] is False
+    last = verdict(results).splitlines()[-1]
+    assert last.startswith("target, best correction (token_mask) within 2σ pooled of on-policy")
+    assert "up to lag 8: not met (lag 4 Δ -0.200" in last
+    assert "uncorrected" not in checks([_result("on_policy", RISING)])
+
+
+def test_the_table_has_an_arm_per_row_and_a_lag_per_column() -> None:
+    header, rows = table(_sweep())
+    assert header == ["arm", "lag 0 (on-policy)", "lag 2", "lag 4", "lag 8"]
+    assert [row[0] for row in rows] == ["uncorrected", "tis", "token_mask"]
+    assert {row[1] for row in rows} == {"0.510 ± 0.025"}  # on-policy, shared by every arm
+    assert rows[1][2] == ""  # tis ran at lags 4 and 8, not 2
+    assert rows[1][4] != ""
+    md = markdown_table(_sweep()).splitlines()
+    assert md[0] == "| arm | lag 0 (on-policy) | lag 2 | lag 4 | lag 8 |"
+    assert md[1] == "|---|---:|---:|---:|---:|"
+    assert md[2] == "| uncorrected | 0.510 ± 0.025 | 0.510 ± 0.025 | 0.102 ± 0.000 |  |"
+
+
+def test_the_page_holds_the_table_and_both_plots() -> None:
+    page = render_html(_sweep(), verdict(_sweep()), "orchestrate experiment lag --lags 0,2,4,8")
+    assert "<th>lag 0 (on-policy)</th>" in page
+    assert "<td>token_mask</td>" in page
+    assert page.count('src="data:image/png;base64,') == 2
+    assert "Reward against lag per arm" in page
+    assert "orchestrate experiment lag --lags 0,2,4,8" in page
 
 
 def test_one_seed_has_no_interval_and_the_verdict_needs_on_policy() -> None:
@@ -124,18 +191,28 @@ def test_one_seed_has_no_interval_and_the_verdict_needs_on_policy() -> None:
     mean, half = interval95([0.4, 0.6])
     assert (round(mean, 6), round(half, 3)) == (0.5, 1.271)  # t(0.975, 1) = 12.706, SE 0.1
     with pytest.raises(ValueError, match="on_policy"):
-        verdict([_result("lag4_none", FLAT_LOW)])
+        verdict([_result("uncorrected", FLAT_LOW)])
 
 
-def test_arms_are_picked_by_name_with_on_policy_always_run() -> None:
-    assert [a.name for a in pick_arms("lag4_mask, lag4_tis")] == [
-        "on_policy",
-        "lag4_tis",
-        "lag4_mask",
-    ]
-    assert pick_arms(None) == ARMS
-    with pytest.raises(ConfigError, match="--arms: unknown arm lag4_foo"):
-        pick_arms("lag4_foo")
+def test_arms_and_lags_are_parsed_with_on_policy_always_run() -> None:
+    assert [a.name for a in pick_arms("m2po, tis,uncorrected")] == ["uncorrected", "tis", "m2po"]
+    assert {a.name for a in ARMS} >= {"decoupled_ppo", "token_mask", "cispo", "gspo"}
+    with pytest.raises(ConfigError, match="--arms: unknown arm lag4_tis"):
+        pick_arms("lag4_tis")  # the old run names are not arms
+    with pytest.raises(ConfigError, match="--arms: name at least one arm"):
+        pick_arms(" , ")
+    assert parse_lags("8,4, 2,1,4") == (0, 1, 2, 4, 8)
+    for bad in ("4,-1", "two", "4,,8", "1e9"):
+        with pytest.raises(ConfigError, match=r"--lags: .* is not a lag"):
+            parse_lags(bad)
+    assert [r.name for r in plan(pick_arms("tis"), (0,))] == ["on_policy"]
+
+
+def test_overrides_of_what_each_run_sets_are_refused() -> None:
+    check_overrides({"trainer.minibatches": 4, "staleness.overlong": "mask"})
+    for key in ("scheduler.max_lag", "staleness.correction.cap", "staleness.drop"):
+        with pytest.raises(ConfigError, match=f"--{key}: the experiment sets"):
+            check_overrides({key: 1})
 
 
 @pytest.mark.slow
@@ -153,7 +230,9 @@ def test_experiment_command_runs_at_reduced_size(tmp_path: Path) -> None:
             "--seeds",
             "2",
             "--arms",
-            "lag4_dppo",
+            "decoupled_ppo",
+            "--lags",
+            "4",
             "--out",
             str(out),
             "--sft-steps",
@@ -177,15 +256,24 @@ def test_experiment_command_runs_at_reduced_size(tmp_path: Path) -> None:
     assert code == 0
     with (out / "rewards.csv").open() as fh:
         rows = list(csv.reader(fh))
-    assert rows[0] == ["step", "on_policy/s0", "lag4_dppo/s0", "on_policy/s1", "lag4_dppo/s1"]
+    assert rows[0] == [
+        "step",
+        "on_policy/s0",
+        "lag4_decoupled_ppo/s0",
+        "on_policy/s1",
+        "lag4_decoupled_ppo/s1",
+    ]
     assert [r[0] for r in rows[1:]] == ["1", "2"]
     assert (out / "rewards.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["verdict"].startswith("on-policy reward, first→second half")
     assert summary["seeds"] == [0, 1]
-    assert [s["arm"] for s in summary["stats"]] == ["on_policy", "lag4_dppo"]
-    assert summary["checks"]["best_correction"]["arm"] == "lag4_dppo"
-    assert (out / "runs" / "s1" / "lag4_dppo" / "trajectories").is_dir()
+    assert summary["lags"] == [0, 4]
+    assert [s["arm"] for s in summary["stats"]] == ["on_policy", "lag4_decoupled_ppo"]
+    assert summary["checks"]["best_correction"]["arm"] == "decoupled_ppo"
+    assert (out / "runs" / "s1" / "lag4_decoupled_ppo" / "trajectories").is_dir()
+    assert (out / "table.md").read_text().startswith("| arm | lag 0 (on-policy) | lag 4 |\n")
+    assert (out / "report.html").read_text().count("data:image/png;base64,") == 2
     phases = json.loads((out / "model" / "sft.json").read_text())["phases"]
     assert [(p["steps"], p["max_operand"]) for p in phases] == [(3, 99), (2, 99), (1, 99)]
     assert phases[-1]["after"]["episodes"] == 2
