@@ -73,6 +73,11 @@ class PatchBaseMismatch(PatchError):
     """The patch was made against a different base version."""
 
 
+class PatchBaseCorrupt(PatchBaseMismatch):
+    """The base held differs from the patch's base in words the patch writes (its memory was
+    damaged since it was verified): the patch is sound, the base must be reloaded."""
+
+
 class PatchChecksumMismatch(PatchError):
     """A patched tensor does not match the target checksum the patch names."""
 
