@@ -74,8 +74,9 @@ class PatchBaseMismatch(PatchError):
 
 
 class PatchBaseCorrupt(PatchBaseMismatch):
-    """The base held differs from the patch's base in words the patch writes (its memory was
-    damaged since it was verified): the patch is sound, the base must be reloaded."""
+    """The base held differs from the patch's base in words the patch changes, though it was
+    vouched for (its memory damaged since it was verified, or those tensors already patched):
+    the patch is not to blame, the base must be reloaded."""
 
 
 class PatchChecksumMismatch(PatchError):

@@ -133,7 +133,8 @@ def _check_old_words(rec: TensorRecord, olds: npt.NDArray[np.uint64]) -> None:
     if got != rec.old_words:
         raise PatchBaseCorrupt(
             f"{rec.name}: the base words this patch changed sum to {got}, its base's to "
-            f"{rec.old_words}: the base held was damaged since it was verified (reload it)"
+            f"{rec.old_words}: the base held is not its base there (damaged since it was "
+            "verified, or already patched): reload it"
         )
 
 
