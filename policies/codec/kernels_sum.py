@@ -25,6 +25,7 @@ import numpy as np
 
 from policies.codec.kernels import (
     I64,
+    ONE,
     SEED_A,
     SEED_B,
     STEP_A,
@@ -62,11 +63,19 @@ def add_words(words: U64, first: int, acc: U64) -> None:
 
 @jit_inline
 def word_of(units: UInt, wi: np.uint64) -> np.uint64:
-    """Word ``wi`` of the bytes of ``units`` (zero past their end)."""
+    """Word ``wi`` of the bytes of ``units`` (zero past their end).
+
+    A whole word's units are read without a test each (LLVM can then make them one 64-bit
+    load): a 1% apply of a 32 MiB bf16 tensor checked from the words written took 5–9% less
+    time than with a test per unit."""
     per = np.uint64(8 // unit_bytes(units))
     shift = np.uint64(8 * unit_bytes(units))
     w = np.uint64(0)
     lo = wi * per
+    if lo + per <= np.uint64(units.size):
+        for k in range(8 // unit_bytes(units)):
+            w |= np.uint64(units[lo + np.uint64(k)]) << (shift * np.uint64(k))
+        return w
     for k in range(8 // unit_bytes(units)):
         i = lo + np.uint64(k)
         if i < np.uint64(units.size):
@@ -84,9 +93,16 @@ def add_word_changes(units: UInt, at: U64, old: U64, new: U64, m: int, acc: U64,
     ``olds`` (three entries, or empty: not tracked) takes, in its two lanes, the term before of
     each word these writes change (the *old words*, what a patch's ``old_words`` vouches for:
     :mod:`policies.codec.apply`), once per word: its third entry is the last word summed plus
-    one, kept from call to call, so a word whose units fall in two calls is summed at the first
-    that changes it (a call before that wrote its units unchanged, so its value is still the
-    base's)."""
+    one (0: none), kept from call to call, so a word whose units fall in two calls is summed at
+    the first change, as it was before any (a change that leaves its unit as it is, as a dense
+    chunk's unchanged units, changes no word).
+
+    A change at a time, without branches on the data: a word's next change starts from its
+    value after the one before (its units are written only after this returns), so its terms
+    telescope to the word's term after all of them less its term before. Grouping each word's
+    changes first (a loop per word, exiting on the data) took ~0.2 ms more of a 32 MiB bf16
+    tensor's 1% apply (~2.9 ms, one thread, the 2-core dev VM).
+    """
     per = np.uint64(8 // unit_bytes(units))
     shift = np.uint64(8 * unit_bytes(units))
     mask = (ZERO - np.uint64(1)) >> (np.uint64(64) - shift)
@@ -95,31 +111,33 @@ def add_word_changes(units: UInt, at: U64, old: U64, new: U64, m: int, acc: U64,
     track = olds.size > 0
     oa = olds[0] if track else ZERO
     ob = olds[1] if track else ZERO
-    last = olds[2] if track else ZERO
-    q = 0
-    while q < m:
+    prev = (olds[2] if track else ZERO) - ONE  # the word changed last (all ones: none)
+    summed = np.uint64(prev != ZERO - ONE)  # whether that word's old value is summed already
+    cur = word_of(units, prev) if summed else ZERO  # and its value now
+    for q in range(m):
         wi = at[q] // per
-        before = word_of(units, wi)
-        flip = ZERO
-        while q < m and at[q] // per == wi:
-            flip |= ((old[q] ^ new[q]) & mask) << (shift * (at[q] - wi * per))
-            q += 1
+        same = np.uint64(wi == prev)
+        before = cur if same else word_of(units, wi)
+        after = before ^ (((old[q] ^ new[q]) & mask) << (shift * (at[q] - wi * per)))
         ka = SEED_A + wi * STEP_A
         kb = SEED_B + wi * STEP_B
         ta0, tb0 = sum_terms(before, ka, kb)
-        ta1, tb1 = sum_terms(before ^ flip, ka, kb)
+        ta1, tb1 = sum_terms(after, ka, kb)
         a += ta1 - ta0
         b += tb1 - tb0
-        if track and flip != ZERO and last != wi + np.uint64(1):
-            oa += ta0
-            ob += tb0
-            last = wi + np.uint64(1)
+        changed = np.uint64(after != before)
+        first = changed & ~(same & summed)  # the word's first change: its old value
+        oa += ta0 * first
+        ob += tb0 * first
+        summed = (summed & same) | changed
+        prev = wi
+        cur = after
     acc[0] = a
     acc[1] = b
     if track:
         olds[0] = oa
         olds[1] = ob
-        olds[2] = last
+        olds[2] = (prev + ONE) * summed
 
 
 @jit
