@@ -101,9 +101,9 @@ def _build(
     held: npt.NDArray[np.uint64] | None,
 ) -> torch.Tensor:
     """One target tensor: decompressed (``full``) or ``dst`` patched in place, then verified
-    when ``verify``: against its checksum, updated from ``held`` (the base tensor's ``sum-128``
-    lanes) when given, and then the base words it changed against the record's ``old_words``
-    first."""
+    when ``verify``: given ``held`` (the base tensor's ``sum-128`` lanes), the base words it
+    changed against the record's ``old_words``, then its checksum updated from ``held`` by the
+    words written; else its checksum hashed whole."""
     incremental = held is not None and verify
     acc = np.zeros(2, dtype=np.uint64) if incremental else None
     olds = np.zeros(3, dtype=np.uint64) if incremental else None
@@ -178,7 +178,7 @@ def apply_patch(
     ``sum-128`` checksums (e.g. its manifest's, vouched for like ``base_digest``), let a
     ``sum-128`` patch's check be updated from the words written instead of hashing each
     written tensor; the base words it changes are then checked against the patch's
-    ``old_words`` (:class:`PatchBaseCorrupt`: the base held was damaged). Tensors are decoded
+    ``old_words`` (:class:`PatchBaseCorrupt`: not the base there). Tensors are decoded
     and verified on the process's codec threads (:mod:`policies.codec.workers`), all of them
     done when this returns or raises. If a check fails after writing in place, the base is
     partially patched: reload it from a verified version.
