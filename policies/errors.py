@@ -73,6 +73,12 @@ class PatchBaseMismatch(PatchError):
     """The patch was made against a different base version."""
 
 
+class PatchBaseCorrupt(PatchBaseMismatch):
+    """The base held differs from the patch's base in words the patch changes, though it was
+    vouched for (its memory damaged since it was verified, or those tensors already patched):
+    the patch is not to blame, the base must be reloaded."""
+
+
 class PatchChecksumMismatch(PatchError):
     """A patched tensor does not match the target checksum the patch names."""
 

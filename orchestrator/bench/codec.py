@@ -11,8 +11,10 @@ whole view) measured in the same run. Throughputs are bytes of view per second (
 each timing is the best of ``--repeats``. Every timed run follows a timed memcpy (then a pause,
 :data:`SETTLE_S`, for the copy's threads to go idle), and the ratios
 ``encode_vs_memcpy``, ``apply_time_vs_copy`` and ``apply_unverified_time_vs_copy`` compare each
-codec timing with the memcpy timed next to it; ``apply_unverified_vs_int32_scatter`` is the
-codec's unverified apply time over the int32 scatter's of the same changes.
+codec timing with the memcpy timed next to it; ``apply_vs_int32_scatter`` and
+``apply_unverified_vs_int32_scatter`` are the codec's apply time, verified (as a reader applies:
+the checksum from the words written, the base words it changes against the patch's) and not,
+over the int32 scatter's of the same changes.
 
 ``--device cuda`` copies the view to the GPU and the codec's encoder scans it there
 (:mod:`policies.codec.scan`; its row's ``scan_device``, and ``device_memcpy_gbps``, a copy of the
@@ -273,8 +275,9 @@ def run(
 
     Every codec timing is paired with a memcpy timed just before it (:class:`Timer`); a row's
     ratios use those pairs and its ``memcpy_gbps`` is the best of its pairs, the report's the
-    best of all. The codec's row also compares its unverified apply with the int32 scatter of
-    the same changes (``apply_unverified_vs_int32_scatter``, a ratio of times).
+    best of all. The codec's row also compares its verified and unverified apply with the int32
+    scatter of the same changes (``apply_vs_int32_scatter``,
+    ``apply_unverified_vs_int32_scatter``, ratios of times).
     """
     base = make_view(size_mb, seed=0)
     full = sum(t.numel() * t.element_size() for t in base.values())
@@ -291,6 +294,7 @@ def run(
             row.update(density=density, memcpy_gbps=gbps(full, min(timer.copies)))
             rows.append(row)
         scatter_gbps = rows[-2]["apply_gbps"]  # the int32 baseline of this density
+        sprawl["apply_vs_int32_scatter"] = scatter_gbps / sprawl["apply_gbps"]
         sprawl["apply_unverified_vs_int32_scatter"] = scatter_gbps / sprawl["apply_unverified_gbps"]
     return {
         "size_mb": size_mb,
@@ -323,6 +327,7 @@ def _table(report: dict[str, Any]) -> None:
         "apply GB/s",
         "apply/copy time",
         "unverified",
+        "apply/scatter",
         "unverified/scatter",
         "exact",
     ):
@@ -338,6 +343,7 @@ def _table(report: dict[str, Any]) -> None:
             f"{r['apply_gbps']:.2f}",
             f"{r['apply_time_vs_copy']:.0%}",
             f"{r['apply_unverified_time_vs_copy']:.0%}" if "apply_unverified_gbps" in r else "–",
+            f"{r['apply_vs_int32_scatter']:.2f}×" if r["codec"] == "sprawl" else "–",
             f"{r['apply_unverified_vs_int32_scatter']:.2f}×" if r["codec"] == "sprawl" else "–",
             str(r["exact"]),
         )

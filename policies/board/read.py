@@ -28,6 +28,7 @@ from policies.board.stream import (
     StreamSource,
     apply_frame,
     check_chunks,
+    chunk_ref,
     fetching,
     follow,
     sum_checksums,
@@ -43,7 +44,7 @@ from policies.board.types import (
     chunk_file,
 )
 from policies.codec.written import current as current_written
-from policies.errors import BoardError, PatchBaseMismatch, VersionCorrupt
+from policies.errors import BoardError, PatchBaseCorrupt, PatchBaseMismatch, VersionCorrupt
 
 log = structlog.get_logger(__name__)
 
@@ -259,7 +260,16 @@ class BoardReader(BoardIndex):
             for i, data in enumerate(chunks):
                 # the first chunk vouches for nothing unless the caller did: hash the base once
                 where = f"version {step.version}: {chunk_file(step.base, i)}"
-                staged.append(apply_frame(view, data, where, digest, base_checksums=sums))
+                try:
+                    staged.append(apply_frame(view, data, where, digest, base_checksums=sums))
+                except PatchBaseCorrupt:
+                    # the view held, or a chunk in another's place (one of its tensors applied
+                    # twice): only the latter is the file's fault
+                    if chunk_ref(data) != ref.chunks[i]:
+                        raise VersionCorrupt(
+                            f"{where}: not the chunk its manifest records"
+                        ) from None
+                    raise
                 digest = ref.base_digest
         wrong = check_chunks(m, ref, staged)
         if wrong is not None:

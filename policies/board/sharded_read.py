@@ -139,7 +139,8 @@ def _apply_shard(
             }
             outer.add_boxes(inner, boxes)
     except PatchBaseMismatch as exc:
-        raise PatchBaseMismatch(str(exc) if where in str(exc) else f"{where}: {exc}") from None
+        # a damaged base held (PatchBaseCorrupt) stays one: the patch is not to blame
+        raise type(exc)(str(exc) if where in str(exc) else f"{where}: {exc}") from None
     except PatchError as exc:
         raise VersionCorrupt(f"{where}: {exc}") from None
     for name, p in shard.pieces.items():

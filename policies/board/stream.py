@@ -107,7 +107,8 @@ def apply_frame(
             )
         apply_patch(view, data, base_digest=digest, base_checksums=base_checksums, verify=True)
     except PatchBaseMismatch as exc:
-        raise PatchBaseMismatch(str(exc) if where in str(exc) else f"{where}: {exc}") from None
+        # a damaged base held (PatchBaseCorrupt) stays one: the patch is not to blame
+        raise type(exc)(str(exc) if where in str(exc) else f"{where}: {exc}") from None
     except PatchError as exc:
         raise VersionCorrupt(f"{where}: {exc}") from None
     return StagedChunk(chunk_ref(data), hdr.checksums)

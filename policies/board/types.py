@@ -17,12 +17,13 @@ from policies.errors import BoardError
 MAX_VERSION = 2**63 - 1
 """The largest version a board holds (an int64: engines and logs carry versions as int64)."""
 
-FORMAT = 7
+FORMAT = 8
 """The one manifest format this sprawl writes and reads: the whole manifest sealed (base files,
 patch names and sizes included), tensor and piece checksums ``sum-128``
-(:mod:`policies.codec.digests`: a reader verifies a patch from the words it writes), a sharded
-version's :attr:`Manifest.shards` and a streamed patch's :attr:`PatchRef.chunks` where they
-apply. A manifest of another format is refused (:class:`policies.errors.BoardFormatError` says
+(:mod:`policies.codec.digests`: a reader verifies a patch from the words it writes), patches of
+the codec's format 3 (``sprawl-patch/3``: each record vouches for the base words it changes), a
+sharded version's :attr:`Manifest.shards` and a streamed patch's :attr:`PatchRef.chunks` where
+they apply. A manifest of another format is refused (:class:`policies.errors.BoardFormatError` says
 how to proceed); the policy is in ``docs/board.md``."""
 
 

@@ -5,12 +5,16 @@ then, with ``verify=True``, every written tensor against the target's ``sum-128`
 checksum is updated as the patch is written when the caller passes the base's checksums: the
 base tensor's, plus each written word's new term less its old one
 (:mod:`policies.codec.kernels_sum`), so verifying costs the words written instead of a pass over
-the tensor. What that leaves out: a word of the base that
-was already wrong in memory and that the patch does not write (the caller vouched for the base,
-as with ``base_digest``). Inside :func:`policies.codec.written.recording`, the frame is kept once it
-applied. Tensors are decompressed, patched (compiled,
-:func:`policies.codec.ops.apply_section`) and verified on the process's codec threads
-(:mod:`policies.codec.workers`), one tensor per task.
+the tensor. A sum alone would miss a word that was wrong in memory before the patch wrote it
+(the patch stores deltas, so the damage survives the write and cancels out of the sum): the same
+passes also sum the terms the changed words had before (fused into the scatter, which reads them
+anyway), and that sum must be the record's ``old_words``, what the publisher's base held there
+(:class:`PatchBaseCorrupt` otherwise, checked before the target's checksum). What that leaves
+out: a word of the base that was already wrong in memory and that the patch does not change (the
+caller vouched for the base, as with ``base_digest``). Inside
+:func:`policies.codec.written.recording`, the frame is kept once it applied. Tensors are
+decompressed, patched (compiled, :func:`policies.codec.ops.apply_section`) and verified on the
+process's codec threads (:mod:`policies.codec.workers`), one tensor per task.
 """
 
 from __future__ import annotations
@@ -37,7 +41,13 @@ from policies.codec.format import TensorRecord, parse_patch
 from policies.codec.ops import apply_section, unit_view
 from policies.codec.workers import workers
 from policies.codec.written import Frame, current
-from policies.errors import PatchBaseMismatch, PatchChecksumMismatch, PatchCorrupt, PatchError
+from policies.errors import (
+    PatchBaseCorrupt,
+    PatchBaseMismatch,
+    PatchChecksumMismatch,
+    PatchCorrupt,
+    PatchError,
+)
 
 log = structlog.get_logger("policies.codec")
 
@@ -60,12 +70,13 @@ def _apply_section(
     data: bytes,
     chunk: int,
     acc: npt.NDArray[np.uint64] | None,
+    olds: npt.NDArray[np.uint64] | None,
 ) -> None:
     units = unit_view(dst.reshape(-1).view(torch.uint8).numpy(), rec.width)
     if units.size != rec.units:
         raise PatchBaseMismatch(f"{rec.name}: base has {units.size} units, patch {rec.units}")
     try:
-        apply_section(units, data, chunk, acc)
+        apply_section(units, data, chunk, acc, olds)
     except ValueError as exc:
         raise PatchCorrupt(f"{rec.name}: {exc}") from exc
 
@@ -90,17 +101,21 @@ def _build(
     held: npt.NDArray[np.uint64] | None,
 ) -> torch.Tensor:
     """One target tensor: decompressed (``full``) or ``dst`` patched in place, then verified
-    against its checksum when ``verify``, updated from ``held`` (the base tensor's ``sum-128``
-    lanes) when given."""
-    acc = np.zeros(2, dtype=np.uint64) if held is not None and verify else None
+    when ``verify``: given ``held`` (the base tensor's ``sum-128`` lanes), the base words it
+    changed against the record's ``old_words``, then its checksum updated from ``held`` by the
+    words written; else its checksum hashed whole."""
+    incremental = held is not None and verify
+    acc = np.zeros(2, dtype=np.uint64) if incremental else None
+    olds = np.zeros(3, dtype=np.uint64) if incremental else None
     if dst is None:
         out = _target_tensor(rec, _decompress(section, rec.name))
     else:
         if rec.length:
-            _apply_section(dst, rec, _decompress(section, rec.name), chunk, acc)
+            _apply_section(dst, rec, _decompress(section, rec.name), chunk, acc, olds)
         out = dst
     if verify and (dst is None or rec.length):
-        if acc is not None and held is not None:
+        if acc is not None and olds is not None and held is not None:
+            _check_old_words(rec, olds)
             got = lanes_hex(held + acc)
         else:
             got = tensor_checksum(out)
@@ -109,6 +124,18 @@ def _build(
                 f"{rec.name}: patched tensor checksum {got} != target {rec.checksum}"
             )
     return out
+
+
+def _check_old_words(rec: TensorRecord, olds: npt.NDArray[np.uint64]) -> None:
+    """Refuse a base whose words the patch changed were not the patch's base's: the check from
+    the words written cannot see them otherwise (their damage cancels out of it)."""
+    got = lanes_hex(olds[:2])
+    if got != rec.old_words:
+        raise PatchBaseCorrupt(
+            f"{rec.name}: the base words this patch changed sum to {got}, its base's to "
+            f"{rec.old_words}: the base held is not its base there (damaged since it was "
+            "verified, or already patched): reload it"
+        )
 
 
 def _destination(
@@ -150,10 +177,11 @@ def apply_patch(
     digest a previous apply returned) instead of hashing it; ``base_checksums``, the base's
     ``sum-128`` checksums (e.g. its manifest's, vouched for like ``base_digest``), let a
     ``sum-128`` patch's check be updated from the words written instead of hashing each
-    written tensor. Tensors are decoded and verified on
-    the process's codec threads (:mod:`policies.codec.workers`), all of them done when this
-    returns or raises. If a checksum check fails after writing in place, the base is partially
-    patched: reload it from a verified version.
+    written tensor; the base words it changes are then checked against the patch's
+    ``old_words`` (:class:`PatchBaseCorrupt`: not the base there). Tensors are decoded
+    and verified on the process's codec threads (:mod:`policies.codec.workers`), all of them
+    done when this returns or raises. If a check fails after writing in place, the base is
+    partially patched: reload it from a verified version.
     """
     header, body = parse_patch(patch)
     bdig = base_digest if base_digest is not None else state_digest(base)

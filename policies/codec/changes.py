@@ -5,7 +5,9 @@ jobs of about :data:`JOB_UNITS` units, in this thread or on a pool.
 Guarantees: :func:`find_changes` and :func:`start_changes` return the same :class:`Changes` for
 the same tensors (the parts of a pooled scan are joined in range order), every changed unit
 classified under its chunk's mode (:data:`policies.codec.ops.SPARSE`, ``BITMASK``, ``DENSE``)
-exactly once, and — when ``summing`` — the target's ``sum-128`` lanes summed as it compared.
+exactly once, the ``sum-128`` terms of the base words that changed summed
+(:attr:`Changes.old_words`) and — when ``summing`` — the target's ``sum-128`` lanes summed as it
+compared.
 Scratch arrays are per thread and reused between jobs; the arrays returned are copies.
 """
 
@@ -46,6 +48,10 @@ class Changes(NamedTuple):
     target_sum: U64 | None = None
     """The two lanes of the target's ``sum-128`` checksum, summed by the compiled scan as it
     compared (:mod:`policies.codec.kernels_sum`); ``None`` when the scan ran off the host."""
+    old_words: U64 | None = None
+    """The two lanes of the ``sum-128`` terms of the base words that differ from the target's,
+    each once: what a patch record's ``old_words`` vouches for (``None`` only in a
+    :class:`Changes` made without a scan)."""
 
     @property
     def changed(self) -> int:
@@ -77,7 +83,7 @@ def _scratch(units: int, chunk: int, dtype: np.dtype[Any]) -> tuple[I64, UInt, I
 
 Part = tuple[I64, UInt, I64, UInt, int, U64]
 """What one scan job of :func:`start_changes` finds (its range's ``spos, svals, bpos, bvals``,
-dense changes and the ``sum-128`` lanes of its target words)."""
+dense changes, and the ``sum-128`` lanes of its target words and of its changed base words)."""
 
 
 def find_changes(b: UInt, t: UInt, chunk: int, *, summing: bool = True) -> Changes:
@@ -114,7 +120,7 @@ def _scan_jobs(
     def job(c0: int) -> Part:
         c1 = min(c0 + step, nchunks)
         spos, svals, bpos, bvals = _scratch(step * chunk, chunk, b.dtype)
-        acc = np.zeros(2, dtype=np.uint64)
+        acc = np.zeros(4, dtype=np.uint64)  # the target's lanes, the old words' lanes
         ns, nb, nd = scan_changes(
             b, t, bw, tw, c0, c1, chunk, modes, spos, svals, bpos, bvals, acc, summing
         )
@@ -124,6 +130,7 @@ def _scan_jobs(
     def assemble(parts: list[Part]) -> Changes:
         pos: list[I64] = [np.empty(0, dtype=np.int64)]
         vals: list[UInt] = [np.empty((2, 0), dtype=b.dtype)]
+        lanes = sum((p[5] for p in parts), np.zeros(4, np.uint64))
         return Changes(
             modes=modes,
             spos=np.concatenate(pos + [p[0] for p in parts]),
@@ -131,11 +138,8 @@ def _scan_jobs(
             bpos=np.concatenate(pos + [p[2] for p in parts]),
             bvals=np.concatenate(vals + [p[3] for p in parts], axis=1),
             dense_changed=sum(p[4] for p in parts),
-            target_sum=finish_sum(
-                t.view(np.uint8), tw.size, sum((p[5] for p in parts), np.zeros(2, np.uint64))
-            )
-            if summing
-            else None,
+            target_sum=finish_sum(t.view(np.uint8), tw.size, lanes[:2]) if summing else None,
+            old_words=lanes[2:],
         )
 
     return job, range(0, nchunks, step), assemble

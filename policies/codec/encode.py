@@ -19,7 +19,9 @@ Guarantees:
   patch does not touch are covered by the base digest (computed, or vouched for by the caller
   with ``base_digest=``). Given the base's checksums too (``base_checksums=``), the check costs
   the words the patch writes, not a pass over the tensor: the checksum the base tensor had, plus
-  each written word's new term less its old one.
+  each written word's new term less its old one; and the words it changes must have held what
+  the encoder's base held there (``old_words``, :class:`PatchBaseCorrupt`), so a base word
+  damaged in memory that the patch then writes is caught too.
 - Tensors added, or whose dtype or shape changed, are shipped whole; removed names are listed.
   Names that alias one storage in the target (tied embeddings) are encoded once and stay tied.
 
@@ -35,9 +37,9 @@ exact only when their target bytes agree); a base tensor and its target on diffe
 Wire format (all integers little-endian)::
 
     frame   := MAGIC(8 = b"SPRWLPT1") | u32 H | header (H bytes, UTF-8 JSON) | body | xxh3-128(16)
-    header  := {"format": 2, "base_digest", "target_digest", "chunk": C, "removed": [name…],
+    header  := {"format": 3, "base_digest", "target_digest", "chunk": C, "removed": [name…],
                 "tensors": [{"name", "op", "dtype", "shape", "checksum", "units", "width",
-                             "changed", "offset", "length", "alias_of"}…]}
+                             "changed", "offset", "length", "alias_of", "old_words"}…]}
     op      := "patch" (section at body[offset:offset+length]; length 0 = unchanged)
              | "full"  (section = zstd(raw target bytes))  | "alias" (no section)
 
@@ -57,6 +59,9 @@ unit of every dense chunk (chunk order), each transformed by CODING — 0 ``xor`
 1 ``delta`` (zigzag of target - base, wrapping), 2 ``odelta`` (the same after mapping
 sign-magnitude floats to ordered integers) — and split into ``width`` byte planes, low byte
 first. The encoder picks the coding with the lowest order-0 entropy on the first 16k values.
+A ``patch`` record's ``old_words`` is the hex of the two ``sum-128`` lanes (no byte count) of
+the base's 64-bit words that differ from the target's, each once (:mod:`policies.codec.digests`;
+null for other ops).
 
 Modules: this one encodes (the package names the public surface); :mod:`policies.codec.format` holds
 the frame and header, :mod:`policies.codec.apply` applies patches, :mod:`policies.codec.ops` reads
@@ -128,14 +133,15 @@ def _compress(raw: bytes | memoryview, level: int) -> bytes:
     return zstandard.ZstdCompressor(level=level, threads=threads).compress(raw)
 
 
-Section = tuple[int, bytes, str | None]
-"""A tensor's changed units, its compressed section, and the target's ``sum-128`` checksum when
-the scan summed it (None: computed from the tensor)."""
+Section = tuple[int, bytes, str | None, str | None]
+"""A tensor's changed units, its compressed section, the target's ``sum-128`` checksum when
+the scan summed it (None: computed from the tensor) and the record's ``old_words`` (None for a
+tensor shipped whole)."""
 
 
 def _whole(raw: bytes | memoryview, units: int, level: int) -> Section:
     """A tensor shipped whole: every unit changed, its bytes compressed."""
-    return units, _compress(raw, level), None
+    return units, _compress(raw, level), None, None
 
 
 def _section(
@@ -144,10 +150,13 @@ def _section(
     """The changed units and the compressed section storing ``changes`` (empty if none)."""
     lanes = changes.target_sum
     checksum = lanes_hex(lanes) if lanes is not None else None
+    if changes.old_words is None:
+        raise PatchError("the change scan did not sum the base words it found changed")
+    old_words = lanes_hex(changes.old_words)
     if not changes.changed:
-        return 0, b"", checksum
+        return 0, b"", checksum, old_words
     section = _compress(encode_section(b, t, changes, floating, chunk).data, level)
-    return changes.changed, section, checksum
+    return changes.changed, section, checksum, old_words
 
 
 def _one_job(
@@ -230,6 +239,7 @@ def _plan(
             "width": _width(t),
             "alias_of": None,
             "changed": 0,
+            "old_words": None,
         }
         rec["units"] = t.numel() * t.element_size() // rec["width"]
         key = storage_key(t)
@@ -271,13 +281,14 @@ def _queue_scans(pool: Pool, plan: _Plan, level: int, chunk: int) -> None:
 
 
 def _body(plan: _Plan) -> list[bytes]:
-    """The sections in record order, each record given its changes, place in the body and (when
-    the scan summed it) checksum."""
+    """The sections in record order, each record given its changes, place in the body, old
+    words and (when the scan summed it) checksum."""
     body: list[bytes] = []
     offset = 0
     for rec, section in zip(plan.records, plan.sections, strict=True):
-        changed, data, summed = section.result() if section is not None else (0, b"", None)
-        rec.update(changed=changed, offset=offset, length=len(data))
+        none: Section = (0, b"", None, None)
+        changed, data, summed, old_words = section.result() if section is not None else none
+        rec.update(changed=changed, offset=offset, length=len(data), old_words=old_words)
         if rec["checksum"] is None:
             rec["checksum"] = summed
         body.append(data)

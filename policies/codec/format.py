@@ -14,12 +14,15 @@ from typing import Literal
 
 import xxhash
 
+from policies.codec.digests import hex_lanes
 from policies.errors import PatchCorrupt
 
 MAGIC = b"SPRWLPT1"
-FORMAT = 2
+FORMAT = 3
 """The one patch format this sprawl writes and reads: its tensor records carry ``sum-128``
-checksums (:mod:`policies.codec.digests`). Another format is refused (``docs/codec.md``)."""
+checksums (:mod:`policies.codec.digests`) of the target and, for a ``patch`` record, of the base
+words it changes (``old_words``). Another format is refused (``docs/codec.md``); format 2 (no
+``old_words``) was never released, so it is not read."""
 CODEC = f"sprawl-patch/{FORMAT}"
 """The codec's name and format version, as a board manifest records it."""
 CHUNK = 1 << 16
@@ -43,6 +46,9 @@ class TensorRecord:
     offset: int
     length: int
     alias_of: str | None
+    old_words: str | None
+    """For a ``patch`` record, the two lanes (hex) of the ``sum-128`` terms of the base's 64-bit
+    words that the patch changes, each word once (no byte count); None for other ops."""
 
 
 @dataclass(frozen=True)
@@ -76,17 +82,22 @@ class PatchHeader:
         return {t.name: t.checksum for t in self.tensors}
 
 
-def parse_patch(patch: bytes) -> tuple[PatchHeader, memoryview]:
-    """The verified header and the body of ``patch`` (:class:`PatchCorrupt` if damaged)."""
-    view = memoryview(patch)
-    if len(view) < len(MAGIC) + U32.size + 16 or bytes(view[:8]) != MAGIC:
-        raise PatchCorrupt("not a sprawl patch (bad magic or too short)")
-    if xxhash.xxh3_128_digest(view[:-16]) != bytes(view[-16:]):
-        raise PatchCorrupt("patch frame checksum mismatch: the patch is damaged or truncated")
-    (hlen,) = U32.unpack_from(view, 8)
-    start = 12 + hlen
+def _lanes(value: object) -> object:
+    """The lanes of a ``sum-128`` hex ``value`` (None: not one)."""
+    return hex_lanes(value) if isinstance(value, str) else None
+
+
+def _header(raw: bytes, patch_bytes: int) -> PatchHeader:
+    """The header from its JSON ``raw``; another format is refused before its fields are read
+    (they differ)."""
     try:
-        h = json.loads(bytes(view[12:start]))
+        h = json.loads(raw)
+        fmt = h["format"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise PatchCorrupt(f"unreadable patch header: {exc}") from exc
+    if fmt != FORMAT:
+        raise PatchCorrupt(f"unsupported patch format {fmt} (this sprawl reads format {FORMAT})")
+    try:
         recs = tuple(
             TensorRecord(
                 name=r["name"],
@@ -100,28 +111,40 @@ def parse_patch(patch: bytes) -> tuple[PatchHeader, memoryview]:
                 offset=r["offset"],
                 length=r["length"],
                 alias_of=r["alias_of"],
+                old_words=r["old_words"],
             )
             for r in h["tensors"]
         )
-        header = PatchHeader(
-            format=h["format"],
+        return PatchHeader(
+            format=fmt,
             base_digest=h["base_digest"],
             target_digest=h["target_digest"],
             chunk=h["chunk"],
             tensors=recs,
             removed=tuple(h["removed"]),
-            patch_bytes=len(view),
+            patch_bytes=patch_bytes,
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise PatchCorrupt(f"unreadable patch header: {exc}") from exc
+
+
+def parse_patch(patch: bytes) -> tuple[PatchHeader, memoryview]:
+    """The verified header and the body of ``patch`` (:class:`PatchCorrupt` if damaged)."""
+    view = memoryview(patch)
+    if len(view) < len(MAGIC) + U32.size + 16 or bytes(view[:8]) != MAGIC:
+        raise PatchCorrupt("not a sprawl patch (bad magic or too short)")
+    if xxhash.xxh3_128_digest(view[:-16]) != bytes(view[-16:]):
+        raise PatchCorrupt("patch frame checksum mismatch: the patch is damaged or truncated")
+    (hlen,) = U32.unpack_from(view, 8)
+    start = 12 + hlen
+    header = _header(bytes(view[12:start]), len(view))
+    recs = header.tensors
     if header.chunk % 8 or not 8 <= header.chunk <= 1 << 21:
         raise PatchCorrupt(f"bad chunk size {header.chunk}")
     if any(r.width not in (1, 2, 4, 8) or r.offset < 0 or r.length < 0 for r in recs):
         raise PatchCorrupt("bad tensor record")
-    if header.format != FORMAT:
-        raise PatchCorrupt(
-            f"unsupported patch format {header.format} (this sprawl reads format {FORMAT})"
-        )
+    if any(r.op == "patch" and _lanes(r.old_words) is None for r in recs):
+        raise PatchCorrupt("a patch record without the checksum of the base words it changes")
     body = view[start:-16]
     if any(r.offset + r.length > len(body) for r in recs):
         raise PatchCorrupt("a tensor section extends past the patch body")

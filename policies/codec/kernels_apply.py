@@ -59,12 +59,15 @@ def _write_block(
     z: U64,
     old: U64,
     acc: U64,
+    olds: U64,
 ) -> None:
     """Apply values ``j … j+m`` of the byte planes at ``buf[vstart:]`` to units ``at[:m]``
     (ascending, as every caller lists them; ``at`` has :data:`AHEAD` readable entries past them).
     A two-lane ``acc`` takes the change of the ``sum-128`` checksum (each written word's term
     after its writes less its term before, :mod:`policies.codec.kernels_sum`), computed in the
-    passes (they hold each unit's old and new value); an empty one skips that.
+    passes (they hold each unit's old and new value), and ``olds`` the terms of the words
+    before they change (:func:`~policies.codec.kernels_sum.add_word_changes`); empty ones skip
+    that.
 
     Scattered changes (two cache lines or more apart on average, as at 1% density) are applied
     in three passes: the units read into ``old``, the targets computed into ``z``, then
@@ -108,7 +111,7 @@ def _write_block(
             for q in range(n):
                 z[q] = inverse(old[q], z[q], 2, sign)
         if acc.size:
-            add_word_changes(units, at, old, z, m, acc)
+            add_word_changes(units, at, old, z, m, acc, olds)
         for q in range(n):
             units[at[q]] = z[q]
     elif coding == 0:
@@ -277,12 +280,15 @@ def apply_changes(
     chunk: int,
     coding: int,
     acc: U64,
+    olds: U64,
 ) -> int:
     """Write the changes of an uncompressed section into ``units``; 0 or an error code.
 
     ``buf`` is the whole section, ``start`` where its MODES begin, ``lens`` its gap plane
-    lengths; a two-lane ``acc`` takes the change of the units' ``sum-128`` checksum (empty:
-    not tracked). Everything is checked first; on an error nothing has been written.
+    lengths; a two-lane ``acc`` takes the change of the units' ``sum-128`` checksum and
+    ``olds`` the terms of the words it changes, as they were (three entries:
+    :func:`~policies.codec.kernels_sum.add_word_changes`; both empty: not tracked). Everything
+    is checked first; on an error nothing has been written.
     """
     err, pstart, off = checked_planes(
         units.size, units.itemsize, buf, start, lens, n_vals, n_bm, chunk
@@ -310,7 +316,7 @@ def apply_changes(
             for q in range(m):
                 pos += varint(buf, pstart, cur, j + q) + 1
                 at[q] = pos
-        _write_block(units, at, m, buf, vstart, n_vals, j, coding, z, old, acc)
+        _write_block(units, at, m, buf, vstart, n_vals, j, coding, z, old, acc, olds)
     j = n_sparse
     rank = 0
     for c in range(nchunks):
@@ -326,10 +332,12 @@ def apply_changes(
                         at[m] = c * chunk + 8 * i + bit
                         m += 1
                         if m == BLOCK:
-                            _write_block(units, at, m, buf, vstart, n_vals, j, coding, z, old, acc)
+                            _write_block(
+                                units, at, m, buf, vstart, n_vals, j, coding, z, old, acc, olds
+                            )
                             j += m
                             m = 0
-            _write_block(units, at, m, buf, vstart, n_vals, j, coding, z, old, acc)
+            _write_block(units, at, m, buf, vstart, n_vals, j, coding, z, old, acc, olds)
             j += m
     for c in range(nchunks):  # dense values come after all bitmask values
         if buf[start + c] == 3:
@@ -338,6 +346,6 @@ def apply_changes(
                 m = min(BLOCK, hi - lo)
                 for q in range(m):
                     at[q] = lo + q
-                _write_block(units, at, m, buf, vstart, n_vals, j, coding, z, old, acc)
+                _write_block(units, at, m, buf, vstart, n_vals, j, coding, z, old, acc, olds)
                 j += m
     return 0

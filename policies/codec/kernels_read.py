@@ -74,10 +74,14 @@ def read_section(
 
 
 @jit
-def read_changes(units: UInt, at: U64, z: U64, coding: int, old: U64, new: U64, acc: U64) -> None:
+def read_changes(
+    units: UInt, at: U64, z: U64, coding: int, old: U64, new: U64, acc: U64, olds: U64
+) -> None:
     """Read units ``at`` (ascending) into ``old`` and the values the stored ``z`` make of them
     (:func:`~policies.codec.kernels.inverse`) into ``new``, writing nothing; a two-lane ``acc``
-    takes the change of the units' ``sum-128`` checksum were they written (empty: not tracked).
+    takes the change of the units' ``sum-128`` checksum were they written and ``olds`` (three
+    entries) the terms of the words they change, as they are (the record's ``old_words``:
+    :func:`~policies.codec.kernels_sum.add_word_changes`; empty: not tracked).
     How an engine that holds a tensor elsewhere reads a section's changes
     (:mod:`policies.serve.backends.engine_changes`): each unit is read once."""
     sign = sign_bit(units)
@@ -86,4 +90,4 @@ def read_changes(units: UInt, at: U64, z: U64, coding: int, old: U64, new: U64, 
     for q in range(at.size):
         new[q] = inverse(old[q], z[q], coding, sign)
     if acc.size:
-        add_word_changes(units, at, old, new, at.size, acc)
+        add_word_changes(units, at, old, new, at.size, acc, olds)

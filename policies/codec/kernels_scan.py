@@ -4,7 +4,9 @@
 how many of its units changed (none, sparse, bitmask or dense: the modes of the
 :mod:`policies.codec` format) and lists the positions, base units and target units of the
 changes a section stores; while each target word is in L1 it adds the word's ``sum-128`` terms
-(:mod:`policies.codec.kernels_sum`), so the target's checksum costs no pass of its own. The
+(:mod:`policies.codec.kernels_sum`), so the target's checksum costs no pass of its own, and for
+each word that changed, the terms its base word had (the patch's ``old_words``, what a reader
+checks the words it changes against: :mod:`policies.codec.apply`). The
 scan of one tensor runs as jobs over ranges of chunks on the codec's threads
 (:func:`policies.codec.changes.start_changes`); it is compiled like every codec kernel
 (:mod:`policies.codec.kernels`).
@@ -12,7 +14,8 @@ scan of one tensor runs as jobs over ranges of chunks on the codec's threads
 Guarantees: the modes and the changes listed are exactly those the reference numpy encoder of
 :mod:`policies.codec.ops` specifies (held to it by ``tests/policies/codec/test_codec_kernels.py``),
 and the lanes gain the terms of every whole target word of the chunks scanned, whatever the
-density.
+density, and the old-word lanes those of every base word of those chunks that differs from its
+target word (zero-padded past the tensor's end), each once.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from policies.codec.kernels import (
     trailing_zeros,
     unit_bytes,
 )
+from policies.codec.kernels_sum import word_of
 
 _PREFETCH = np.uint64(512)
 """Words ahead of the compare that the scan prefetches (4 KiB)."""
@@ -62,8 +66,9 @@ def scan_changes(
 ) -> tuple[int, int, int]:
     """Classify chunks ``c0 … c1`` of ``b → t`` and list what changed in them; when
     ``summing``, add the ``sum-128`` terms of every whole word of ``t`` in those chunks to the
-    two lanes ``acc`` (read while the words are in L1: the checksum of the target costs no pass
-    of its own; a caller that knows it skips that compute).
+    lanes ``acc[0:2]`` (read while the words are in L1: the checksum of the target costs no pass
+    of its own; a caller that knows it skips that compute); always add the terms of every word
+    of ``b`` there that differs from ``t``'s to ``acc[2:4]`` (the old words).
 
     Compares the 8-byte words ``bw``/``tw`` (the same memory, whole words only) first and the
     units of changed words after. Writes each chunk's mode into ``modes``; the changed
@@ -82,6 +87,7 @@ def scan_changes(
     ns = nb = nd = 0
     a = acc[0]
     sb = acc[1]
+    old = (acc[2], acc[3])
     for c in range(c0, c1):
         lo = c * chunk
         hi = min(lo + chunk, n)
@@ -97,10 +103,11 @@ def scan_changes(
             words = _changed_words(bw, tw, w, last)
             if summing:
                 a, sb = _sum_block(tw, w, a, sb)
-            k = _list_words(b, t, bw, tw, w, words, spos, svals, k)
+            k, old = _list_words(b, t, bw, tw, w, words, spos, svals, k, old)
             w += np.uint64(64)
         if summing:
             a, sb = _sum_tail(tw, w, whi, a, sb)
+        old = _old_tail(b, t, w, hi, old)
         k_end = int(np.int64(k))  # signed again for the arithmetic below
         for i in range(int(np.int64(w)) * lanes, hi):  # the last < 64 words' units
             if b[i] != t[i]:
@@ -111,6 +118,7 @@ def scan_changes(
         ns, nb, nd = _settle(c, hi - lo, ns, k_end, nb, nd, modes, spos, svals, bpos, bvals)
     acc[0] = a
     acc[1] = sb
+    acc[2], acc[3] = old
     return ns, nb, nd
 
 
@@ -170,16 +178,22 @@ def _list_words(
     spos: I64,
     svals: UInt,
     k: np.uint64,
-) -> np.uint64:
+    old: tuple[np.uint64, np.uint64],
+) -> tuple[np.uint64, tuple[np.uint64, np.uint64]]:
     """List the changed units of the words ``words`` marks (bit i: word ``w + i``) at index
-    ``k`` on of ``spos`` and ``svals``; return the index after them."""
+    ``k`` on of ``spos`` and ``svals``, and add their base words' ``sum-128`` terms to the lanes
+    ``old``; return the index after them and the lanes."""
     size = unit_bytes(b)
     lanes = 8 // size
     bits = np.uint64(8 * size)
     unit = ~ZERO >> np.uint64(64 - 8 * size)  # a unit's bits, low in a word
+    oa, ob = old
     while words:
         cw = w + trailing_zeros(words)
         words &= words - ONE
+        ta, tb = sum_terms(bw[cw], SEED_A + cw * STEP_A, SEED_B + cw * STEP_B)
+        oa += ta
+        ob += tb
         x = bw[cw] ^ tw[cw]
         lane_mask = ZERO
         for lane in range(lanes):
@@ -193,7 +207,27 @@ def _list_words(
             svals[0, k] = b[u]
             svals[1, k] = t[u]
             k += ONE
-    return k
+    return k, (oa, ob)
+
+
+@jit_inline
+def _old_tail(
+    b: UInt, t: UInt, w: np.uint64, hi: int, old: tuple[np.uint64, np.uint64]
+) -> tuple[np.uint64, np.uint64]:
+    """The lanes ``old`` plus the terms of each base word from ``w`` to the one holding unit
+    ``hi - 1`` (the last < 64 of a chunk, the tensor's short last word included) that differs
+    from its target word."""
+    lanes = np.uint64(8 // unit_bytes(b))
+    oa, ob = old
+    end = (np.uint64(hi) + lanes - ONE) // lanes
+    while w < end:
+        before = word_of(b, w)
+        if before != word_of(t, w):
+            ta, tb = sum_terms(before, SEED_A + w * STEP_A, SEED_B + w * STEP_B)
+            oa += ta
+            ob += tb
+        w += ONE
+    return oa, ob
 
 
 @jit_inline

@@ -25,6 +25,7 @@ import numpy as np
 
 from policies.codec.kernels import (
     I64,
+    ONE,
     SEED_A,
     SEED_B,
     STEP_A,
@@ -61,12 +62,20 @@ def add_words(words: U64, first: int, acc: U64) -> None:
 
 
 @jit_inline
-def _word(units: UInt, wi: np.uint64) -> np.uint64:
-    """Word ``wi`` of the bytes of ``units`` (zero past their end)."""
+def word_of(units: UInt, wi: np.uint64) -> np.uint64:
+    """Word ``wi`` of the bytes of ``units`` (zero past their end).
+
+    A whole word's units are read without a test each (LLVM can then make them one 64-bit
+    load): a 1% apply of a 32 MiB bf16 tensor checked from the words written took 5–9% less
+    time than with a test per unit."""
     per = np.uint64(8 // unit_bytes(units))
     shift = np.uint64(8 * unit_bytes(units))
     w = np.uint64(0)
     lo = wi * per
+    if lo + per <= np.uint64(units.size):
+        for k in range(8 // unit_bytes(units)):
+            w |= np.uint64(units[lo + np.uint64(k)]) << (shift * np.uint64(k))
+        return w
     for k in range(8 // unit_bytes(units)):
         i = lo + np.uint64(k)
         if i < np.uint64(units.size):
@@ -75,32 +84,60 @@ def _word(units: UInt, wi: np.uint64) -> np.uint64:
 
 
 @jit_inline
-def add_word_changes(units: UInt, at: U64, old: U64, new: U64, m: int, acc: U64) -> None:
+def add_word_changes(units: UInt, at: U64, old: U64, new: U64, m: int, acc: U64, olds: U64) -> None:
     """Add to the two lanes ``acc`` the change of the ``sum-128`` terms of the words holding
     units ``at[:m]`` (ascending) when each unit ``at[q]`` goes from ``old[q]`` to ``new[q]``
     (only their low unit bits count): each word's term after, less its term before. Call it
-    before the units are written (it reads each word's other units from ``units``)."""
+    before the units are written (it reads each word's other units from ``units``).
+
+    ``olds`` (three entries, or empty: not tracked) takes, in its two lanes, the term before of
+    each word these writes change (the *old words*, what a patch's ``old_words`` vouches for:
+    :mod:`policies.codec.apply`), once per word: its third entry is the last word summed plus
+    one (0: none), kept from call to call, so a word whose units fall in two calls is summed at
+    the first change, as it was before any (a change that leaves its unit as it is, as a dense
+    chunk's unchanged units, changes no word).
+
+    A change at a time, without branches on the data: a word's next change starts from its
+    value after the one before (its units are written only after this returns), so its terms
+    telescope to the word's term after all of them less its term before. Grouping each word's
+    changes first (a loop per word, exiting on the data) took ~0.2 ms more of a 32 MiB bf16
+    tensor's 1% apply (~2.9 ms, one thread, the 2-core dev VM).
+    """
     per = np.uint64(8 // unit_bytes(units))
     shift = np.uint64(8 * unit_bytes(units))
     mask = (ZERO - np.uint64(1)) >> (np.uint64(64) - shift)
     a = acc[0]
     b = acc[1]
-    q = 0
-    while q < m:
+    track = olds.size > 0
+    oa = olds[0] if track else ZERO
+    ob = olds[1] if track else ZERO
+    prev = (olds[2] if track else ZERO) - ONE  # the word changed last (all ones: none)
+    summed = np.uint64(prev != ZERO - ONE)  # whether that word's old value is summed already
+    cur = word_of(units, prev) if summed else ZERO  # and its value now
+    for q in range(m):
         wi = at[q] // per
-        before = _word(units, wi)
-        flip = ZERO
-        while q < m and at[q] // per == wi:
-            flip |= ((old[q] ^ new[q]) & mask) << (shift * (at[q] - wi * per))
-            q += 1
+        same = np.uint64(wi == prev)
+        before = cur if same else word_of(units, wi)
+        after = before ^ (((old[q] ^ new[q]) & mask) << (shift * (at[q] - wi * per)))
         ka = SEED_A + wi * STEP_A
         kb = SEED_B + wi * STEP_B
         ta0, tb0 = sum_terms(before, ka, kb)
-        ta1, tb1 = sum_terms(before ^ flip, ka, kb)
+        ta1, tb1 = sum_terms(after, ka, kb)
         a += ta1 - ta0
         b += tb1 - tb0
+        changed = np.uint64(after != before)
+        first = changed & ~(same & summed)  # the word's first change: its old value
+        oa += ta0 * first
+        ob += tb0 * first
+        summed = (summed & same) | changed
+        prev = wi
+        cur = after
     acc[0] = a
     acc[1] = b
+    if track:
+        olds[0] = oa
+        olds[1] = ob
+        olds[2] = (prev + ONE) * summed
 
 
 @jit
@@ -109,6 +146,7 @@ def scatter_summing(units: UInt, at: I64, new: UInt, acc: U64) -> None:
     ``acc`` the change of the ``sum-128`` terms of the words written (:func:`add_word_changes`):
     a host copy patched with known changes gets its checksum without a pass of its own."""
     block = 512  # changes at a time: the words summed are still in L1 from the reads
+    olds = np.empty(0, dtype=np.uint64)  # not tracked: the caller knows its base
     pos = np.empty(block, dtype=np.uint64)
     old = np.empty(block, dtype=np.uint64)
     z = np.empty(block, dtype=np.uint64)
@@ -118,7 +156,7 @@ def scatter_summing(units: UInt, at: I64, new: UInt, acc: U64) -> None:
             pos[q] = np.uint64(at[lo + q])
             old[q] = units[pos[q]]
             z[q] = new[lo + q]
-        add_word_changes(units, pos, old, z, m, acc)
+        add_word_changes(units, pos, old, z, m, acc, olds)
         for q in range(m):
             units[pos[q]] = z[q]
 
@@ -136,13 +174,18 @@ def finish_sum(raw: U8, whole: int, acc: U64) -> U64:
 
 
 @jit
-def add_word_terms(words: U64, before: U64, after: U64, acc: U64) -> None:
+def add_word_terms(words: U64, before: U64, after: U64, acc: U64, olds: U64) -> None:
     """Add to the two lanes ``acc`` the change of the ``sum-128`` terms of the words with indices
-    ``words`` going from ``before`` to ``after``: how an engine that holds a tensor off the host,
-    or not in one piece, checks what it is about to write from the words it touches alone
+    ``words`` (each once) going from ``before`` to ``after``, and to the two lanes ``olds`` (empty:
+    not tracked) the terms before of those that change: how an engine that holds a tensor off
+    the host, or not in one piece, checks what it is about to write, and the words it changes
+    against the record's ``old_words``, from the words it touches alone
     (:mod:`policies.serve.backends.engine_changes`)."""
     a = acc[0]
     b = acc[1]
+    track = olds.size > 0
+    oa = olds[0] if track else ZERO
+    ob = olds[1] if track else ZERO
     for q in range(words.size):
         ka = SEED_A + words[q] * STEP_A
         kb = SEED_B + words[q] * STEP_B
@@ -150,5 +193,11 @@ def add_word_terms(words: U64, before: U64, after: U64, acc: U64) -> None:
         ta1, tb1 = sum_terms(after[q], ka, kb)
         a += ta1 - ta0
         b += tb1 - tb0
+        if before[q] != after[q]:
+            oa += ta0
+            ob += tb0
     acc[0] = a
     acc[1] = b
+    if track:
+        olds[0] = oa
+        olds[1] = ob

@@ -290,15 +290,21 @@ def section_head(data: bytes) -> tuple[int, int, int, npt.NDArray[np.int64], int
     return code, n_vals, n_bm, lens.astype(np.int64), start
 
 
-def apply_section(units: UInt, data: bytes, chunk: int, acc: U64 | None = None) -> None:
+def apply_section(
+    units: UInt, data: bytes, chunk: int, acc: U64 | None = None, olds: U64 | None = None
+) -> None:
     """Write the changes of an uncompressed section into ``units`` (in place); a two-lane
-    ``acc`` takes the change of their ``sum-128`` checksum (:mod:`policies.codec.digests`).
+    ``acc`` takes the change of their ``sum-128`` checksum (:mod:`policies.codec.digests`) and
+    ``olds`` (three entries, given with ``acc``) the terms of the words they change, as they
+    were (:func:`policies.codec.kernels_sum.add_word_changes`).
 
     Raises ``ValueError`` if the section does not fit ``units`` (nothing is written then).
     """
     code, n_vals, n_bm, lens64, start = section_head(data)
     buf = np.frombuffer(data, dtype=np.uint8)
-    track = np.empty(0, dtype=np.uint64) if acc is None else acc
-    err = apply_changes(units, buf, start, lens64, n_vals, n_bm, chunk, code, track)
+    none = np.empty(0, dtype=np.uint64)
+    track = none if acc is None else acc
+    old_words = none if acc is None or olds is None else olds
+    err = apply_changes(units, buf, start, lens64, n_vals, n_bm, chunk, code, track, old_words)
     if err:
         raise ValueError(ERRORS[err])

@@ -10,9 +10,10 @@ which the format stores whole) cross to the host, where the section is entropy c
 
 Guarantees: :func:`scan_tensor` returns the :class:`~policies.codec.changes.Changes` the compiled
 scan finds for the same units, field for field (``dense`` aside, which it fills so that the
-section needs no host copy of the tensors), so :func:`~policies.codec.ops.encode_section`
-writes the same bytes (held to it by ``tests/policies/codec/test_codec_scan.py``). Units are
-compared as integers of the unit width, never as floats.
+section needs no host copy of the tensors; ``old_words`` summed on the device too), so
+:func:`~policies.codec.ops.encode_section` writes the same bytes (held to it by
+``tests/policies/codec/test_codec_scan.py``). Units are compared as integers of the unit width,
+never as floats.
 
 :func:`host_copy` is how a publisher whose view lives on a device (a GPU trainer) gets the host copy
 it checksums and keeps, without copying the view across: it compares the new view with the previous
@@ -42,7 +43,7 @@ import torch
 
 from policies.codec.changes import Changes
 from policies.codec.digests import StorageKey, checksums, hex_lanes, lanes_hex, storage_key
-from policies.codec.kernels import U64
+from policies.codec.kernels import SEED_A, SEED_B, STEP_A, STEP_B, U64
 from policies.codec.kernels_sum import scatter_summing
 from policies.codec.ops import BITMASK, DENSE, SPARSE
 from policies.errors import PatchError
@@ -127,7 +128,41 @@ def scan_tensor(b: torch.Tensor, t: torch.Tensor, width: int, chunk: int) -> Cha
         bvals=_host(torch.stack((bu[bpos], tu[bpos])), width),
         dense_changed=dense_changed,
         dense=_host(torch.stack((bu[at], tu[at])), width),
+        old_words=_old_words(bu, pos, width),
     )
+
+
+def _signed(x: np.uint64) -> int:
+    """A ``uint64`` constant as the int64 of the same bits (torch's integer arithmetic)."""
+    v = int(x)
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _old_words(bu: torch.Tensor, pos: torch.Tensor, width: int) -> U64:
+    """The two ``sum-128`` lanes of the terms of the base words holding the changed units
+    ``pos`` (ascending; each word once, zero-padded past the end), computed where ``bu`` lives
+    (two numbers cross): int64 arithmetic wraps as the compiled kernels' ``uint64`` does
+    (:func:`policies.codec.kernels.sum_terms`)."""
+    if pos.numel() == 0:
+        return np.zeros(2, dtype=np.uint64)
+    per = 8 // width
+    dev = bu.device
+    words = torch.unique_consecutive(pos // per)
+    mates = words[:, None] * per + torch.arange(per, device=dev)
+    n = bu.numel()
+    units = bu[mates.clamp(max=n - 1)].to(torch.int64)
+    units = torch.where(mates < n, units, 0)
+    if width < 8:
+        units &= (1 << 8 * width) - 1
+    w = (units << (torch.arange(per, device=dev) * 8 * width)).sum(dim=1)  # disjoint bits
+    low = 0xFFFFFFFF
+    ta = w + (words * _signed(STEP_A) + _signed(SEED_A))
+    tb = w ^ (words * _signed(STEP_B) + _signed(SEED_B))
+    swapped = (w << 32) | ((w >> 32) & low)
+    lane_a = ((ta & low) * ((ta >> 32) & low) + swapped).sum()
+    lane_b = ((tb & low) * ((tb >> 32) & low) + w).sum()
+    lanes = to_host(torch.stack((lane_a, lane_b))).tolist()
+    return np.array([v & (1 << 64) - 1 for v in lanes], dtype=np.uint64)
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:

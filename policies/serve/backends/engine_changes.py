@@ -8,8 +8,10 @@ the values held there now (the engine's, or what an earlier frame of this patch 
 new values from the stored ones. Where the engine holds the record's tensor (or piece) whole, the
 tensor's ``sum-128`` checksum, moved by what the record writes, must give the record's target
 checksum from the frame's base checksum (:func:`policies.codec.kernels_read.read_changes`,
-which reads only the words written): the engine is then known to hold the version the frame starts
-from, bit for bit where it writes, and the frame to be read right. A tensor held on the host as
+which reads only the words written), and the words it changes must, as held, sum to the record's
+``old_words`` (a value already wrong where the frame writes survives a delta and cancels out of
+the first check alone): the engine is then known to hold the version the frame starts from, bit
+for bit in the words it changes, and the frame to be read right. A tensor held on the host as
 one run of a parameter (or as a copy) is read in place; one held otherwise (on an accelerator, in
 several pieces) or already changed by an earlier frame of the patch has the 64-bit words around
 its changes gathered for the check. A tensor-parallel rank holding a slice
@@ -133,40 +135,64 @@ def _patch(
     positions = _moved(local, box)
     base = None if frame.base_checksums is None else frame.base_checksums.get(rec.name)
     lanes = hex_lanes(base) if base is not None else None
+    olds = np.zeros(3, dtype=np.uint64)  # the words changed, as the engine holds them
     units = None if rec.name in out.at else _piece(held.whole(rec.name), box)
     if units is not None:  # held in place: read, computed and summed in one pass
         mine = np.ones(local.size, dtype=bool)
-        old, new = _read(units, local, z, coding, lanes)
+        old, new = _read(units, local, z, coding, lanes, olds)
     else:
         mine, old = out.values(held, rec.name, positions)
         new = untransform(old, z, coding)
         if lanes is not None and mine.all():  # held elsewhere, or changed: its words gathered
-            _word_change(out, held, rec, box, local, new, lanes)
-    if lanes is not None and mine.all() and lanes_hex(lanes) != rec.checksum:
-        raise ValueError(
-            f"{rec.name}: the engine's values are not the ones the patch starts from "
-            f"(checksum {lanes_hex(lanes)} after writing, the patch's {rec.checksum})"
-        )
+            _word_change(out, held, rec, box, local, new, lanes, olds)
+    if lanes is not None and mine.all():
+        _check(rec, lanes, olds)
     out.offered[rec.name] = out.offered.get(rec.name, 0) + local.size
     out.set(rec.name, positions[mine], new[mine], old[mine] if units is not None else None)
 
 
-def _read(units: UInt, local: I64, z: UInt, coding: Coding, lanes: U64 | None) -> tuple[UInt, UInt]:
+def _check(rec: TensorRecord, lanes: U64, olds: U64) -> None:
+    """Refuse what the engine holds where ``rec`` writes unless the words it changes held what
+    the patch's base held (``olds``) and the writes give the target's checksum (``lanes``)."""
+    if lanes_hex(olds[:2]) != rec.old_words:
+        raise ValueError(
+            f"{rec.name}: the engine's values are not the ones the patch starts from (the words "
+            f"it changes sum to {lanes_hex(olds[:2])}, the patch's base's to {rec.old_words})"
+        )
+    if lanes_hex(lanes) != rec.checksum:
+        raise ValueError(
+            f"{rec.name}: the engine's values are not the ones the patch starts from "
+            f"(checksum {lanes_hex(lanes)} after writing, the patch's {rec.checksum})"
+        )
+
+
+def _read(
+    units: UInt, local: I64, z: UInt, coding: Coding, lanes: U64 | None, olds: U64
+) -> tuple[UInt, UInt]:
     """``units``' values at ``local`` and the new ones ``z`` makes of them; ``lanes`` (a
-    checksum's) moved by writing them."""
+    checksum's) moved by writing them, and ``olds`` given the terms of the words they change."""
     n = local.size
     old, new = np.empty(n, dtype=np.uint64), np.empty(n, dtype=np.uint64)
-    acc = lanes if lanes is not None else np.empty(0, dtype=np.uint64)
+    none = np.empty(0, dtype=np.uint64)
+    acc, tracked = (lanes, olds) if lanes is not None else (none, none)
     at = local.astype(np.uint64)
-    read_changes(units, at, z.astype(np.uint64), CODINGS.index(coding), old, new, acc)
+    read_changes(units, at, z.astype(np.uint64), CODINGS.index(coding), old, new, acc, tracked)
     return old.astype(units.dtype), new.astype(units.dtype)
 
 
 def _word_change(
-    out: Changes, held: Held, rec: TensorRecord, box: Box | None, local: I64, new: UInt, lanes: U64
+    out: Changes,
+    held: Held,
+    rec: TensorRecord,
+    box: Box | None,
+    local: I64,
+    new: UInt,
+    lanes: U64,
+    olds: U64,
 ) -> None:
     """Move ``lanes`` by writing ``new`` at ``local`` (sorted), from the 64-bit words they
-    touch, gathered (a word's units past the tensor's end are zero)."""
+    touch, gathered (a word's units past the tensor's end are zero); ``olds`` takes the terms
+    of the words that change, as they were."""
     per = 8 // rec.width
     w = local // per
     words = w[np.append(True, w[1:] != w[:-1])] if w.size else w
@@ -176,7 +202,12 @@ def _word_change(
     before[inside] = out.values(held, rec.name, _moved(mates[inside], box))[1]
     after = before.copy()
     after[np.searchsorted(words, w) * per + local % per] = new
-    add_word_terms(words.astype(np.uint64), before.view(np.uint64), after.view(np.uint64), lanes)
+    words64, before64, after64 = (
+        words.astype(np.uint64),
+        before.view(np.uint64),
+        after.view(np.uint64),
+    )
+    add_word_terms(words64, before64, after64, lanes, olds)
 
 
 def _whole(out: Changes, frame: Frame, rec: TensorRecord, data: bytes, held: Held) -> None:

@@ -158,7 +158,7 @@ def test_a_patch_of_another_format_is_refused(monkeypatch: pytest.MonkeyPatch) -
     assert header.checksums["w"] == tensor_checksum(torch.ones(16))
     monkeypatch.setattr(codec_encode, "FORMAT", 1)
     with pytest.raises(
-        PatchCorrupt, match=r"unsupported patch format 1 \(this sprawl reads format 2\)"
+        PatchCorrupt, match=rf"unsupported patch format 1 \(this sprawl reads format {FORMAT}\)"
     ):
         read_patch_header(encode_patch(base, {"w": torch.ones(16)}))
 

@@ -320,6 +320,8 @@ def test_bench_codec_small_run_is_exact_and_complete(capsys: pytest.CaptureFixtu
     for density, row in sprawl.items():
         ratio = scatter[density]["apply_gbps"] / row["apply_unverified_gbps"]
         assert row["apply_unverified_vs_int32_scatter"] == pytest.approx(ratio)
+        ratio = scatter[density]["apply_gbps"] / row["apply_gbps"]
+        assert row["apply_vs_int32_scatter"] == pytest.approx(ratio)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is here")

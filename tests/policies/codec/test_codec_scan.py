@@ -30,6 +30,9 @@ def _assert_same_changes(got: Changes, want: Changes) -> None:
         assert g.dtype == w.dtype, field
         assert np.array_equal(g, w), field
     assert got.dense_changed == want.dense_changed
+    assert got.old_words is not None
+    assert want.old_words is not None
+    assert np.array_equal(got.old_words, want.old_words)  # summed on the device alike
 
 
 def _both_sections(b: torch.Tensor, t: torch.Tensor, width: int, chunk: int) -> tuple[bytes, ...]:

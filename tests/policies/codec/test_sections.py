@@ -65,8 +65,11 @@ def test_a_section_read_without_its_tensor_makes_the_target(
     n = positions.size
     old64, new64 = np.empty(n, dtype=np.uint64), np.empty(n, dtype=np.uint64)
     z64 = z[order].astype(np.uint64)
-    read_changes(b, positions.astype(np.uint64), z64, CODINGS.index(coding), old64, new64, lanes)
+    olds = np.zeros(3, dtype=np.uint64)
+    at = positions.astype(np.uint64)
+    read_changes(b, at, z64, CODINGS.index(coding), old64, new64, lanes, olds)
     assert np.array_equal(new64.astype(b.dtype), new)  # the compiled read makes the same values
     assert lanes_hex(lanes) == rec.checksum
+    assert lanes_hex(olds[:2]) == rec.old_words  # the base words it changes, as the encoder saw
     assert torch.equal(base.reshape(-1).view(torch.uint8), torch.from_numpy(b.view(np.uint8)))
     assert rec.checksum == tensor_checksum(target)

@@ -176,6 +176,39 @@ def test_a_patch_for_other_weights_is_refused_before_anything_is_written(tmp_pat
     assert loaded == []
 
 
+def _ulp_up(state: State, name: str, unit: int) -> State:
+    """``state`` with value ``unit`` of ``name`` one ulp up (an Adam-sized step, stored as a
+    delta) and every other tensor as it is."""
+    out = {n: t.clone() for n, t in state.items()}
+    out[name].view(torch.int16).reshape(-1)[unit] += 1
+    return out
+
+
+@pytest.mark.parametrize(
+    ("name", "chain"), [("embed", False), ("norm", False), ("embed", True)]
+)  # held in a parameter, as a host copy; and gathered (an earlier frame changed the tensor)
+def test_a_value_held_wrong_where_the_patch_writes_is_refused(
+    tmp_path: Path, name: str, chain: bool
+) -> None:
+    """Issue #42: a value the engine holds wrong (damaged since it was loaded) that the patch
+    then changes by one ulp survived the delta and cancelled out of the checksum moved by the
+    writes (one change in its word); the words the patch changes must hold what its base held
+    there."""
+    model, ckpt, loaded = FusedModel(), _checkpoint(0), []
+    engine = _engine(model, ckpt, loaded)
+    frames = [_frame(ckpt, v1 := _ulp_up(ckpt, name, 1))]
+    if chain:  # the second frame changes another word than the first
+        frames.append(_frame(v1, _ulp_up(v1, name, 5)))
+    held = model.embed.data if name == "embed" else engine.copies["norm"]
+    held.view(torch.int16).reshape(-1)[5 if chain else 1] ^= 1 << 4
+    before = _held(model)
+    path, digest = _patch(frames, tmp_path)
+    with pytest.raises(ValueError, match=f"{name}: .*not the ones the patch starts from"):
+        engine.apply(*read(path, digest, _expected(ckpt)))
+    assert _same(_held(model), before)  # nothing written
+    assert loaded == []
+
+
 def test_a_write_that_fails_midway_is_undone(tmp_path: Path) -> None:
     model, ckpt, _ = FusedModel(), _checkpoint(0), []
     engine = _engine(model, ckpt, [])
