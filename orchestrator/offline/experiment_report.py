@@ -17,7 +17,7 @@ from matplotlib.axes import Axes
 
 from orchestrator.offline.experiment_arms import ARMS, ArmResult
 from orchestrator.offline.experiment_verdict import ArmStats, arm_stats, table
-from orchestrator.offline.report import png
+from orchestrator.offline.report import STYLE, png
 
 
 def write_csv(results: Sequence[ArmResult], path: Path) -> None:
@@ -116,14 +116,7 @@ def render_html(results: Sequence[ArmResult], text: str, command: str) -> str:
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <title>sprawl lag experiment</title>
-<style>
-body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 80em; color: #222; }}
-table {{ border-collapse: collapse; margin-bottom: 1.5em; }}
-th, td {{ text-align: left; padding: .2em 1em .2em 0; border-bottom: 1px solid #ddd; }}
-figure {{ display: inline-block; margin: 0 1em 1.5em 0; }}
-figcaption {{ font-weight: 600; margin-bottom: .3em; }}
-img {{ max-width: 100%; }}
-</style></head>
+{STYLE}</head>
 <body>
 <h1>sprawl lag experiment</h1>
 <p><code>{html.escape(command)}</code></p>

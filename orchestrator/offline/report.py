@@ -162,6 +162,17 @@ def _from_events(d: ReportData, events: list[dict[str, Any]], t0: float) -> None
 
 
 # -- rendering ------------------------------------------------------------------------------------
+STYLE = """<style>
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 80em; color: #222; }
+table { border-collapse: collapse; margin-bottom: 1.5em; }
+th, td { text-align: left; padding: .2em 1em .2em 0; border-bottom: 1px solid #ddd; }
+figure { display: inline-block; margin: 0 1em 1.5em 0; }
+figcaption { font-weight: 600; margin-bottom: .3em; }
+img { max-width: 100%; }
+</style>"""
+"""The stylesheet of every HTML page the offline tools write."""
+
+
 def png(draw: Callable[[Axes], None], title: str) -> str:
     """One plot, drawn by ``draw`` on titled, gridded axes, as a base64 PNG."""
     fig = Figure(figsize=(7.5, 3.2), dpi=100, layout="tight")
@@ -298,14 +309,7 @@ def render_html(d: ReportData) -> str:
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <title>sprawl run {html.escape(d.run)}</title>
-<style>
-body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 80em; color: #222; }}
-table {{ border-collapse: collapse; margin-bottom: 1.5em; }}
-th, td {{ text-align: left; padding: .2em 1em .2em 0; border-bottom: 1px solid #ddd; }}
-figure {{ display: inline-block; margin: 0 1em 1.5em 0; }}
-figcaption {{ font-weight: 600; margin-bottom: .3em; }}
-img {{ max-width: 100%; }}
-</style></head>
+{STYLE}</head>
 <body>
 <h1>sprawl run <code>{html.escape(d.run)}</code></h1>
 <table>
