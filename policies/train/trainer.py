@@ -23,7 +23,8 @@ One :meth:`Trainer.step` per batch:
    (``staleness.loss.normaliser``), so the gradient is the unsplit batch's. Corrections are per
    row (token or sequence level), so a micro-batch of whole rows computes them exactly
    (steps 3–4: :mod:`policies.train.objective`);
-5. one AdamW step (fp32 or bf16 master weights) after clipping the global gradient norm;
+5. one AdamW step (fp32 or bf16 master weights, at ``trainer.lr_schedule``'s rate for this
+   version) after clipping the global gradient norm;
 6. ``version += 1``; the checkpoint is written; the served view of the new version is published.
 
 Version ``v`` is the number of optimizer steps taken.
@@ -43,7 +44,7 @@ bit-identical to an uninterrupted one (same parameters and optimizer state, bit 
 same batches).
 
 Not covered: CUDA RNG state (a CUDA resume is deterministic only as far as the kernels are),
-multi-GPU (FSDP), learning-rate schedules, and keeping more than the newest checkpoint. With bf16
+multi-GPU (FSDP), learning-rate warmup, and keeping more than the newest checkpoint. With bf16
 masters there is no fp32 copy: AdamW updates smaller than half a bf16 ulp are rounded away.
 """
 
@@ -342,6 +343,8 @@ class Trainer:
             if param.grad is not None:
                 param.grad.div_(den)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.config.lr_at(self.version)
         self.optimizer.step()
         return whole, len(parts), float(grad_norm)
 
@@ -361,6 +364,7 @@ class Trainer:
         )
         metrics.update(
             grad_norm=grad_norm,
+            lr=s.lr_at(self.version - 1),
             reward_mean=float(rewards.mean()),
             version_bytes=float(manifest.bytes),
             micro_batches=float(micro),
