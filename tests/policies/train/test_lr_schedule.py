@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from policies.train.config import TrainerConfig
@@ -29,6 +32,28 @@ def test_cosine_is_halfway_at_the_middle_and_flat_at_both_ends() -> None:
     assert config.lr_at(1) == pytest.approx(1e-4 + 4e-4 * (1 + math.cos(math.pi / 40)) / 2)
     rates = [config.lr_at(v) for v in range(41)]
     assert rates == sorted(rates, reverse=True)
+
+
+@given(
+    schedule=st.sampled_from(["linear", "cosine"]),
+    lr=st.floats(1e-7, 1.0),
+    final_share=st.floats(0.0, 1.0),
+    max_steps=st.integers(1, 500),
+)
+def test_a_decay_starts_at_lr_never_rises_and_ends_at_lr_final(
+    schedule: str, lr: float, final_share: float, max_steps: int
+) -> None:
+    config = TrainerConfig(
+        lr=lr,
+        lr_schedule=schedule,  # type: ignore[arg-type]
+        lr_final=lr * final_share,
+        max_steps=max_steps,
+    )
+    rates = [config.lr_at(v) for v in range(max_steps + 3)]
+    assert rates[0] == pytest.approx(lr)
+    assert rates[max_steps:] == [pytest.approx(config.lr_final)] * 3
+    assert all(b <= a * (1 + 1e-12) for a, b in itertools.pairwise(rates))
+    assert all(config.lr_final * (1 - 1e-12) <= r <= lr * (1 + 1e-12) for r in rates)
 
 
 def test_lr_final_above_lr_is_refused() -> None:
