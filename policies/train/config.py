@@ -7,6 +7,7 @@ torch here, so parsing a config stays cheap.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -101,7 +102,14 @@ class TrainerConfig(BaseModel):
     ``scheduler.groups_per_batch``; when it does not divide the groups, the first minibatches
     take one group more (docs/trainer.md#minibatches)."""
     lr: float = Field(default=2e-4, gt=0, le=1)
-    """AdamW learning rate."""
+    """AdamW learning rate (of the first step, with a decaying ``lr_schedule``)."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """How the learning rate moves over ``max_steps``: ``constant`` keeps ``lr``; ``linear`` and
+    ``cosine`` decay it from ``lr`` at the first step towards ``lr_final``, reached by the step
+    after the last (:meth:`lr_at`). The rate follows from the version alone, so a resumed
+    trainer takes the same rates with no scheduler state."""
+    lr_final: float = Field(default=0.0, ge=0)
+    """Where a decaying ``lr_schedule`` ends; at most ``lr``."""
     weight_decay: float = Field(default=0.0, ge=0)
     """AdamW weight decay."""
     master_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -154,6 +162,27 @@ class TrainerConfig(BaseModel):
     """Tokens whose fp32 logits exist at once when scoring: the output head and log-softmax run
     this many tokens at a time, recomputed in the backward, so memory grows with this × vocab
     rather than with the batch's tokens × vocab."""
+
+    def lr_at(self, version: int) -> float:
+        """The learning rate of the step from ``version`` to ``version + 1``: ``lr`` at version
+        0, then the schedule's fraction of the way to ``lr_final`` (all of it from
+        ``max_steps`` on)."""
+        if self.lr_schedule == "constant":
+            return self.lr
+        done = min(max(version, 0) / self.max_steps, 1.0)
+        left = 1.0 - done if self.lr_schedule == "linear" else (1 + math.cos(math.pi * done)) / 2
+        return self.lr_final + (self.lr - self.lr_final) * left
+
+    @model_validator(mode="after")
+    def _lr_final_needs_a_decay(self) -> TrainerConfig:
+        if self.lr_final > self.lr:
+            raise ValueError(f"lr_final {self.lr_final} is above lr {self.lr}: a schedule decays")
+        if self.lr_final and self.lr_schedule == "constant":
+            raise ValueError(
+                "lr_final applies to a decaying lr_schedule (linear or cosine); lr_schedule is "
+                "'constant'"
+            )
+        return self
 
     @model_validator(mode="after")
     def _scale_policy_needs_a_quantized_view(self) -> TrainerConfig:

@@ -22,8 +22,8 @@ One :meth:`Trainer.step` per batch, ``k = trainer.minibatches`` optimizer steps:
    ``staleness.loss_agg`` with ``staleness.normalizer`` over the minibatch; with
    ``trainer.micro_batch_tokens`` per micro-batch of consecutive samples, each backpropagating
    its loss *sum*, the summed gradients divided once by the minibatch's normaliser
-   (:mod:`policies.train.objective`); one AdamW step (fp32 or bf16 masters) after clipping the
-   global gradient norm;
+   (:mod:`policies.train.objective`); one AdamW step (fp32 or bf16 masters, at
+   ``trainer.lr_schedule``'s rate for this version) after clipping the global gradient norm;
 4. ``version += 1``; the checkpoint is written; the served view of the new version is published.
 
 Version ``v`` is the number of batches trained (``k·v`` optimizer steps); a token ``L`` versions
@@ -45,7 +45,7 @@ run is bit-identical to an uninterrupted one (same parameters and optimizer stat
 given the same batches).
 
 Not covered: CUDA RNG state (a CUDA resume is deterministic only as far as the kernels are),
-multi-GPU (FSDP), learning-rate schedules, and keeping more than the newest checkpoint. With bf16
+multi-GPU (FSDP), learning-rate warmup, and keeping more than the newest checkpoint. With bf16
 masters there is no fp32 copy: AdamW updates smaller than half a bf16 ulp are rounded away.
 """
 
@@ -317,6 +317,8 @@ class Trainer:
             if param.grad is not None:
                 param.grad.div_(den)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.config.lr_at(self.version)
         self.optimizer.step()
         return parts, float(grad_norm)
 
@@ -362,6 +364,7 @@ class Trainer:
             lags,
             grad_norm=sum(norms) / len(norms),
             grad_norm_max=max(norms),
+            lr=s.lr_at(self.version - 1),
             reward_mean=float(rewards.mean()),
             version_bytes=float(manifest.bytes),
             micro_batches=float(micro),

@@ -7,12 +7,17 @@ Were the policy not improving, the quarters would be two samples of one level an
 would exceed 2σ by chance about 2.3% of the time (one-sided, normal approximation): passing is
 evidence of learning, and a run that stops learning fails. The per-step rewards are recomputed
 from the trajectory log's batch records, so the test does not trust the summary's arithmetic.
-docs/benchmarks.md ("The demo learns") lists the margins measured per seed.
 
-A run can also collapse late: one large update flips a few tasks from right to wrong and nothing
-pulls them back (docs/benchmarks.md; seen once in six runs of the shipped config, in the last
-quarter). So when a run is not "rose", a second run is made, and the test fails only when both
-are not: a demo that does not learn then passes by chance about 4.6% of the time (2 × 2.3%).
+One run, no second try. The late collapse that once needed one (a large update near the end flips
+a few tasks from right to wrong and nothing pulls them back: once in six runs at a constant
+learning rate) is what the rate's linear decay to 0 guards against (`trainer.lr_schedule`: the
+last quarter's rates are at most a quarter of the first step's, and no measured run moved its
+policy there by more than 0.0013 mean |Δ log p| in one version, against 0.045 in a collapse).
+Measured (docs/benchmarks.md, "The demo learns"): "rose" in 25 of 25 runs of this config (13 at
+seed 0, which differ by async timing only, one each at seeds 1-12), Δ/2σ 3.6-6.2 where "rose"
+needs 1. So this test's false-failure rate is below 12% at 95% confidence by that count alone
+(rule of three, no assumption); the margins (mean 4.6, sd 0.6) would put it near 1e-9 were they
+normal, which a discrete collapse need not be.
 """
 
 from __future__ import annotations
@@ -45,23 +50,19 @@ def test_the_demo_reward_rises_beyond_noise(tmp_path: Path) -> None:
     model = warm_model_copy(
         tmp_path / "model", sft_phases(warm.steps, warm.focus_steps, operand), cfg.run.seed
     )
-    verdicts = []
-    for attempt in ("first", "second"):
-        run_dir = tmp_path / attempt / cfg.run.name
-        proc = subprocess.run(
-            orchestrate_cmd(tmp_path / attempt, model, config=DEMO),
-            capture_output=True,
-            text=True,
-            timeout=1500,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        batches = [r for r in read_log(run_dir / "trajectories") if r["type"] == "batch"]
-        rewards = [b["metrics"]["reward_mean"] for b in batches]
-        assert len(rewards) == cfg.trainer.max_steps
-        verdicts.append(quarters(rewards))
-        if verdicts[-1].judged == "rose":
-            break
-    assert verdicts[-1].judged == "rose", [v.render() for v in verdicts]
+    run_dir = tmp_path / cfg.run.name
+    proc = subprocess.run(
+        orchestrate_cmd(tmp_path, model, config=DEMO),
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    batches = [r for r in read_log(run_dir / "trajectories") if r["type"] == "batch"]
+    rewards = [b["metrics"]["reward_mean"] for b in batches]
+    assert len(rewards) == cfg.trainer.max_steps
+    verdict = quarters(rewards)
+    assert verdict.judged == "rose", verdict.render()
     # what the user reads: the verdict, the two transcripts and where the report is
     assert f"learning:  first vs last quarter (steps 1–{len(rewards) // 4} vs" in proc.stdout
     assert "(rose, Δ=" in proc.stdout

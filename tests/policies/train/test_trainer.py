@@ -86,7 +86,7 @@ def _assert_same_state(a: Trainer, b: Trainer) -> None:
 
 def test_resume_is_bit_identical(tmp_path: Path, tiny_model_dir: Path) -> None:
     batches = [_samples(s) for s in range(4)]
-    kw = dict(kl_coef=0.05, entropy_coef=0.01)
+    kw = dict(kl_coef=0.05, entropy_coef=0.01, lr_schedule="cosine", lr_final=1e-4, max_steps=4)
 
     straight = _trainer(
         tiny_model_dir,
@@ -350,6 +350,28 @@ def test_entropy_bonus_raises_entropy(tmp_path: Path, tiny_model_dir: Path) -> N
     after = t.step(batch)["entropy"]
     assert 0.0 < before < float(torch.log(torch.tensor(2048.0)))
     assert after > before
+
+
+def test_each_step_takes_the_scheduled_rate(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Linear to 0 over 2 steps: 1e-3, then 5e-4, then 0 (past max_steps): that step moves no
+    weight, bit for bit, though its gradient is not zero."""
+    t = _trainer(
+        tiny_model_dir,
+        Board(str(tmp_path / "b"), "r"),
+        NoCorrection(),
+        lr_schedule="linear",
+        max_steps=2,
+        weight_decay=0.0,
+    )
+    rates = [t.step(_samples(s))["lr"] for s in range(2)]
+    assert rates == pytest.approx([1e-3, 5e-4])
+    assert t.optimizer.param_groups[0]["lr"] == pytest.approx(5e-4)
+    before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    last = t.step(_samples(2))
+    assert last["lr"] == 0.0
+    assert last["grad_norm"] > 0
+    for name, p in t.model.named_parameters():
+        assert _bits(p) == _bits(before[name]), name
 
 
 def test_bfloat16_masters_train_and_publish(tmp_path: Path, tiny_model_dir: Path) -> None:
