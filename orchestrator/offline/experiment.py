@@ -20,7 +20,11 @@ can admit, so that rollout really runs ahead of the trainer. Outputs in ``--out`
 - ``model/`` — the warm-started model (:func:`orchestrator.warm_start.sft_phases`: SFT on operands
   2..99, then on the run's ``environment.args.max_operand``), built once and reused while
   ``model/sft.json`` records the same phases;
-- ``runs/s<seed>/<run>/`` — each run's directory (``on_policy`` or ``lag<L>_<arm>``);
+- ``runs/s<seed>/<run>/`` — each run's directory (``on_policy`` or ``lag<L>_<arm>``), with
+  ``experiment-run.json`` once the run finished: its result and the fingerprint of what made it
+  (the resolved config and the model's ``sft.json``). The same command run again reuses every
+  finished run whose fingerprint matches and runs the rest, so an interrupted sweep resumes
+  where it stopped; a run whose config or model changed is run again;
 - ``rewards.csv`` — ``step,<run>/s<seed>…`` mean episode reward per trainer step;
 - ``rewards.png`` — each run's curve, averaged over seeds (raw and a moving average);
 - ``table.md`` — second-half reward per arm and lag, mean ± 95% t-interval over seeds;
@@ -44,6 +48,7 @@ Not covered: a different starting model per seed, a GPU fleet.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shlex
 import sys
@@ -57,7 +62,7 @@ import anyio
 import structlog
 
 from orchestrator.config import Config, load_config, parse_overrides
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, TrajlogError
 from orchestrator.models import calculator_max_operand
 from orchestrator.offline.experiment_arms import (
     ARMS,
@@ -75,8 +80,12 @@ from orchestrator.offline.experiment_arms import (
 )
 from orchestrator.offline.experiment_report import write_csv, write_html, write_png
 from orchestrator.offline.experiment_verdict import arm_stats, checks, markdown_table, verdict
+from orchestrator.record.frames import read_regular, write_private
 
 log = structlog.get_logger(__name__)
+
+RESULT = "experiment-run.json"
+"""A finished run's result and fingerprint, in its run directory."""
 
 
 def run_lag_experiment(
@@ -127,16 +136,42 @@ def run_lag_experiment(
                 seed=run_seed,
                 overrides=overrides,
             )
-            results.append(_run_arm(cfg, run, run_seed))
+            key = _fingerprint(cfg, model_dir)
+            results.append(_finished(cfg, run, key) or _run_arm(cfg, run, run_seed, key))
     text = verdict(results)
     info = {"steps": steps, "seeds": list(range(seed, seed + seeds)), "lags": sorted(set(lags))}
     _write_outputs(results, text, out, info=info, started=started, command=command)
     return results, text
 
 
-def _run_arm(cfg: Config, run: Run, seed: int) -> ArmResult:
-    """One run through the real loop (``seed``: its run seed); a run stopped by a signal stops
-    the experiment (``KeyboardInterrupt``)."""
+def _fingerprint(cfg: Config, model_dir: Path) -> str:
+    """What a run's result depends on besides the code: its resolved config and its model."""
+    made = {"config": cfg.model_dump(mode="json"), "sft": (model_dir / "sft.json").read_text()}
+    return hashlib.sha256(json.dumps(made, sort_keys=True).encode()).hexdigest()
+
+
+def _finished(cfg: Config, run: Run, key: str) -> ArmResult | None:
+    """The result of this run from an earlier invocation, if it finished with the same
+    fingerprint; None when it must run (never ran, unfinished, changed, or unreadable)."""
+    path = cfg.run_dir / RESULT
+    try:
+        saved = json.loads(read_regular(path))
+        if saved["fingerprint"] != key:
+            return None
+        result = ArmResult(**saved["result"])
+        result.lag_histogram = {int(k): int(v) for k, v in result.lag_histogram.items()}
+    except (TrajlogError, ValueError, TypeError, KeyError) as exc:
+        if path.exists():
+            log.warning("experiment_run_not_reused", run=run.name, path=str(path), error=str(exc))
+        return None
+    log.info("experiment_run_reused", run=run.name, seed=result.seed, path=str(path))
+    return result
+
+
+def _run_arm(cfg: Config, run: Run, seed: int, key: str) -> ArmResult:
+    """One run through the real loop (``seed``: its run seed), its result saved beside it under
+    ``key`` (:func:`_fingerprint`); a run stopped by a signal stops the experiment
+    (``KeyboardInterrupt``)."""
     from orchestrator.run import run as run_loop
 
     t0 = time.perf_counter()
@@ -155,6 +190,8 @@ def _run_arm(cfg: Config, run: Run, seed: int) -> ArmResult:
         correction=run.arm.name,
         lag=run.lag,
     )
+    saved = json.dumps({"fingerprint": key, "result": asdict(result)}, indent=1)
+    write_private(cfg.run_dir / RESULT, saved + "\n")
     log.info(
         "experiment_arm_done",
         run=run.name,

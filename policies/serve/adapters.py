@@ -27,14 +27,17 @@ import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 
 from policies.board import Board
 from policies.errors import AdapterError, BoardError
 from policies.wire.lane import VersionBounds
+
+# peft (~1.5 s to import) is imported where an adapter is made: serving without one never pays
+if TYPE_CHECKING:
+    from peft import LoraConfig, PeftModel
 
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
 PEFT_PREFIX = "base_model.model."  # a PeftModel's name for the model it wraps
@@ -75,6 +78,8 @@ def adapter_config(view: Mapping[str, torch.Tensor]) -> LoraConfig:
     if len(ranks) != 1:
         raise AdapterError(f"a LoRA version's matrices have one rank; these have {sorted(ranks)}")
     rank = ranks.pop()
+    from peft import LoraConfig
+
     return LoraConfig(r=rank, lora_alpha=rank, target_modules=sorted(layers))
 
 
@@ -143,6 +148,8 @@ class ResidentAdapters:
     ) -> list[int]:
         """Make ``view`` resident as ``version`` (at a step boundary: no forward may run);
         return the versions evicted for it."""
+        from peft import PeftModel, get_peft_model, set_peft_model_state_dict
+
         name = adapter_name(version)
         try:
             if self.model is None:

@@ -33,16 +33,19 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
-from peft import LoraConfig
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from policies.errors import BadRequest
 from policies.serve.adapters import ResidentAdapters, adapter_config
 from policies.serve.decode import DecodeBatcher
 from policies.serve.types import Generation, QuiesceMode, check_routing_start
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
 from policies.wire.lane import GenerateChoice, GenerateRequest
 
 log = structlog.get_logger(__name__)

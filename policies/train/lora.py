@@ -9,8 +9,6 @@ adapter support (:mod:`policies.serve.adapters`).
 from __future__ import annotations
 
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft import get_peft_model_state_dict, inject_adapter_in_model
 from transformers import PreTrainedModel
 
 from policies.errors import AdapterError
@@ -20,6 +18,9 @@ from policies.train.config import LoraConfig
 def with_lora(model: PreTrainedModel, lora: LoraConfig) -> PreTrainedModel:
     """``model`` with a fresh LoRA adapter (``peft``; ``lora_B`` zero, so it computes what the
     base does) on every ``lora.target_modules`` layer; only the adapter is trainable."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import inject_adapter_in_model
+
     spec = PeftLoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,
@@ -40,6 +41,8 @@ def adapter_view(
     (``….q_proj.lora_A.weight``), cast to ``dtype``, with the scaling ``alpha / rank`` folded
     into every ``lora_B`` so the tensors alone define the adapter (rank from their shapes, the
     adapted layers from their names; ``policies.serve.adapters``)."""
+    from peft import get_peft_model_state_dict
+
     scale = lora.alpha / lora.rank
     out: dict[str, torch.Tensor] = {}
     for name, t in get_peft_model_state_dict(model).items():

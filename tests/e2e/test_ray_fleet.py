@@ -72,11 +72,18 @@ def test_islands_on_ray_are_replaced_and_scaled_during_a_run(
             stderr=subprocess.PIPE,
             text=True,
         )
-        stderr = proc.stderr
+        stdout, stderr = proc.stdout, proc.stderr
+        assert stdout is not None
         assert stderr is not None
         lines: list[str] = []
-        reader = threading.Thread(target=lambda: lines.extend(iter(stderr.readline, "")))
-        reader.start()
+        outs: list[str] = []
+        # both pipes drained by threads (communicate() would close stderr under the reader)
+        readers = [
+            threading.Thread(target=lambda: lines.extend(iter(stderr.readline, ""))),
+            threading.Thread(target=lambda: outs.append(stdout.read())),
+        ]
+        for reader in readers:
+            reader.start()
         try:
             _wait_for(proc, lines, '"trainer_step"')
             ray.init(address=address, namespace="sprawl-demo", log_to_driver=False)
@@ -92,8 +99,12 @@ def test_islands_on_ray_are_replaced_and_scaled_during_a_run(
             _wait_for(proc, lines, '"trainer_step"', after=len(lines))  # a step on one island
         finally:
             proc.send_signal(signal.SIGINT)
-            out, _ = proc.communicate(timeout=180)
-            reader.join()
+            proc.wait(timeout=180)
+            for reader in readers:
+                reader.join()
+            stdout.close()
+            stderr.close()
+        out = "".join(outs)
         assert proc.returncode == 130, "".join(lines[-40:])
         assert "status:    interrupted" in out
         assert ray.util.list_named_actors() == []  # no island outlives the run

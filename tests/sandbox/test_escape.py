@@ -239,7 +239,9 @@ for _ in range(6):
     os.wait()
 """
     # Generous wall time: on a loaded 2-core machine the OOM kills can take over 2 s to land.
-    limits = dataclasses.replace(TIGHT.limits(), wall_seconds=10)
+    # the hard CPU limit comes ~2 s of CPU in; the wall bound only has to be later than that
+    # on a loaded machine, where the loop gets a fraction of a core
+    limits = dataclasses.replace(TIGHT.limits(), wall_seconds=60)
     result = await pool.run_python(code, limits=limits)
     assert result.killed_reason == "memory", result
     assert result.exit_code == 0  # the parent survived; children were OOM-killed
@@ -260,7 +262,9 @@ async def test_a_loop_that_ignores_sigxcpu_is_reported_as_cpu_time(pool: Sandbox
     if cgroups is None or cgroups.cpu_parent is None:
         pytest.skip("no writable cgroup hierarchy counts a run's CPU time here")
     code = "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True: pass"
-    limits = dataclasses.replace(TIGHT.limits(), wall_seconds=10)
+    # the hard CPU limit comes ~2 s of CPU in; the wall bound only has to be later than that
+    # on a loaded machine, where the loop gets a fraction of a core
+    limits = dataclasses.replace(TIGHT.limits(), wall_seconds=60)
     result = await pool.run_python(code, limits=limits)
     assert result.exit_code == 128 + signal.SIGKILL, result
     assert result.killed_reason == "cpu_time", result

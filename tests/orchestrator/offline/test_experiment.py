@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import csv
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
 from orchestrator.cli import main as cli_main
-from orchestrator.config import load_config
+from orchestrator.config import Config, load_config
 from orchestrator.errors import ConfigError
 from orchestrator.models import calculator_max_operand
+from orchestrator.offline.experiment import RESULT, _fingerprint, _finished
 from orchestrator.offline.experiment_arms import (
     ARMS,
     ArmResult,
@@ -74,6 +76,35 @@ def test_run_configs_differ_only_in_lag_and_correction(tmp_path: Path) -> None:
         assert cfg.model.init is None
     # the lag-4 runs may keep (1 + 4) batches of episodes in flight
     assert cfgs["lag4_uncorrected"].scheduler.max_concurrent_episodes >= 5 * 2 * 2
+
+
+def test_a_finished_run_is_reused_only_with_the_same_config_and_model(tmp_path: Path) -> None:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "sft.json").write_text('{"phases": []}')
+    run = plan(pick_arms("tis"), parse_lags("2"))[1]
+
+    def cfg(**overrides: object) -> Config:
+        return arm_config(
+            DEMO,
+            run,
+            out=tmp_path,
+            model_dir=tmp_path / "model",
+            steps=7,
+            seed=3,
+            overrides=overrides,
+        )
+
+    key = _fingerprint(cfg(), tmp_path / "model")
+    cfg().run_dir.mkdir(parents=True)
+    assert _finished(cfg(), run, key) is None  # never finished
+    done = ArmResult(arm=run.name, label=run.label, rewards=[0.5], seed=3, lag_histogram={1: 4})
+    (cfg().run_dir / RESULT).write_text(json.dumps({"fingerprint": key, "result": asdict(done)}))
+    assert _finished(cfg(), run, key) == done
+    assert _fingerprint(cfg(**{"trainer.lr": 1e-3}), tmp_path / "model") != key
+    (tmp_path / "model" / "sft.json").write_text('{"phases": [1]}')  # a rebuilt model
+    assert _fingerprint(cfg(), tmp_path / "model") != key
+    (cfg().run_dir / RESULT).write_text('{"fingerprint": "')  # torn: run again
+    assert _finished(cfg(), run, key) is None
 
 
 def test_lag_histogram_counts_model_calls_of_trained_groups(tmp_path: Path) -> None:
@@ -219,41 +250,39 @@ def test_overrides_of_what_each_run_sets_are_refused() -> None:
 @pytest.mark.usefixtures("cli_logging")  # the command configures logging: put it back
 def test_experiment_command_runs_at_reduced_size(tmp_path: Path) -> None:
     out = tmp_path / "exp"
-    code = cli_main(
-        [
-            "experiment",
-            "lag",
-            "--config",
-            str(LOOP),
-            "--steps",
-            "2",
-            "--seeds",
-            "2",
-            "--arms",
-            "decoupled_ppo",
-            "--lags",
-            "4",
-            "--out",
-            str(out),
-            "--sft-steps",
-            "5",
-            "--sft-focus-steps",
-            "1",
-            "--sft-eval",
-            "2",
-            "--scheduler.group_size",
-            "2",
-            "--scheduler.groups_per_batch",
-            "1",
-            "--sampling.max_tokens",
-            "16",
-            "--environment.max_turns",
-            "2",
-            "--fleet.local_engines",
-            "1",
-        ]
-    )
-    assert code == 0
+    argv = [
+        "experiment",
+        "lag",
+        "--config",
+        str(LOOP),
+        "--steps",
+        "2",
+        "--seeds",
+        "2",
+        "--arms",
+        "decoupled_ppo",
+        "--lags",
+        "4",
+        "--out",
+        str(out),
+        "--sft-steps",
+        "5",
+        "--sft-focus-steps",
+        "1",
+        "--sft-eval",
+        "2",
+        "--scheduler.group_size",
+        "2",
+        "--scheduler.groups_per_batch",
+        "1",
+        "--sampling.max_tokens",
+        "16",
+        "--environment.max_turns",
+        "2",
+        "--fleet.local_engines",
+        "1",
+    ]
+    assert cli_main(argv) == 0
     with (out / "rewards.csv").open() as fh:
         rows = list(csv.reader(fh))
     assert rows[0] == [
@@ -282,6 +311,21 @@ def test_experiment_command_runs_at_reduced_size(tmp_path: Path) -> None:
     for arm in summary["arms"]:
         assert len(arm["rewards"]) == 2
         assert all(0 <= int(lag) <= 4 for lag in arm["lag_histogram"])
+
+    # run again, as after an interruption: finished runs are reused, the unfinished one runs
+    results = sorted((out / "runs").glob("s*/*/experiment-run.json"))
+    assert len(results) == 4
+    results[-1].unlink()  # s1/on_policy (sorted: lag4_decoupled_ppo first)
+    kept = {p: p.stat().st_mtime_ns for p in results[:-1]}
+    assert cli_main(argv) == 0
+    assert {p: p.stat().st_mtime_ns for p in results[:-1]} == kept
+    assert results[-1].is_file()
+    again = json.loads((out / "summary.json").read_text())
+    assert [a for a in again["arms"] if a["seed"] == 0] == [
+        a for a in summary["arms"] if a["seed"] == 0
+    ]
+    assert again["arms"][2]["arm"] == "on_policy"
+    assert again["arms"][2]["seed"] == 1
 
 
 def test_flat_rewards_do_not_count_as_a_rise() -> None:

@@ -113,8 +113,7 @@ async def test_tensor_parallel_ranks_take_their_slice_of_each_version(
             footprints = []
             with capture_logs() as logs:
                 for step, lr in enumerate([SPARSE_LR, SPARSE_LR, DENSE_LR]):
-                    for group in trainer.optimizer.param_groups:
-                        group["lr"] = lr
+                    trainer.config = config.model_copy(update={"lr": lr})
                     await anyio.to_thread.run_sync(trainer.step, samples(step))
                     await wait_version(url, step + 1, timeout_s=120)
                     footprints.append(await _footprints(engine))
