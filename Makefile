@@ -6,6 +6,8 @@ PY      ?= python3
 VENV    := .venv
 STAMP   := $(VENV)/.installed
 BIN     := $(VENV)/bin
+# mypy's cache outside the clone, like the engines: checked by content, so clones share it
+MYPY_CACHE ?= $(HOME)/.cache/sprawl/mypy
 
 .PHONY: demo test lint install engines
 
@@ -23,7 +25,7 @@ engines: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy
+	$(BIN)/mypy --cache-dir $(MYPY_CACHE)
 
 install: $(STAMP)
 
