@@ -18,6 +18,7 @@ from orchestrator.offline.experiment import RESULT, _fingerprint, _finished
 from orchestrator.offline.experiment_arms import (
     ARMS,
     ArmResult,
+    Run,
     arm_config,
     check_overrides,
     lag_histogram,
@@ -42,18 +43,17 @@ LOOP = Path("tests/support/loop.toml")  # the small loop most e2e tests run
 EXPERIMENT = Path("configs/experiment-lag.toml")
 
 
+def _demo_run(tmp_path: Path, run: Run, **overrides: object) -> Config:
+    """The demo config of ``run`` at seed 3 and 7 steps, its model in ``tmp_path / "model"``."""
+    return arm_config(
+        DEMO, run, out=tmp_path, model_dir=tmp_path / "model", steps=7, seed=3, overrides=overrides
+    )
+
+
 def test_run_configs_differ_only_in_lag_and_correction(tmp_path: Path) -> None:
     runs = plan(pick_arms("uncorrected,tis,decoupled_ppo,token_mask"), parse_lags("4,2"))
     cfgs = {
-        run.name: arm_config(
-            DEMO,
-            run,
-            out=tmp_path,
-            model_dir=tmp_path / "model",
-            steps=7,
-            seed=3,
-            overrides={"scheduler.group_size": 2, "trainer.minibatches": 2},
-        )
+        run.name: _demo_run(tmp_path, run, **{"scheduler.group_size": 2, "trainer.minibatches": 2})
         for run in runs
     }
     assert list(cfgs)[:3] == ["on_policy", "lag2_uncorrected", "lag2_tis"]
@@ -84,15 +84,7 @@ def test_a_finished_run_is_reused_only_with_the_same_config_and_model(tmp_path: 
     run = plan(pick_arms("tis"), parse_lags("2"))[1]
 
     def cfg(**overrides: object) -> Config:
-        return arm_config(
-            DEMO,
-            run,
-            out=tmp_path,
-            model_dir=tmp_path / "model",
-            steps=7,
-            seed=3,
-            overrides=overrides,
-        )
+        return _demo_run(tmp_path, run, **overrides)
 
     key = _fingerprint(cfg(), tmp_path / "model")
     cfg().run_dir.mkdir(parents=True)
