@@ -42,6 +42,9 @@ from policies.wire.logs import configure
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
+LAST_ACK_S = 60.0
+"""How long the last step's acknowledgement is retried while the feed cannot be reached."""
+
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
@@ -83,7 +86,7 @@ def main(argv: list[str]) -> int:
         log.info("batch_received", version=wire.version, samples=len(wire.samples))
         samples = [TrainSample.from_wire(s) for s in wire.samples]
         metrics = trainer.step(samples)  # publishes version + 1: the announcement
-        source.done(wire.version, metrics)
+        source.done(wire.version, metrics, last=trainer.version >= cfg.trainer.max_steps)
     return 0
 
 
@@ -100,14 +103,16 @@ class FileSource:
             time.sleep(self.poll_s)  # batch files arrive from another process
         return wire
 
-    def done(self, version: int, metrics: dict[str, float]) -> None:
+    def done(self, version: int, metrics: dict[str, float], *, last: bool) -> None:
         """Nothing to say: the board's pointer is the announcement."""
 
 
 class FeedSource:
     """The orchestrator's batch feed (``trainer.mode = "feed"``). While it cannot be reached (the
     orchestrator is starting) it is asked again every ``poll_s``, for at most ``give_up_s``
-    (``timeouts.trainer_step_s``)."""
+    (``timeouts.trainer_step_s``); the last step's acknowledgement for at most
+    :data:`LAST_ACK_S`: the run may have ended with it (its reply lost as the feed closed), and a
+    run still waiting counts the board's last version as the acknowledgement (``ACK_GRACE_S``)."""
 
     def __init__(self, run_dir: Path, poll_s: float, give_up_s: float) -> None:
         self.run_dir = run_dir
@@ -116,8 +121,9 @@ class FeedSource:
         self.where = str(run_dir / FEED_FILE)
         self._client: FeedClient | None = None
 
-    def _retry(self, call: Callable[[FeedClient], T]) -> T:
-        deadline = time.monotonic() + self.give_up_s
+    def _retry(self, call: Callable[[FeedClient], T], give_up_s: float | None = None) -> T:
+        give_up_s = self.give_up_s if give_up_s is None else give_up_s
+        deadline = time.monotonic() + give_up_s
         while True:
             try:
                 if self._client is None:  # (re)read feed.json: a restarted feed has a new port
@@ -127,7 +133,7 @@ class FeedSource:
                 self._client = None
                 if time.monotonic() > deadline:
                     raise TrainerError(
-                        f"{exc}; gave up after {self.give_up_s}s (timeouts.trainer_step_s)"
+                        f"{exc}; gave up after {give_up_s}s (timeouts.trainer_step_s)"
                     ) from None
                 time.sleep(self.poll_s)
 
@@ -141,8 +147,14 @@ class FeedSource:
             )
         return wire
 
-    def done(self, version: int, metrics: dict[str, float]) -> None:
+    def done(self, version: int, metrics: dict[str, float], *, last: bool) -> None:
         finite = {k: v for k, v in metrics.items() if math.isfinite(v)}
         if len(finite) < len(metrics):  # JSON has no NaN: said here, in the trainer's log
             log.warning("metrics_not_finite", metrics=sorted(set(metrics) - set(finite)))
-        self._retry(lambda c: c.ack(version, finite))
+        if not last:
+            self._retry(lambda c: c.ack(version, finite))
+            return
+        try:
+            self._retry(lambda c: c.ack(version, finite), min(self.give_up_s, LAST_ACK_S))
+        except TrainerError as exc:  # the board's version is the announcement (class doc)
+            log.warning("last_ack_undelivered", version=version, error=str(exc), metrics=finite)

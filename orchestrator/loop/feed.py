@@ -22,7 +22,9 @@ Guarantees (:class:`BatchFeed`), across trainer restarts:
   asks next (a restarted trainer); an acknowledged batch is never delivered again;
 - a trainer that published ``v + 1`` but died before acknowledging ``v``: its next request
   finds the board at ``v + 1`` and batch ``v`` counts as acknowledged (without metrics; the
-  step's ``reward_mean`` is still logged);
+  step's ``reward_mean`` is still logged); so does a delivered batch whose ``v + 1`` the board
+  has shown for :data:`ACK_GRACE_S` with no acknowledgement (one lost on the way, the last
+  step's above all, which no later request would settle), logged ``feed_acked_by_board``;
 - acknowledging a batch twice is harmless (``"duplicate": true``, its metrics not logged again);
   acknowledging one ahead of the trainer's version is refused with 409 naming that version, and
   so is one of the trainer's version that was not delivered while the board does not show
@@ -75,6 +77,10 @@ DEFAULT_WAIT_S = 20.0
 """How long ``GET /v1/batches/next`` waits for a batch when the request names no ``wait_s``."""
 MAX_WAIT_S = 300.0
 """The longest long poll a request may ask for."""
+ACK_GRACE_S = 30.0
+"""How long the board may show ``v + 1`` of a delivered batch ``v`` before it counts as the
+acknowledgement: the trainer acknowledges right after it publishes, so an acknowledgement this
+late was lost (its metrics are then the trainer's log's only)."""
 
 
 @dataclass
@@ -103,6 +109,7 @@ class BatchFeed:
     version: int
     board_latest: Callable[[], int | None]
     capacity: int = 1
+    ack_grace_s: float = ACK_GRACE_S
     _held: dict[int, _Held] = field(default_factory=dict)
     _done: dict[int, dict[str, float]] = field(default_factory=dict)
     _early: dict[int, dict[str, float]] = field(default_factory=dict)  # at most the next version
@@ -191,9 +198,24 @@ class BatchFeed:
         return Ack(version, duplicate=False)
 
     async def done(self, version: int) -> dict[str, float]:
-        """Wait until batch ``version`` is acknowledged; the metrics it came with."""
+        """Wait until batch ``version`` is acknowledged; the metrics it came with. Batch
+        ``version`` delivered and ``version + 1`` on the board for ``ack_grace_s`` with no
+        acknowledgement: it counts as acknowledged, without metrics (module doc)."""
+        shown_since: float | None = None
         while version not in self._done:
-            await self._changed.wait()
+            with anyio.move_on_after(self.ack_grace_s / 3):
+                await self._changed.wait()
+            held = self._held.get(version)
+            if version != self.version or held is None or not held.delivered:
+                continue
+            latest = await self._latest()
+            if latest is None or latest <= version:
+                shown_since = None
+            elif shown_since is None:
+                shown_since = anyio.current_time()
+            elif anyio.current_time() - shown_since >= self.ack_grace_s and version in self._held:
+                log.warning("feed_acked_by_board", version=version, board_version=latest)
+                self._complete(version, {})
         return self._done.pop(version)
 
     async def _latest(self) -> int | None:

@@ -26,7 +26,8 @@ Text from environments, tools and users never becomes control tokens: a message 
 holds a special token's text (a tool echoing ``<|im_end|>\n<|im_start|>user…``) is rendered with a
 marker in its place, and its text encoded as plain text (``split_special_tokens``) between the
 template's own tokens (:func:`plain_text_ids`); other messages are encoded with the template's
-text as before. A template that transforms such a text (trims it) gets it untransformed.
+text as before. A template that transforms such a text (trims it) gets it untransformed; one
+that writes it as JSON (``| tojson``: gpt-oss's tool results) gets it as JSON writes it.
 
 What the template does to *earlier* turns is recorded rather than applied:
 :meth:`ChatTokens.history_rewritten` says whether the template, re-rendering the episode's
@@ -38,6 +39,7 @@ through the template would show a later model call less. docs/environments.md sa
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -56,7 +58,7 @@ _PROBE: list[Message] = [
     {"role": "assistant", "content": _SENTINEL},
 ]
 _USER_PROBE: list[Message] = [{"role": "user", "content": "y"}]
-_MARKER = re.compile("\x00sprawl-text-([0-9]+)\x00")
+_MARKER = re.compile(r"(\x00|\\u0000)sprawl-text-([0-9]+)\1")  # as written, or by `| tojson`
 _TOOL_PROBE: list[Message] = [  # an id of 9 alphanumerics: Mistral's templates refuse others
     {"role": "tool", "tool_call_id": "call00000", "name": "probe", "content": "y"},
 ]
@@ -108,14 +110,20 @@ def plain_text_ids(
     tokenizer: PreTrainedTokenizerBase, text: str, texts: Sequence[str]
 ) -> list[int]:
     """Token ids of a render holding :func:`mark_control_text`'s markers: the template's text
-    with its special tokens, each marked text as plain text."""
+    with its special tokens, each marked text as plain text. A marker the template wrote as JSON
+    (gpt-oss renders tool results with ``| tojson``) stands for its text as JSON writes it."""
     ids: list[int] = []
-    for i, piece in enumerate(_MARKER.split(text)):
-        if i % 2:
-            plain = texts[int(piece)]
-            ids.extend(tokenizer.encode(plain, add_special_tokens=False, split_special_tokens=True))
-        elif piece:
-            ids.extend(tokenizer.encode(piece, add_special_tokens=False))
+    at = 0
+    for m in _MARKER.finditer(text):
+        if m.start() > at:
+            ids.extend(tokenizer.encode(text[at : m.start()], add_special_tokens=False))
+        plain = texts[int(m.group(2))]
+        if m.group(1) != "\x00":  # transformers' tojson: ensure_ascii off, no HTML escaping
+            plain = json.dumps(plain, ensure_ascii=False)[1:-1]
+        ids.extend(tokenizer.encode(plain, add_special_tokens=False, split_special_tokens=True))
+        at = m.end()
+    if at < len(text):
+        ids.extend(tokenizer.encode(text[at:], add_special_tokens=False))
     return ids
 
 

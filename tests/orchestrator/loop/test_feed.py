@@ -13,7 +13,9 @@ import anyio
 import pytest
 import torch
 from anyio import wait_all_tasks_blocked
+from structlog.testing import capture_logs
 
+from orchestrator import train_worker
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError, TrainerError
 from orchestrator.loop.feed import BatchFeed, serve_feed
@@ -201,6 +203,36 @@ async def test_a_trainer_that_published_but_died_before_acking_is_acknowledged(
         assert await feed.done(0) == {}
         assert feed.version == 1
         await _ack(restarted, 0)  # a late ack of it is a harmless duplicate
+
+
+async def test_a_lost_ack_counts_once_the_board_has_shown_the_next_version_for_the_grace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last step's ack lost (the reply, or the request): no later request settles it, so the
+    run counts the board's version after the grace; a trainer whose last ack finds no feed stops
+    after ``LAST_ACK_S`` with a warning instead of waiting ``timeouts.trainer_step_s``."""
+    board = _board(tmp_path)
+    feed = BatchFeed(version=0, board_latest=board.latest, ack_grace_s=0.3)
+    async with served(feed, tmp_path) as url:
+        client = FeedClient(url, "t0k")
+        await feed.offer(_wire(0))
+        assert await _next(client) is not None
+        await anyio.to_thread.run_sync(_publish, board, 1)  # ... and the ack never arrives
+        with capture_logs() as logs, anyio.fail_after(30):
+            assert await feed.done(0) == {}
+        assert feed.version == 1
+        assert [e["version"] for e in logs if e["event"] == "feed_acked_by_board"] == [0]
+        await _ack(client, 0, {"loss": 0.5})  # a late ack of it is a harmless duplicate
+    monkeypatch.setattr(train_worker, "LAST_ACK_S", 0.1)
+    gone = FeedSource(tmp_path / "ended", poll_s=0.01, give_up_s=3600)
+    with capture_logs() as logs:
+        await anyio.to_thread.run_sync(lambda: gone.done(0, {"loss": 0.5}, last=True))
+    (warning,) = [e for e in logs if e["event"] == "last_ack_undelivered"]
+    assert warning["metrics"] == {"loss": 0.5}
+    assert "gave up after 0.1s" in warning["error"]
+    gone.give_up_s = 0.1
+    with pytest.raises(TrainerError, match=r"feed\.json: not written yet"):
+        await anyio.to_thread.run_sync(lambda: gone.done(0, {}, last=False))
 
 
 async def test_a_restarted_feed_takes_the_ack_of_a_batch_an_earlier_feed_delivered(

@@ -108,7 +108,13 @@ async def test_completions_text_and_token_prompts_agree(
 
 
 async def test_pause_mode_response_spanning_an_update(board: Board, tiny_model_dir: Path) -> None:
-    async with engine(board, activation="pause") as url, aiohttp.ClientSession() as s:
+    # the engine learns of version 1 only from the notify (no polling), so it can be on the board
+    # before the generation starts: the update the generation must span is fetch + activation
+    async with (
+        engine(board, activation="pause", poll_interval_s=3600) as url,
+        aiohttp.ClientSession() as s,
+    ):
+        publish_scaled(board, 1, tiny_model_dir, scale=0.5)
         long = {"prompt_token_ids": [5, 6, 7], "max_tokens": 1500, "temperature": 0.0}
         result: dict[str, Any] = {}
 
@@ -120,7 +126,6 @@ async def test_pause_mode_response_spanning_an_update(board: Board, tiny_model_d
             await until(  # the generation is decoding (1500 tokens: far longer than an update)
                 lambda: metric(url, "sprawl_engine_active_rows"), "the long generation decoding"
             )
-            publish_scaled(board, 1, tiny_model_dir, scale=0.5)
             await _post(s, f"{url}/v1/policy/notify", {})
         assert result["status"] == 200
         body = result["body"]

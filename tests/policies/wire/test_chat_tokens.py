@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import json
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -70,6 +72,36 @@ def test_text_from_a_tool_or_a_user_never_becomes_control_tokens(
     assert _count(chat.initial(parts), tokenizer, "<|im_end|>") == _count(
         plain, tokenizer, "<|im_end|>"
     )
+
+
+JSON_TOOL_TEMPLATE = (  # tool results as gpt-oss's template writes them: `content | tojson`
+    "{%- for m in messages -%}<|im_start|>{{ m.role }}\n"
+    "{%- if m.role == 'tool' -%}{{ m.content | tojson }}{%- else -%}{{ m.content }}{%- endif -%}"
+    "<|im_end|>\n{%- endfor -%}{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+)
+
+
+def test_a_template_that_writes_tool_text_as_json_gets_it_as_json_never_as_control_tokens(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    """(fails when the marker ``| tojson`` escaped is not recognised: the prompt then holds
+    ``"\\u0000sprawl-text-0\\u0000"`` instead of the tool's text)"""
+    json_tokenizer = copy.deepcopy(tokenizer)
+    json_tokenizer.chat_template = JSON_TOOL_TEMPLATE
+    chat = ChatTokens(json_tokenizer, Calculator(EnvConfig()).tool_schemas())
+    sampled = [*tokenizer.encode("<tool_call>x</tool_call>", add_special_tokens=False)]
+    sampled.append(tokenizer.eos_token_id)
+
+    def tool(content: str) -> list[dict[str, Any]]:
+        return [{"role": "tool", "tool_call_id": "c0", "name": "calculator", "content": content}]
+
+    benign = chat.continuation(sampled, tool("42"))
+    forged = chat.continuation(sampled, tool(FORGED))
+    for token in ("<|im_start|>", "<|im_end|>"):
+        assert _count(forged, tokenizer, token) == _count(benign, tokenizer, token)
+    text = str(tokenizer.decode(forged))
+    assert json.dumps(FORGED) in text  # the text, as the template writes it
+    assert "sprawl-text" not in text
 
 
 def test_text_without_control_text_is_encoded_as_the_template_renders_it(
