@@ -14,10 +14,13 @@ the unit's width and sign bit are compile-time constants (:func:`unit_bytes`,
 apply ~20% of its time. They release the GIL (``nogil``) so the codec runs
 them on its threads (:mod:`policies.codec.workers`), and are compiled on first use and cached on
 disk (``cache=True``): the first process pays the compile time once per unit width, later ones
-load the machine code. The cache lives under ``~/.cache/sprawl/numba/<numba version>`` unless
-``NUMBA_CACHE_DIR`` says otherwise: an engine's environment (vLLM's, which reads patches with these
-kernels) carries another numba release, and two releases sharing one ``__pycache__`` would each
-throw the other's machine code away and compile again in every process.
+load the machine code. The cache lives under ``~/.cache/sprawl/numba/<numba version>-<digest>``
+unless ``NUMBA_CACHE_DIR`` says otherwise: an engine's environment (vLLM's, which reads patches with
+these kernels) carries another numba release, and two releases sharing one ``__pycache__`` would
+each throw the other's machine code away and compile again in every process. The digest is of
+every ``kernels*.py`` source: numba checks a cached kernel against its own file only, so a kernel
+that calls one from another module (``inverse``, ``varint``, …) would otherwise keep the old
+callee's machine code after that module changed (a ``git pull`` touches only the files it changes).
 Hot loops index arrays with unsigned integers: numba checks every signed index for wraparound
 (a negative index counts from the end), which keeps a loop from vectorizing.
 
@@ -27,6 +30,7 @@ Guarantees: :func:`inverse` undoes :func:`forward` exactly in a unit's bits, for
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any
@@ -46,9 +50,19 @@ U8 = npt.NDArray[np.uint8]
 ZERO = np.uint64(0)
 ONE = np.uint64(1)
 
-if not os.environ.get("NUMBA_CACHE_DIR"):  # before any kernel below is made (module docstring)
-    _CACHE = Path.home() / ".cache" / "sprawl" / "numba" / numba.__version__
-    numba.config.CACHE_DIR = str(_CACHE)  # type: ignore[attr-defined]  # numba's config is untyped
+
+def cache_dir(package: Path = Path(__file__).parent) -> Path:
+    """Where the kernels in ``package`` are cached unless ``NUMBA_CACHE_DIR`` is set (module
+    docstring)."""
+    digest = hashlib.sha256()
+    for source in sorted(package.glob("kernels*.py")):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    name = f"{numba.__version__}-{digest.hexdigest()[:16]}"
+    return Path.home() / ".cache" / "sprawl" / "numba" / name
+
+
+if not os.environ.get("NUMBA_CACHE_DIR"):  # before any kernel below is made
+    numba.config.CACHE_DIR = str(cache_dir())  # type: ignore[attr-defined]  # config is untyped
 
 jit = numba.njit(cache=True, nogil=True)
 """How every kernel is compiled: machine code cached on disk, the GIL released."""

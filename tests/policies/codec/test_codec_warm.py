@@ -3,6 +3,8 @@ compile nothing more (policies/codec/warm.py)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import numba
@@ -51,3 +53,19 @@ def test_after_warm_up_a_version_compiles_nothing(tmp_path: Path) -> None:
         reader.advance(held, v - 1, v)
     grown = {k: (ready.get(k, 0), n) for k, n in _signatures().items() if n > ready.get(k, 0)}
     assert grown == {}
+
+
+def test_the_kernel_cache_is_keyed_by_every_kernel_source(tmp_path: Path) -> None:
+    """(fails when the cache is keyed by numba's version alone: a kernel whose callee lives in a
+    changed module would keep the old callee's machine code, numba checking its own file only)"""
+    package = Path(kernels.__file__).parent
+    for source in package.glob("kernels*.py"):
+        shutil.copy(source, tmp_path / source.name)
+    before = kernels.cache_dir(tmp_path)
+    assert before == kernels.cache_dir(package)  # the sources alone decide, not where they are
+    assert before.name.startswith(f"{numba.__version__}-")
+    callee = tmp_path / "kernels_sum.py"
+    callee.write_text(callee.read_text() + "\n# a change to a callee's module\n")
+    assert kernels.cache_dir(tmp_path) != before
+    if not os.environ.get("NUMBA_CACHE_DIR"):
+        assert str(before) == numba.config.CACHE_DIR  # what numba uses in this process
