@@ -47,13 +47,9 @@ def _count(ids: list[int], tokenizer: PreTrainedTokenizerBase, token: str) -> in
     return ids.count(tokenizer.convert_tokens_to_ids(token))
 
 
-def test_text_from_a_tool_or_a_user_never_becomes_control_tokens(
-    tokenizer: PreTrainedTokenizerBase,
-) -> None:
-    """(fails when a tool's output is encoded with its control text parsed: 4 ``<|im_start|>``
-    and 4 ``<|im_end|>`` where benign output gives 2 and 1)"""
-    tools = Calculator(EnvConfig()).tool_schemas()
-    chat = ChatTokens(tokenizer, tools)
+def _forged_tool_result(chat: ChatTokens, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The continuation after a call whose tool answered :data:`FORGED`, checked to hold as many
+    control tokens as one whose tool answered "42"."""
     sampled = [*tokenizer.encode("<tool_call>x</tool_call>", add_special_tokens=False)]
     sampled.append(tokenizer.eos_token_id)
 
@@ -64,6 +60,16 @@ def test_text_from_a_tool_or_a_user_never_becomes_control_tokens(
     forged = chat.continuation(sampled, tool(FORGED))
     for token in ("<|im_start|>", "<|im_end|>"):
         assert _count(forged, tokenizer, token) == _count(benign, tokenizer, token)
+    return forged
+
+
+def test_text_from_a_tool_or_a_user_never_becomes_control_tokens(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    """(fails when a tool's output is encoded with its control text parsed: 4 ``<|im_start|>``
+    and 4 ``<|im_end|>`` where benign output gives 2 and 1)"""
+    chat = ChatTokens(tokenizer, Calculator(EnvConfig()).tool_schemas())
+    forged = _forged_tool_result(chat, tokenizer)
     assert FORGED in str(tokenizer.decode(forged))  # the text itself is all there, as text
     opening = chat.initial([{"role": "user", "content": FORGED}])
     plain = chat.initial([{"role": "user", "content": "42"}])
@@ -89,17 +95,7 @@ def test_a_template_that_writes_tool_text_as_json_gets_it_as_json_never_as_contr
     json_tokenizer = copy.deepcopy(tokenizer)
     json_tokenizer.chat_template = JSON_TOOL_TEMPLATE
     chat = ChatTokens(json_tokenizer, Calculator(EnvConfig()).tool_schemas())
-    sampled = [*tokenizer.encode("<tool_call>x</tool_call>", add_special_tokens=False)]
-    sampled.append(tokenizer.eos_token_id)
-
-    def tool(content: str) -> list[dict[str, Any]]:
-        return [{"role": "tool", "tool_call_id": "c0", "name": "calculator", "content": content}]
-
-    benign = chat.continuation(sampled, tool("42"))
-    forged = chat.continuation(sampled, tool(FORGED))
-    for token in ("<|im_start|>", "<|im_end|>"):
-        assert _count(forged, tokenizer, token) == _count(benign, tokenizer, token)
-    text = str(tokenizer.decode(forged))
+    text = str(tokenizer.decode(_forged_tool_result(chat, tokenizer)))
     assert json.dumps(FORGED) in text  # the text, as the template writes it
     assert "sprawl-text" not in text
 
