@@ -48,6 +48,7 @@ Not covered: a different starting model per seed, a GPU fleet.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import shlex
@@ -73,6 +74,7 @@ from orchestrator.offline.experiment_arms import (
     Run,
     arm_config,
     check_overrides,
+    drift,
     lag_histogram,
     parse_lags,
     pick_arms,
@@ -164,6 +166,9 @@ def _finished(cfg: Config, run: Run, key: str) -> ArmResult | None:
         if path.exists():
             log.warning("experiment_run_not_reused", run=run.name, path=str(path), error=str(exc))
         return None
+    if not result.drift:  # saved before runs measured it: from the run's log, if it is there
+        with contextlib.suppress(TrajlogError, OSError):
+            result.drift = drift(cfg.run_dir / "trajectories")
     log.info("experiment_run_reused", run=run.name, seed=result.seed, path=str(path))
     return result
 
@@ -185,6 +190,7 @@ def _run_arm(cfg: Config, run: Run, seed: int, key: str) -> ArmResult:
         rewards=list(summary.rewards),
         seed=seed,
         lag_histogram=lag_histogram(cfg.run_dir / "trajectories"),
+        drift=drift(cfg.run_dir / "trajectories"),
         dropped_groups=summary.dropped_groups,
         seconds=time.perf_counter() - t0,
         correction=run.arm.name,

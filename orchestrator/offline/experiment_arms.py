@@ -7,7 +7,7 @@ on-policy reference (:data:`REFERENCE`, no correction), run once per seed and sh
 resolves one run to a config in which only the lag budget and the correction differ between runs
 (``staleness.drop`` cleared, ``scheduler.max_concurrent_episodes`` raised to what the lag budget
 can admit). :func:`lag_histogram` measures, from a finished run's trajectory log, the lag of
-every model call of a trained episode.
+every model call of a trained episode, and :func:`drift` how far apart μ and π_prox were.
 
 The lag is a budget, not a fixed lag: admission lets rollout run up to ``max_lag`` trainer
 versions ahead, and the measured histogram says how far it did. A version is one batch, so with
@@ -121,6 +121,8 @@ class ArmResult:
     """the arm (:data:`ARMS`), or ``on_policy`` for the reference"""
     lag: int = 0
     """the run's ``scheduler.max_lag``"""
+    drift: dict[str, float] = field(default_factory=dict)
+    """:data:`DRIFT` metrics, each the mean over the run's steps (:func:`drift`)"""
 
 
 def arm_config(
@@ -151,6 +153,22 @@ def arm_config(
         "staleness.drop": None,
     }
     return load_config(config, {**(overrides or {}), **fixed})
+
+
+DRIFT = ("mismatch/kl_k3", "mismatch/logp_abs_mean")
+"""How far the behaviour policy μ was from π_prox in a run, per sampled token: the k3 estimate of
+KL(μ‖π_prox) and the mean |log π_prox − log μ| (the trainer's metrics; the same for every arm)."""
+
+
+def drift(log_dir: Path) -> dict[str, float]:
+    """Each :data:`DRIFT` metric of a finished run's trajectory log, averaged over its steps."""
+    values: dict[str, list[float]] = {name: [] for name in DRIFT}
+    for rec in iter_records(log_dir, "batches"):
+        for name, found in values.items():
+            value = rec.get("metrics", {}).get(name)
+            if isinstance(value, int | float):
+                found.append(float(value))
+    return {name: sum(v) / len(v) for name, v in values.items() if v}
 
 
 def lag_histogram(log_dir: Path) -> dict[int, int]:

@@ -175,7 +175,25 @@ def verdict(results: Sequence[ArmResult]) -> str:
                 f" within noise in {within} of {len(rows)} seeds)"
             )
         lines.append(line)
-    return "\n".join(lines + _target_lines(checks(results)))
+    return "\n".join(lines + _drift_lines(results) + _target_lines(checks(results)))
+
+
+def _drift_lines(results: Sequence[ArmResult]) -> list[str]:
+    """μ against π_prox per lag, each metric the mean over that lag's runs (arms and seeds)."""
+    by_lag: dict[int, list[dict[str, float]]] = {}
+    for r in results:
+        if r.lag > 0 and r.drift:
+            by_lag.setdefault(r.lag, []).append(r.drift)
+    if not by_lag:
+        return []
+    lines = ["behaviour μ against π_prox per lag (mean over its runs):"]
+    for lag, drifts in sorted(by_lag.items()):
+        names = sorted({name for d in drifts for name in d})
+        means = {
+            n: sum(d[n] for d in drifts if n in d) / sum(n in d for d in drifts) for n in names
+        }
+        lines.append(f"  lag {lag}: " + ", ".join(f"{n} {v:.4f}" for n, v in means.items()))
+    return lines
 
 
 def _target_lines(found: dict[str, Any]) -> list[str]:

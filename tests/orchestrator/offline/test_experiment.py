@@ -21,6 +21,7 @@ from orchestrator.offline.experiment_arms import (
     Run,
     arm_config,
     check_overrides,
+    drift,
     lag_histogram,
     parse_lags,
     pick_arms,
@@ -118,6 +119,25 @@ def test_lag_histogram_counts_model_calls_of_trained_groups(tmp_path: Path) -> N
     batches.close()
     # g1: lags 2, 1, 1; g2: lag 0; gx was never trained
     assert lag_histogram(tmp_path) == {0: 1, 1: 2, 2: 1}
+
+
+def test_drift_is_each_runs_mean_mismatch_and_the_verdict_lists_it_per_lag(tmp_path: Path) -> None:
+    batches = FrameWriter(tmp_path, "batches")
+    metrics = [{"mismatch/kl_k3": 0.01, "mismatch/logp_abs_mean": 0.1}, {"mismatch/kl_k3": 0.03}]
+    batches.write([{"type": "batch", "groups": [], "metrics": m} for m in metrics])
+    batches.close()
+    assert drift(tmp_path) == pytest.approx({"mismatch/kl_k3": 0.02, "mismatch/logp_abs_mean": 0.1})
+    results = _sweep()
+    for r in results:
+        r.drift = {"mismatch/kl_k3": 0.001 * r.lag + 0.001 * r.seed} if r.lag else {}
+    lines = verdict(results).splitlines()
+    at = lines.index("behaviour μ against π_prox per lag (mean over its runs):")
+    assert lines[at + 1 : at + 4] == [
+        "  lag 2: mismatch/kl_k3 0.0030",
+        "  lag 4: mismatch/kl_k3 0.0050",
+        "  lag 8: mismatch/kl_k3 0.0090",
+    ]
+    assert lines[at + 4].startswith("target, uncorrected")
 
 
 def _result(name: str, rewards: list[float], seed: int = 0, lag: int = 4) -> ArmResult:
@@ -303,6 +323,11 @@ def test_experiment_command_runs_at_reduced_size(tmp_path: Path) -> None:
     for arm in summary["arms"]:
         assert len(arm["rewards"]) == 2
         assert all(0 <= int(lag) <= 4 for lag in arm["lag_histogram"])
+        assert set(arm["drift"]) == {"mismatch/kl_k3", "mismatch/logp_abs_mean"}
+    assert (
+        "\nbehaviour μ against π_prox per lag (mean over its runs):\n  lag 4: "
+        in summary["verdict"]
+    )
 
     # run again, as after an interruption: finished runs are reused, the unfinished one runs
     results = sorted((out / "runs").glob("s*/*/experiment-run.json"))
