@@ -98,13 +98,20 @@ def test_the_torchrun_example_trains_a_run_over_the_feed(
 
 
 def _lines(path: Path, event: str, key: str = "event") -> list[dict[str, object]]:
-    """The JSON lines of ``path`` whose ``key`` is ``event`` (other output is skipped)."""
+    """The JSON records of ``path`` whose ``key`` is ``event`` (other output is skipped). A
+    record may follow another process's text on its line: the ranks share the file, and one's
+    line can land before the other's newline."""
     found = []
+    decoder = json.JSONDecoder()
     for line in path.read_text().splitlines():
-        with contextlib.suppress(ValueError):
-            record = json.loads(line)
-            if isinstance(record, dict) and record.get(key) == event:
-                found.append(record)
+        at = line.find('{"')
+        while at >= 0:
+            with contextlib.suppress(ValueError):
+                record, _ = decoder.raw_decode(line, at)
+                if isinstance(record, dict) and record.get(key) == event:
+                    found.append(record)
+                break
+            at = line.find('{"', at + 1)
     return found
 
 
