@@ -132,9 +132,8 @@ class FeedSource:
             except FeedUnavailable as exc:
                 self._client = None
                 if time.monotonic() > deadline:
-                    raise TrainerError(
-                        f"{exc}; gave up after {give_up_s}s (timeouts.trainer_step_s)"
-                    ) from None
+                    key = " (timeouts.trainer_step_s)" if give_up_s == self.give_up_s else ""
+                    raise TrainerError(f"{exc}; gave up after {give_up_s}s{key}") from None
                 time.sleep(self.poll_s)
 
     def batch(self, version: int) -> BatchFile:
