@@ -234,6 +234,12 @@ class Batcher:
         self.pending = [g for g, _ in kept] + self.pending
         self.decisions = [d for _, d in kept] + self.decisions
 
+    def put_back(self, batch: Batch) -> None:
+        """Put ``batch`` (from :meth:`take`, never trained) back in front of the queue, as it
+        was decided; :meth:`take` forms it again."""
+        self.restore(list(zip(batch.groups, batch.decisions, strict=True)))
+        self.filtered += batch.filtered
+
     def take(self) -> Batch | None:
         """The oldest ``groups_per_batch`` pending groups as a batch, if that many wait; with the
         count of groups dynamic sampling dropped since the last batch formed."""

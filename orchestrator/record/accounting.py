@@ -10,9 +10,10 @@ event is accounted for exactly once, as one of
 - **lost** — it has no group record and a ``lost`` event lists it (it was in flight when the
   orchestrator was killed; the restart recorded it).
 
-Events are read in order: a ``resumed`` event's ``restored`` groups were put back into the
-batcher, so an ``unbatched`` listing before it no longer counts (they may be trained, or listed
-again, later).
+Events are read in order: a restart puts every kept, untrained group back into the batcher (a
+``resumed`` event's ``restored``) or into the batch it rebuilt (the trainer was one step ahead of
+the log), so no ``unbatched`` listing before a ``resumed`` event counts any more (its groups may
+be trained, or listed again, later).
 
 :func:`account` reads ``<run_dir>/events`` and ``<run_dir>/trajectories`` (every part, torn tails
 skipped) and returns the counts and every violation; it reads, never writes, so it can run on a
@@ -104,8 +105,7 @@ def account_records(
         elif kind == "unbatched":
             acc.unbatched.update(dict.fromkeys(ev["group_ids"], ev["reason"]))
         elif kind == "resumed":
-            for gid in ev.get("restored", []):
-                acc.unbatched.pop(gid, None)
+            acc.unbatched.clear()
         elif kind == "lost":
             acc.lost.update(dict.fromkeys(ev["group_ids"], ev["reason"]))
             lost_listed.update(ev["group_ids"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from pathlib import Path
 
@@ -265,3 +266,49 @@ async def test_filtered_groups_free_their_slot_are_not_requeued_and_are_bounded(
     assert recorder.metrics[0]["dynamic_sampling/filtered"] == 1.0
     assert recorder.metrics[0]["overlong/penalty_mean"] == -0.5
     assert [s.reward for s in batch_samples(sink.batches[0].groups)] == [0.5, -0.5, -0.5, 0.5]
+
+
+class _StuckSink:
+    """A trainer whose step never starts (cancelled while it waits) or fails."""
+
+    version = 0
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error
+
+    async def train(self, batch: Batch) -> dict[str, float]:
+        if self.error is not None:
+            raise self.error
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("error", [None, TrainerError("the trainer did not publish")])
+async def test_a_batch_whose_step_never_ran_goes_back_to_the_batcher(
+    error: Exception | None,
+) -> None:
+    """A stop (cancellation) or a failed step before the sink reached the next version leaves
+    the batch's kept groups pending, in order and as decided, so the run names them
+    (``unbatched``) and a resume trains them; a CI run lost two groups so."""
+    sink = _StuckSink(error)
+    batcher = Batcher(StalenessConfig(), 2, 1, lambda: sink.version)
+    send, recv = anyio.create_memory_object_stream[Group](3)
+    for gid in ("g0", "g1", "g2"):
+        send.send_nowait(_group(gid, [1.0, 0.0]))
+    recorder = _Groups()
+    with send, recv, anyio.move_on_after(0.2), contextlib.suppress(TrainerError):
+        await consume(
+            recv,
+            batcher=batcher,
+            scheduler=_Slots(),  # type: ignore[arg-type]
+            sink=sink,
+            clock=VersionClock(0),
+            recorder=recorder,
+            max_steps=10,
+        )
+    assert [gid for gid, _, _ in recorder.decided] == ["g0", "g1"]
+    assert [g.id for g in batcher.pending] == ["g0", "g1"]
+    assert [d.group_id for d in batcher.decisions] == ["g0", "g1"]
+    again = batcher.take()
+    assert again is not None
+    assert [g.id for g in again.groups] == ["g0", "g1"]

@@ -148,6 +148,23 @@ def test_a_restart_restores_unbatched_groups_that_are_trained_later() -> None:
     assert acc.trained["g000005"] == 3
 
 
+def test_a_batch_listed_unbatched_at_a_stop_and_rebuilt_by_the_restart_is_trained_once() -> None:
+    """The run stopped while its trainer stepped on g3 g4 (listed unbatched, no batch record);
+    the trainer finished the step, so the restart rebuilt the batch; g5 was restored."""
+    events, episodes, batches = _faithful()
+    events[-1] = {"kind": "unbatched", "group_ids": ["g000003", "g000004"], "reason": "stopped"}
+    events.append({"kind": "unbatched", "group_ids": ["g000005"], "reason": "stopped"})
+    events += [
+        {"kind": "run"},
+        {"kind": "resumed", "restored": ["g000005"], "reconstructed": 2, "trainer_version": 2},
+        {"kind": "unbatched", "group_ids": ["g000005"], "reason": "max_steps"},
+    ]
+    acc = account_records(events, episodes, batches)
+    assert acc.ok, acc.problems
+    assert acc.trained["g000003"] == acc.trained["g000004"] == 2
+    assert acc.unbatched == {"g000005": "max_steps"}
+
+
 def test_account_reads_a_run_directory(tmp_path: Path) -> None:
     """The files as the run writes them: events (admit flushed at once) and the trajectory log."""
     events = EventLog(tmp_path / "events")
