@@ -7,8 +7,8 @@ runs end to end. A dropped group gives its admission slot back to the scheduler.
 
 Guarantee: every group received is recorded exactly once (kept or dropped, with a reason), and
 every kept group is in exactly one batch the sink trained, or is still pending in the batcher
-when the run stops (the run then lists it in an ``unbatched`` event): a batch whose step was
-cancelled or failed before the sink reached the next version goes back to the batcher. Groups a
+when the run stops (the run then lists it in an ``unbatched`` event): a batch whose step raised
+or was cancelled goes back to the batcher. Groups a
 resumed run put back into the batcher (:meth:`~orchestrator.loop.batcher.Batcher.restore`) are
 trained first.
 The batch feed's trainer takes batches ahead of its steps:
@@ -247,14 +247,14 @@ async def consume(
     """
 
     async def train(batch: Batch) -> bool:
-        """One trainer step; True once ``max_steps`` is reached. A step cancelled or failed
-        before the sink moved to the next version puts the batch back in front of the batcher,
-        so a stop names its groups (``unbatched``) and a resume trains them first."""
+        """One trainer step; True once ``max_steps`` is reached. A step that raised or was
+        cancelled is not recorded, so its batch goes back in front of the batcher: a stop names
+        its groups (``unbatched``), a resume trains them, or rebuilds the batch if the trainer
+        got to publish it."""
         try:
             metrics = {**await sink.train(batch), **batcher.metrics(batch)}
         except BaseException:
-            if sink.version == batch.trained_at_version:
-                batcher.put_back(batch)
+            batcher.put_back(batch)
             raise
         with anyio.CancelScope(shield=True):  # a trained batch is always recorded
             await recorder.step(batch, sink.version, metrics)

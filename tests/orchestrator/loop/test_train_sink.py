@@ -287,9 +287,9 @@ class _StuckSink:
 async def test_a_batch_whose_step_never_ran_goes_back_to_the_batcher(
     error: Exception | None,
 ) -> None:
-    """A stop (cancellation) or a failed step before the sink reached the next version leaves
-    the batch's kept groups pending, in order and as decided, so the run names them
-    (``unbatched``) and a resume trains them; a CI run lost two groups so."""
+    """A stop (cancellation) or a failed step leaves the batch's kept groups pending, in order
+    and as decided, so the run names them (``unbatched``) and a resume trains them; a CI run
+    lost two groups when a stop came as the step was about to start."""
     sink = _StuckSink(error)
     batcher = Batcher(StalenessConfig(), 2, 1, lambda: sink.version)
     send, recv = anyio.create_memory_object_stream[Group](3)
