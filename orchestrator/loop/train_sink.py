@@ -8,11 +8,9 @@ runs end to end. A dropped group gives its admission slot back to the scheduler.
 Guarantee: every group received is recorded exactly once (kept or dropped, with a reason), and
 every kept group is in exactly one batch the sink trained, or is still pending in the batcher
 when the run stops (the run then lists it in an ``unbatched`` event): a batch whose step raised
-or was cancelled goes back to the batcher. Groups a
-resumed run put back into the batcher (:meth:`~orchestrator.loop.batcher.Batcher.restore`) are
-trained first.
-The batch feed's trainer takes batches ahead of its steps:
-:func:`~orchestrator.loop.feed_sink.consume_ahead`.
+or was cancelled goes back to the batcher. Groups a resumed run put back into the batcher
+(:meth:`~orchestrator.loop.batcher.Batcher.restore`) are trained first. The batch feed's
+trainer takes batches ahead of its steps: :func:`~orchestrator.loop.feed_sink.consume_ahead`.
 """
 
 from __future__ import annotations
