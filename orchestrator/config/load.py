@@ -138,5 +138,10 @@ def _describe(exc: ValidationError, source: str, from_cli: set[str]) -> str:
         )
         msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
         got = "" if err["type"] == "extra_forbidden" else f" (got {err['input']!r})"
+        if where == "command line" and err["type"] == "dict_type":
+            got += (
+                f"; on the command line a table is TOML ({{ a = 1 }}), or set one key at a "
+                f"time: --{key}.a 1"
+            )
         lines.append(f"{where}: {key or '<root>'}: {msg}{got}")
     return "invalid configuration:\n  " + "\n  ".join(lines)

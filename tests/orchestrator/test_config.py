@@ -48,6 +48,21 @@ def test_bad_value_on_command_line_names_key_and_source() -> None:
         load_config(Path("configs/demo.toml"), parse_overrides(["--sampling.top_p", "2"]))
 
 
+def test_a_json_table_on_the_command_line_is_refused_with_the_two_forms_that_work() -> None:
+    """JSON is not TOML: the error says how a table is written there; both forms load."""
+    demo = Path("configs/demo.toml")
+    with pytest.raises(
+        ConfigError,
+        match=r"command line: environment\.args: Input should be a valid dictionary .*"
+        r"a table is TOML \(\{ a = 1 \}\), or set one key at a time: --environment\.args\.a 1",
+    ):
+        load_config(demo, parse_overrides(["--environment.args", '{"num_tasks": 16}']))
+    as_toml = load_config(demo, parse_overrides(["--environment.args", "{ num_tasks = 16 }"]))
+    one_key = load_config(demo, parse_overrides(["--environment.args.num_tasks", "16"]))
+    assert as_toml.environment.args == {"num_tasks": 16}
+    assert one_key.environment.args["num_tasks"] == 16
+
+
 @pytest.mark.parametrize("name", ["..", ".", "a..b", ".hidden", "x" * 129])
 def test_a_run_name_that_is_not_one_board_segment_is_refused(name: str) -> None:
     with pytest.raises(ConfigError, match=r"command line: run\.name: .*is not valid"):
