@@ -106,12 +106,14 @@ def _lines(path: Path, event: str, key: str = "event") -> list[dict[str, object]
     for line in path.read_text().splitlines():
         at = line.find('{"')
         while at >= 0:
-            with contextlib.suppress(ValueError):
-                record, _ = decoder.raw_decode(line, at)
+            try:
+                record, end = decoder.raw_decode(line, at)
+            except ValueError:
+                end = at + 1
+            else:
                 if isinstance(record, dict) and record.get(key) == event:
                     found.append(record)
-                break
-            at = line.find('{"', at + 1)
+            at = line.find('{"', end)
     return found
 
 
