@@ -60,7 +60,11 @@ def test_a_row_that_fails_mid_decode_leaves_the_other_rows_whole(
     whole = tiny_engine.generate(_request(n=3, seed=100))
     fail_rows(monkeypatch, {101}, after=2)
     first, failed, third = tiny_engine.generate(_request(n=3, seed=100))
-    assert [first, third] == [whole[0], whole[2]]  # untouched by their sibling's failure
+    for got, want in ((first, whole[0]), (third, whole[2])):  # untouched by their sibling's failure
+        assert got.model_dump(exclude={"logprobs"}) == want.model_dump(exclude={"logprobs"})
+        # the same tokens; log probs to float32 rounding, as the rows left decode as a batch of 2,
+        # not 3, and a CPU matmul may round a row differently at another batch size
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs))
     assert (failed.index, failed.finish_reason) == (1, "error")
     assert failed.token_ids == whole[1].token_ids[:2]  # what it sampled before it failed
     assert failed.logprobs == whole[1].logprobs[:2]
