@@ -110,6 +110,10 @@ class TrainerConfig(BaseModel):
     trainer takes the same rates with no scheduler state."""
     lr_final: float = Field(default=0.0, ge=0)
     """Where a decaying ``lr_schedule`` ends; at most ``lr``."""
+    lr_warmup_steps: int = Field(default=0, ge=0)
+    """Linear warm-up: the first this many steps take ``lr·(v+1)/lr_warmup_steps`` (version v),
+    reaching ``lr`` at the last of them; a decaying ``lr_schedule`` then runs over the steps
+    left (verl's ``lr_warmup_steps``, TRL's ``warmup_steps``). Below ``max_steps``; 0: off."""
     weight_decay: float = Field(default=0.0, ge=0)
     """AdamW weight decay."""
     master_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -164,12 +168,16 @@ class TrainerConfig(BaseModel):
     rather than with the batch's tokens × vocab."""
 
     def lr_at(self, version: int) -> float:
-        """The learning rate of the step from ``version`` to ``version + 1``: ``lr`` at version
-        0, then the schedule's fraction of the way to ``lr_final`` (all of it from
-        ``max_steps`` on)."""
+        """The learning rate of the step from ``version`` to ``version + 1``: during the warm-up
+        its linear ramp to ``lr``; then ``lr`` at the first step after it, then the schedule's
+        fraction of the way to ``lr_final`` (all of it from ``max_steps`` on)."""
+        version = max(version, 0)
+        warmup = self.lr_warmup_steps
+        if version < warmup:
+            return self.lr * (version + 1) / warmup
         if self.lr_schedule == "constant":
             return self.lr
-        done = min(max(version, 0) / self.max_steps, 1.0)
+        done = min((version - warmup) / (self.max_steps - warmup), 1.0)
         left = 1.0 - done if self.lr_schedule == "linear" else (1 + math.cos(math.pi * done)) / 2
         return self.lr_final + (self.lr - self.lr_final) * left
 
@@ -181,6 +189,15 @@ class TrainerConfig(BaseModel):
             raise ValueError(
                 "lr_final applies to a decaying lr_schedule (linear or cosine); lr_schedule is "
                 "'constant'"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _warmup_ends_before_the_last_step(self) -> TrainerConfig:
+        if self.lr_warmup_steps >= self.max_steps:
+            raise ValueError(
+                f"lr_warmup_steps {self.lr_warmup_steps} is not below max_steps "
+                f"{self.max_steps}: the run would end before its learning rate reached lr"
             )
         return self
 

@@ -22,8 +22,9 @@ One :meth:`Trainer.step` per batch, ``k = trainer.minibatches`` optimizer steps:
    ``staleness.loss_agg`` with ``staleness.normalizer`` over the minibatch; with
    ``trainer.micro_batch_tokens`` per micro-batch of consecutive samples, each backpropagating
    its loss *sum*, the summed gradients divided once by the minibatch's normaliser
-   (:mod:`policies.train.objective`); one AdamW step (fp32 or bf16 masters, at
-   ``trainer.lr_schedule``'s rate for this version) after clipping the global gradient norm;
+   (:mod:`policies.train.objective`); one AdamW step (fp32 or bf16 masters, at the rate
+   ``trainer.lr_schedule`` and ``lr_warmup_steps`` give this version) after clipping the
+   global gradient norm;
 4. ``version += 1``; the checkpoint is written; the served view of the new version is published.
 
 Version ``v`` is the number of batches trained (``k·v`` optimizer steps); a token ``L`` versions
@@ -45,7 +46,7 @@ run is bit-identical to an uninterrupted one (same parameters and optimizer stat
 given the same batches).
 
 Not covered: CUDA RNG state (a CUDA resume is deterministic only as far as the kernels are),
-multi-GPU (FSDP), learning-rate warmup, and keeping more than the newest checkpoint. With bf16
+multi-GPU (FSDP) and keeping more than the newest checkpoint. With bf16
 masters there is no fp32 copy: AdamW updates smaller than half a bf16 ulp are rounded away.
 """
 

@@ -1,4 +1,5 @@
-"""``trainer.lr_schedule``: the rate each step takes, from the version alone; bad values refused."""
+"""``trainer.lr_schedule`` and ``lr_warmup_steps``: the rate each step takes, from the version
+alone; bad values refused."""
 
 from __future__ import annotations
 
@@ -54,6 +55,41 @@ def test_a_decay_starts_at_lr_never_rises_and_ends_at_lr_final(
     assert rates[max_steps:] == [pytest.approx(config.lr_final)] * 3
     assert all(b <= a * (1 + 1e-12) for a, b in itertools.pairwise(rates))
     assert all(config.lr_final * (1 - 1e-12) <= r <= lr * (1 + 1e-12) for r in rates)
+
+
+def test_warmup_ramps_to_lr_then_the_decay_runs_over_the_steps_left() -> None:
+    config = TrainerConfig(
+        lr=4e-4, lr_schedule="linear", lr_warmup_steps=4, lr_final=0.0, max_steps=8
+    )
+    rates = [config.lr_at(v) for v in range(10)]
+    ramp = [1e-4, 2e-4, 3e-4, 4e-4]
+    assert rates == pytest.approx([*ramp, 4e-4, 3e-4, 2e-4, 1e-4, 0.0, 0.0])
+    constant = TrainerConfig(lr=4e-4, lr_warmup_steps=4, max_steps=8)
+    assert [constant.lr_at(v) for v in range(10)] == pytest.approx(ramp + [4e-4] * 6)
+
+
+@given(
+    schedule=st.sampled_from(["constant", "linear", "cosine"]),
+    warmup=st.integers(1, 50),
+    extra=st.integers(1, 200),
+)
+def test_a_warmup_rises_to_lr_and_never_exceeds_it(schedule: str, warmup: int, extra: int) -> None:
+    config = TrainerConfig(
+        lr=1e-3,
+        lr_schedule=schedule,  # type: ignore[arg-type]
+        lr_warmup_steps=warmup,
+        max_steps=warmup + extra,
+    )
+    ramp = [config.lr_at(v) for v in range(warmup + 1)]
+    assert all(a < b for a, b in itertools.pairwise(ramp[:-1]))
+    assert ramp[0] > 0
+    assert ramp[warmup - 1] == ramp[warmup] == pytest.approx(1e-3)
+    assert all(0 <= config.lr_at(v) <= 1e-3 * (1 + 1e-12) for v in range(warmup + extra + 3))
+
+
+def test_a_warmup_as_long_as_the_run_is_refused() -> None:
+    with pytest.raises(ValidationError, match="lr_warmup_steps 8 is not below max_steps 8"):
+        TrainerConfig(lr_warmup_steps=8, max_steps=8)
 
 
 def test_lr_final_above_lr_is_refused() -> None:
