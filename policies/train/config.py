@@ -197,7 +197,8 @@ class TrainerConfig(BaseModel):
         if self.lr_warmup_steps >= self.max_steps:
             raise ValueError(
                 f"lr_warmup_steps {self.lr_warmup_steps} is not below max_steps "
-                f"{self.max_steps}: the warm-up would take the whole run and leave no step at lr after it"
+                f"{self.max_steps}: the warm-up would take the whole run and leave no step "
+                "at lr after it"
             )
         return self
 
