@@ -102,12 +102,13 @@ class TrainerConfig(BaseModel):
     ``scheduler.groups_per_batch``; when it does not divide the groups, the first minibatches
     take one group more (docs/trainer.md#minibatches)."""
     lr: float = Field(default=2e-4, gt=0, le=1)
-    """AdamW learning rate (of the first step, with a decaying ``lr_schedule``)."""
+    """AdamW learning rate (of the first step after any warm-up, with a decaying
+    ``lr_schedule``)."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     """How the learning rate moves over ``max_steps``: ``constant`` keeps ``lr``; ``linear`` and
-    ``cosine`` decay it from ``lr`` at the first step towards ``lr_final``, reached by the step
-    after the last (:meth:`lr_at`). The rate follows from the version alone, so a resumed
-    trainer takes the same rates with no scheduler state."""
+    ``cosine`` decay it from ``lr`` at the first step after the warm-up (``lr_warmup_steps``)
+    towards ``lr_final``, reached by the step after the last (:meth:`lr_at`). The rate follows
+    from the version alone, so a resumed trainer takes the same rates with no scheduler state."""
     lr_final: float = Field(default=0.0, ge=0)
     """Where a decaying ``lr_schedule`` ends; at most ``lr``."""
     lr_warmup_steps: int = Field(default=0, ge=0)
