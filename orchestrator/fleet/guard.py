@@ -16,7 +16,8 @@ CMD is started under ``setpriv --pdeathsig TERM`` (where util-linux has it), so 
 then — Ray, stopping an island's actor, SIGKILLs the actor's child processes by pid, and the
 vLLM server under the guard had outlived every test run of a Ray island.
 
-Not covered: a descendant that moved to a session or group of its own.
+Not covered: a descendant that moved to a session or group of its own, and a guard SIGKILLed in
+the milliseconds before setpriv has set the death signal (CMD then outlives it).
 """
 
 from __future__ import annotations

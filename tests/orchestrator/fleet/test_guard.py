@@ -24,8 +24,12 @@ def test_a_sigkilled_guard_takes_its_command_with_it() -> None:
         start_new_session=True,
     )
     try:
+        # the command once it runs: setpriv sets the death signal before it execs ``sleep``,
+        # so a guard killed while its child is still python or setpriv proves nothing
         (command,) = until_sync(
-            psutil.Process(guard.pid).children, "the guard's command", timeout_s=30
+            lambda: [p for p in psutil.Process(guard.pid).children() if p.name() == "sleep"],
+            "the guard's command, exec'd",
+            timeout_s=30,
         )
         os.kill(guard.pid, signal.SIGKILL)
         guard.wait(timeout=10)
