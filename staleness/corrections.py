@@ -118,11 +118,22 @@ def _result(weights: Tensor, kept: Tensor, valid: Tensor) -> Corrected:
     )
 
 
-def no_correction(*, logp_prox: Tensor, logp_behav: Tensor, mask: Tensor) -> Corrected:
+def no_correction(
+    *,
+    logp_prox: Tensor,
+    logp_behav: Tensor,
+    mask: Tensor,
+    anchor: Literal["proximal", "behaviour"] = "proximal",
+) -> Corrected:
     """``none``: ``w_t = 1`` on the mask; the mask is unchanged (identity) but for tokens whose log
-    ratio is not finite."""
+    ratio is not finite. ``anchor="behaviour"``: ``log_rho`` carries ``log ρ_t``, so PPO-clip's
+    ratio is ``π_θ/μ``."""
     m, usable = _usable(logp_prox, logp_behav, mask)
-    return _result(torch.ones(m.shape, dtype=torch.float32, device=m.device), usable, m)
+    out = _result(torch.ones(m.shape, dtype=torch.float32, device=m.device), usable, m)
+    if anchor == "proximal":
+        return out
+    rho = log_ratio(logp_prox, logp_behav, out.mask)
+    return Corrected(out.weights, out.mask, out.valid, log_rho=rho)
 
 
 def truncated_is(
@@ -283,8 +294,10 @@ def batch_level(cfg: Correction) -> bool:
 def correct(cfg: Correction, *, logp_prox: Tensor, logp_behav: Tensor, mask: Tensor) -> Corrected:
     """Apply the configured correction (dispatch on ``cfg.type``)."""
     match cfg:
-        case NoCorrection():
-            return no_correction(logp_prox=logp_prox, logp_behav=logp_behav, mask=mask)
+        case NoCorrection(anchor=anchor):
+            return no_correction(
+                logp_prox=logp_prox, logp_behav=logp_behav, mask=mask, anchor=anchor
+            )
         case TruncatedIS(cap=cap, level=level):
             return truncated_is(
                 cap, level=level, logp_prox=logp_prox, logp_behav=logp_behav, mask=mask

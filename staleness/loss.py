@@ -11,6 +11,9 @@ The policy term, per valid token (``r_t = π_θ/π_prox``, ``w_t`` the correctio
     ℓ_t = w_t · max(−A r_t, −A clip(r_t, 1−ε_low, 1+ε_high))      (PPO-clip, Schulman et al. 2017)
     ℓ_t = min(ℓ_t, −c A)  where A < 0, when dual_clip_c is set      (dual-clip, Ye et al. 2020)
 
+(``r_t = π_θ/μ`` instead when the correction anchors the ratio on the behaviour policy:
+``none`` with ``anchor="behaviour"``, AReaL's coupled loss);
+
 or, when the correction names a surrogate (:mod:`staleness.surrogates`), CISPO's
 ``w_t · −sg(clip(π_θ/anchor)) A log π_θ`` or GSPO's one PPO-clip term per sequence on its
 length-normalised ratio, each with its own clip band;
@@ -234,7 +237,8 @@ def policy_loss(
     dr_grpo_tokens: int | None = None,
     denominator: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """PPO-clip against π_prox (or the correction's surrogate), multiplied by the correction's
+    """PPO-clip against π_prox (against μ when ``corrected.log_rho`` is set: ``none`` with
+    ``anchor="behaviour"``; or the correction's surrogate), multiplied by the correction's
     weights, over its mask.
 
     ``clip_eps_high`` defaults to ``clip_eps`` (set it higher for DAPO's clip-higher);
@@ -270,9 +274,10 @@ def policy_loss(
     weights = corrected.weights.detach().to(logp.dtype)
     log_r = torch.where(m, logp - logp_prox.detach(), torch.zeros_like(logp))
     how = corrected.surrogate
-    if how is None:
+    if how is None:  # ratio to π_prox, or to μ when the correction anchors it there
+        anchored = log_r if corrected.log_rho is None else log_r + corrected.log_rho.to(log_r.dtype)
         terms = surrogates.ppo_clip(
-            log_r, adv, m, clip_eps=clip_eps, clip_eps_high=eps_high, dual_clip_c=dual_clip_c
+            anchored, adv, m, clip_eps=clip_eps, clip_eps_high=eps_high, dual_clip_c=dual_clip_c
         )
     elif how.kind == "cispo":
         terms = surrogates.cispo(

@@ -74,8 +74,9 @@ class Corrected:
     :func:`staleness.loss.aggregate` counts); ``None`` means the same as ``mask``.
     ``surrogate``: the term the loss takes instead of PPO-clip (``None``: PPO-clip with the
     trainer's clip). ``log_rho``: ``log ρ_t = log π_prox/μ`` on the kept tokens (0 elsewhere)
-    when the surrogate's ratio is anchored on μ (CISPO's ``anchor="behaviour"``): its ratio is
-    ``exp(logp − logp_prox + log_rho) = π_θ/μ``; ``None``: anchored on π_prox.
+    when the ratio of PPO-clip or of the surrogate is anchored on μ (``anchor="behaviour"`` of
+    ``none`` or CISPO): that ratio is ``exp(logp − logp_prox + log_rho) = π_θ/μ``; ``None``:
+    anchored on π_prox.
     """
 
     weights: Tensor

@@ -51,11 +51,14 @@ class Run:
 
 
 REFERENCE = "on_policy"
-UNCORRECTED = "uncorrected"
+UNCORRECTED = ("uncorrected", "naive_ppo")
+"""The arms without a correction: PPO-clip against π_prox (``none``, sprawl's default) and
+against μ (``none`` with ``anchor="behaviour"``: AReaL's coupled loss, its "naive PPO")."""
 ON_POLICY = Arm(REFERENCE, "on-policy (max_lag 0)", {"type": "none"})
 
 ARMS = (
-    Arm(UNCORRECTED, "uncorrected", {"type": "none"}),
+    Arm("uncorrected", "uncorrected", {"type": "none"}),
+    Arm("naive_ppo", "naive PPO (clip to μ)", {"type": "none", "anchor": "behaviour"}),
     Arm("tis", "TIS (cap 2)", {"type": "tis", "cap": 2.0}),
     Arm("decoupled_ppo", "decoupled PPO (cap 2)", {"type": "decoupled_ppo", "cap": 2.0}),
     Arm("token_mask", "token mask (c 2)", {"type": "token_mask", "c": 2.0}),

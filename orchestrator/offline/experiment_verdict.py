@@ -8,7 +8,8 @@ which :func:`table` lays out per arm and lag. A run is compared with on-policy b
 seeds of (run − on-policy), against 2σ pooled, σ = √(Σ_seeds (SE_run² + SE_on²)) / seeds. The
 issue's two targets, stated as measured, not assumed (:func:`checks`):
 
-- *uncorrected below on-policy beyond 2σ pooled at every lag ≥ 4* (:data:`UNCORRECTED_FROM`);
+- *uncorrected below on-policy beyond 2σ pooled at every lag ≥ 4* (:data:`UNCORRECTED_FROM`),
+  judged for each arm without a correction that ran (``uncorrected``, ``naive_ppo``);
 - *the best correction within 2σ pooled of on-policy at every lag up to 8*
   (:data:`CORRECTED_UP_TO`): the corrected arm with the highest mean over those lags, not below
   on-policy by more than 2σ pooled at any of them.
@@ -120,11 +121,12 @@ def checks(results: Sequence[ArmResult]) -> dict[str, Any]:
     stats = arm_stats(results)
     ref = _reference(stats)
     out: dict[str, Any] = {}
-    unc = [s for s in stats if s.correction == UNCORRECTED and s.lag >= UNCORRECTED_FROM]
-    if unc:
-        lags = [_lag_gap(s, ref, worse=True) for s in unc]
-        out["uncorrected"] = {"lags": lags, "met": all(g["worse_beyond_2sigma"] for g in lags)}
-    corrected = [s for s in stats if s.correction not in (REFERENCE, UNCORRECTED)]
+    for arm in UNCORRECTED:
+        unc = [s for s in stats if s.correction == arm and s.lag >= UNCORRECTED_FROM]
+        if unc:
+            lags = [_lag_gap(s, ref, worse=True) for s in unc]
+            out[arm] = {"lags": lags, "met": all(g["worse_beyond_2sigma"] for g in lags)}
+    corrected = [s for s in stats if s.correction not in (REFERENCE, *UNCORRECTED)]
     held = [s for s in corrected if s.lag <= CORRECTED_UP_TO]
     if held:
         means: dict[str, list[float]] = {}
@@ -198,13 +200,13 @@ def _drift_lines(results: Sequence[ArmResult]) -> list[str]:
 
 def _target_lines(found: dict[str, Any]) -> list[str]:
     lines = []
-    if "uncorrected" in found:
-        unc = found["uncorrected"]
+    for arm in (a for a in UNCORRECTED if a in found):
+        unc = found[arm]
         gaps = ", ".join(
             f"lag {g['lag']} Δ {g['delta']:+.3f} (2σ {g['noise']:.3f})" for g in unc["lags"]
         )
         lines.append(
-            f"target, uncorrected below on-policy beyond 2σ pooled at lag ≥ {UNCORRECTED_FROM}: "
+            f"target, {arm} below on-policy beyond 2σ pooled at lag ≥ {UNCORRECTED_FROM}: "
             f"{'met' if unc['met'] else 'not met'} ({gaps})"
         )
     if "best_correction" in found:

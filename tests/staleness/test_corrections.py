@@ -140,6 +140,7 @@ def test_decoupled_ppo_uncapped_applies_no_behaviour_weight() -> None:
 
 NONFINITE_POLICIES: list[Correction] = [
     NoCorrection(),
+    NoCorrection(anchor="behaviour"),
     TruncatedIS(cap=2.0),
     TruncatedIS(cap=2.0, level="sequence"),
     MaskedIS(upper=3.0),
@@ -222,6 +223,17 @@ def test_cispo_and_gspo_weight_nothing_and_name_their_term() -> None:
     torch.testing.assert_close(behaviour.log_rho, log_ratio(**batch))
     assert cispo(CISPO(anchor="proximal"), **batch).log_rho is None
     assert gspo(GSPO(), **batch).surrogate == Surrogate("gspo", 3e-4, 4e-4)
+
+
+def test_none_anchored_on_behaviour_weights_nothing_and_carries_the_log_ratio() -> None:
+    batch = _batch([[2.0, 0.5, 1.3]], [[True, True, False]])
+    out = correct(NoCorrection(anchor="behaviour"), **batch)
+    assert out.mask.tolist() == [[True, True, False]]
+    _close(out.weights, [[1.0, 1.0, 0.0]])
+    assert out.surrogate is None
+    assert out.log_rho is not None
+    torch.testing.assert_close(out.log_rho, log_ratio(**batch))
+    assert correct(NoCorrection(), **batch).log_rho is None
 
 
 @pytest.mark.parametrize(
@@ -387,7 +399,11 @@ def test_on_policy_keeps_everything_at_weight_one(batch: Batch, cfg: Correction)
     torch.testing.assert_close(out.weights, batch["mask"].float() * expected)
 
 
-@pytest.mark.parametrize("cfg", [TruncatedIS(cap=1.5, level="sequence"), CISPO(), GSPO()], ids=str)
+@pytest.mark.parametrize(
+    "cfg",
+    [TruncatedIS(cap=1.5, level="sequence"), NoCorrection(anchor="behaviour"), CISPO(), GSPO()],
+    ids=str,
+)
 def test_rows_of_a_batch_correction_are_the_correction_of_those_rows(cfg: Correction) -> None:
     mask = [[True] * 3, [True, True, False], [True, False, False]]  # rows 1-2 fit in 2 columns
     batch = _batch([[2.0, 0.5, 1.3], [1.1, 0.9, 5.0], [0.7, 1.0, 1.2]], mask)

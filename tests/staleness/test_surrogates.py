@@ -7,7 +7,8 @@ branches these settings take (none of the packages is installed here):
   ``grpo_loss_fn``'s M2PO step (``_apply_m2po_masking``, ``_get_m2po_loss_mask``) and
   ``areal/utils/functional/functional.py`` ``ppo_actor_loss_fn`` with ``rejection_sampling=None``
   (``importance_sampling_level`` ``token`` and ``sequence``, the latter through
-  ``_compute_sequence_level_ratio_and_advantages``'s 2-D branch);
+  ``_compute_sequence_level_ratio_and_advantages``'s 2-D branch), and with the engine's log probs
+  as ``proximal_logprobs`` (its coupled loss: ``use_decoupled_loss = false``);
 - verl (volcengine/verl ``b178a3cd``): ``verl/trainer/ppo/core_algos.py``
   ``compute_policy_loss_cispo``, ``compute_policy_loss_gspo`` and ``agg_loss``;
 - SkyRL (NovaSky-AI/SkyRL ``a9564572``): ``skyrl/backends/skyrl_train/utils/ppo_utils.py``
@@ -158,6 +159,26 @@ def test_m2po_loss_as_areal_grpo_loss_fn(seed: int, high: float | None, dual: fl
         logp, prox, _per_token(adv, mask), kept, eps_clip=0.2, eps_clip_higher=high, c_clip=dual
     )
     _compare(ours, ref, logp)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize(("high", "dual"), [(None, None), (0.28, 3.0)])
+def test_none_anchored_on_behaviour_as_areal_coupled_loss(
+    seed: int, high: float | None, dual: float | None
+) -> None:
+    """AReaL's ``use_decoupled_loss = false`` without ``recompute_logprob``: ``grpo_loss_fn``
+    passes the engine's log probs as ``proximal_logprobs``, so PPO-clip is taken against μ."""
+    batch = _batch(seed)
+    logp, _, behav, mask, adv = batch
+    kw = {"clip_eps": 0.2} | ({} if high is None else {"clip_eps_high": high})
+    kw |= {} if dual is None else {"dual_clip_c": dual}
+    ours = _ours(batch, NoCorrection(anchor="behaviour"), "token_mean", **kw)
+    ref = areal_ppo_actor_loss(
+        logp, behav, _per_token(adv, mask), mask, eps_clip=0.2, eps_clip_higher=high, c_clip=dual
+    )
+    _compare(ours, ref, logp)
+    recomputed = _ours(batch, NoCorrection(), "token_mean", **kw)  # the default: against π_prox
+    assert not torch.allclose(ours, recomputed)
 
 
 # ---- verl -------------------------------------------------------------------------------------
@@ -378,7 +399,14 @@ def test_gspo_clips_the_whole_sequence() -> None:
 
 @pytest.mark.parametrize(
     "cfg",
-    [NoCorrection(), CISPO(), CISPO(anchor="proximal"), GSPO(), M2PO(threshold=0.01)],
+    [
+        NoCorrection(),
+        NoCorrection(anchor="behaviour"),
+        CISPO(),
+        CISPO(anchor="proximal"),
+        GSPO(),
+        M2PO(threshold=0.01),
+    ],
     ids=str,
 )
 def test_a_token_the_policy_can_no_longer_sample_is_finite(cfg: Correction) -> None:
@@ -428,6 +456,10 @@ def _sweep(seeds: int = 100) -> None:
                                    eps_clip_higher=0.28, c_clip=3.0)  # fmt: skip
         note("m2po loss / AReaL grpo_loss_fn", _ours(b, M2PO(threshold=0.1), "token_mean", **clip),
              ref, logp)  # fmt: skip
+        coupled = areal_ppo_actor_loss(logp, behav, _per_token(adv, mask), mask, eps_clip=0.2,
+                                       eps_clip_higher=0.28, c_clip=3.0)  # fmt: skip
+        naive = _ours(b, NoCorrection(anchor="behaviour"), "token_mean", **clip)
+        note("none, anchor behaviour / AReaL coupled loss", naive, coupled, logp)
         b = _batch(seed, stale=0.6, drift=0.4)
         logp, prox, behav, mask, adv = b
         mf, a = mask.float(), adv[:, None]

@@ -207,6 +207,24 @@ def test_a_target_that_fails_says_not_met() -> None:
     assert "uncorrected" not in checks([_result("on_policy", RISING)])
 
 
+def test_naive_ppo_is_judged_as_uncorrected_not_as_a_correction() -> None:
+    """PPO clipped against μ is the other arm without a correction: it gets the uncorrected
+    target of its own and is never the best correction, however high it scores."""
+    results = [r for r in _sweep() if r.correction in ("on_policy", "token_mask")]
+    results += [_result("naive_ppo", FLAT_LOW, seed) for seed in range(3)]
+    results += [_result("naive_ppo", [r + 0.3 for r in RISING], seed, lag=8) for seed in range(3)]
+    found = checks(results)
+    assert "uncorrected" not in found
+    assert [(g["lag"], g["worse_beyond_2sigma"]) for g in found["naive_ppo"]["lags"]] == [
+        (4, True),
+        (8, False),
+    ]
+    assert found["naive_ppo"]["met"] is False
+    assert found["best_correction"]["arm"] == "token_mask"
+    lines = verdict(results).splitlines()
+    assert lines[-2].startswith("target, naive_ppo below on-policy beyond 2σ pooled at lag ≥ 4:")
+
+
 def test_the_table_has_an_arm_per_row_and_a_lag_per_column() -> None:
     header, rows = table(_sweep())
     assert header == ["arm", "lag 0 (on-policy)", "lag 2", "lag 4", "lag 8"]

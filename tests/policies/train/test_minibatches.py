@@ -140,6 +140,24 @@ def test_surrogates_train_over_minibatches(
     assert metrics["clip_frac"] > 0.0  # the second minibatch's ratios left the band
 
 
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_ppo_anchored_on_behaviour_clips_from_the_first_step(
+    tmp_path: Path, tiny_model_dir: Path, minibatches: int
+) -> None:
+    """``none`` with ``anchor="behaviour"``: the ratio is π_θ/μ, away from 1 before any step
+    (μ is far from π_θ here), so the clip acts even when a batch is one step; the default anchor's
+    ratio is exactly 1 then."""
+    runs = {}
+    for anchor in ("proximal", "behaviour"):
+        st = StalenessConfig(correction=NoCorrection(anchor=anchor))  # type: ignore[arg-type]
+        t = _trainer(tmp_path / anchor, tiny_model_dir, st, minibatches=minibatches)
+        runs[anchor] = t.step(_samples(3))
+    assert runs["behaviour"]["clip_frac"] > 0.0
+    assert runs["behaviour"]["loss"] != runs["proximal"]["loss"]
+    if minibatches == 1:
+        assert runs["proximal"]["clip_frac"] == 0.0
+
+
 def test_m2po_masks_over_the_whole_batch_whatever_the_micro_batches(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
