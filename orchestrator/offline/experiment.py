@@ -3,7 +3,7 @@
 Runs the real loop (:func:`orchestrator.run.run`: engines, scheduler, batcher, trainer, board)
 from one SFT-warm-started model, over several seeds and lag budgets, with the same tasks and
 sizes. ``--lags 0,1,2,4,8`` are ``scheduler.max_lag`` budgets; ``--arms a,b`` are corrections
-(:data:`~orchestrator.offline.experiment_arms.ARMS`: ``uncorrected``, ``tis``,
+(:data:`~orchestrator.offline.experiment_arms.ARMS`: ``uncorrected``, ``naive_ppo``, ``tis``,
 ``decoupled_ppo``, ``token_mask``, ``m2po``, ``cispo``, ``gspo``). Every arm runs at every lag
 above 0; lag 0 is on-policy (synchronous, no correction), run once per seed and shared by all
 arms: what they are judged against. ``--seeds N`` runs every run with run seeds ``--seed …
