@@ -85,15 +85,8 @@ class DropRule(_Model):
 
 class NoCorrection(_Model):
     """Train on lagged tokens as if they were on-policy: every weight is 1, no token is masked.
-
-    ``anchor`` is the policy PPO-clip's ratio and trust region are taken against: π_prox, the
-    trainer's weights before the batch (``proximal``, the default: the ratio is 1 until a
-    batch's second minibatch, as when verl and AReaL recompute the old log probs), or μ, the
-    policy that sampled the token (``behaviour``: ``π_θ/μ`` clipped to ``[1 − ε, 1 + ε_high]``,
-    so a stale token's ratio starts away from 1 and the clip acts on the lag, not on the
-    update; AReaL's coupled loss, ``use_decoupled_loss = false`` without
-    ``recompute_logprob``, the "naive PPO" of Fu et al. 2025, "AReaL").
-    """
+    ``anchor="behaviour"`` centres PPO-clip on μ instead of π_prox: ``π_θ/μ`` is clipped, as
+    AReaL's coupled loss (the "naive PPO" of Fu et al. 2025; docs/staleness.md)."""
 
     type: Literal["none"] = "none"
     """Selects this policy."""

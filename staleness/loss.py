@@ -273,26 +273,7 @@ def policy_loss(
     adv = _broadcast_advantages(advantages, logp.shape).to(logp.dtype)
     weights = corrected.weights.detach().to(logp.dtype)
     log_r = torch.where(m, logp - logp_prox.detach(), torch.zeros_like(logp))
-    how = corrected.surrogate
-    if how is None:  # ratio to π_prox, or to μ when the correction anchors it there
-        anchored = log_r if corrected.log_rho is None else log_r + corrected.log_rho.to(log_r.dtype)
-        terms = surrogates.ppo_clip(
-            anchored, adv, m, clip_eps=clip_eps, clip_eps_high=eps_high, dual_clip_c=dual_clip_c
-        )
-    elif how.kind == "cispo":
-        terms = surrogates.cispo(
-            logp,
-            log_r,
-            corrected.log_rho,
-            adv,
-            m,
-            clip_eps=how.clip_eps,
-            clip_eps_high=how.clip_eps_high,
-        )
-    else:
-        terms = surrogates.gspo(
-            log_r, adv, m, clip_eps=how.clip_eps, clip_eps_high=how.clip_eps_high
-        )
+    terms = _terms(logp, log_r, adv, m, corrected, (clip_eps, eps_high, dual_clip_c))
     per_token = terms.per_token * weights
     loss = aggregate(
         per_token,
@@ -305,6 +286,32 @@ def policy_loss(
     )
     metrics = _clip_metrics(m, log_r, terms.clip_active, terms.dual_active, weights)
     return loss, metrics
+
+
+def _terms(
+    logp: Tensor,
+    log_r: Tensor,
+    adv: Tensor,
+    m: Tensor,
+    corrected: Corrected,
+    clip: tuple[float, float, float | None],
+) -> surrogates.Terms:
+    """The per-token policy term :func:`policy_loss` weights: the correction's surrogate, else
+    PPO-clip (``clip``: ε_low, ε_high, dual-clip c) on the ratio to π_prox, or to μ when the
+    correction anchors it there (``log_rho`` set)."""
+    how = corrected.surrogate
+    if how is None:
+        anchored = log_r if corrected.log_rho is None else log_r + corrected.log_rho.to(log_r.dtype)
+        low, high, dual = clip
+        return surrogates.ppo_clip(
+            anchored, adv, m, clip_eps=low, clip_eps_high=high, dual_clip_c=dual
+        )
+    if how.kind == "cispo":
+        return surrogates.cispo(
+            logp, log_r, corrected.log_rho, adv, m,
+            clip_eps=how.clip_eps, clip_eps_high=how.clip_eps_high,
+        )  # fmt: skip
+    return surrogates.gspo(log_r, adv, m, clip_eps=how.clip_eps, clip_eps_high=how.clip_eps_high)
 
 
 @torch.no_grad()

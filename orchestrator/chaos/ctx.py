@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
+ADMIN_RETRY_S = 10.0
+"""How long a failed connect to a running orchestrator's admin API is tried again."""
+
 
 async def poll(done: Callable[[], bool], interval_s: float = 0.2) -> None:
     """Wait until ``done()``; what it reads is changed by other processes, so it is polled."""
@@ -192,15 +195,26 @@ class Ctx:
         written = json.loads(where.read_text())
         url = written["url"]
         headers = {"Authorization": f"Bearer {written['token']}"}
-        try:
-            async with (
-                aiohttp.ClientSession() as s,
-                s.request(method, f"{url}{path}", json=body, headers=headers) as r,
-            ):
-                if r.status >= 400:
-                    raise ChaosError(
-                        f"admin API {method} {path}: HTTP {r.status}: {await r.text()}"
-                    )
-                return await r.json()
-        except aiohttp.ClientError as exc:  # the run has ended (or died): its API is gone
-            raise ChaosError(f"admin API {method} {path}: {exc}") from None
+        refused = 0
+        while True:
+            try:
+                async with (
+                    aiohttp.ClientSession() as s,
+                    s.request(method, f"{url}{path}", json=body, headers=headers) as r,
+                ):
+                    if r.status >= 400:
+                        raise ChaosError(
+                            f"admin API {method} {path}: HTTP {r.status}: {await r.text()}"
+                        )
+                    return await r.json()
+            except aiohttp.ClientConnectorError as exc:
+                # a connect that failed while the orchestrator still runs is tried again, for
+                # ADMIN_RETRY_S and in the trial's notes (one CI run saw a single refusal)
+                alive = self.orchestrator is not None and self.orchestrator.poll() is None
+                if not alive or refused * 0.2 >= ADMIN_RETRY_S:
+                    raise ChaosError(f"admin API {method} {path}: {exc}") from None
+                refused += 1
+                self.notes.append(f"admin API {method} {path}: {exc}; tried again")
+                await anyio.sleep(0.2)
+            except aiohttp.ClientError as exc:  # the run has ended (or died): its API is gone
+                raise ChaosError(f"admin API {method} {path}: {exc}") from None
