@@ -133,10 +133,15 @@ def _describe(exc: ValidationError, source: str, from_cli: set[str]) -> str:
     lines = []
     for err in exc.errors():
         key = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
-        where = (
-            "command line" if any(key == k or key.startswith(k + ".") for k in from_cli) else source
+        where = (  # a key set on the command line, or a table one of its keys was set in
+            "command line"
+            if any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in from_cli)
+            else source
         )
         msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        if err["type"] == "union_tag_not_found":  # a table of several kinds without its kind
+            name = err["ctx"]["discriminator"].strip("'")
+            msg = f"the table does not say which kind it is: set {key}.{name}"
         got = "" if err["type"] == "extra_forbidden" else f" (got {err['input']!r})"
         if where == "command line" and err["type"] == "dict_type":
             got += (

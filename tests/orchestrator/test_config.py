@@ -115,6 +115,15 @@ def test_cli_print_config_and_error_exit(capsys: pytest.CaptureFixture[str]) -> 
     assert "fleet.nope: unknown key" in capsys.readouterr().err
 
 
+def test_a_correction_key_without_its_type_says_to_set_the_type() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(Path("configs/experiment-sweep.toml"), {"staleness.correction.cap": 2.0})
+    assert (
+        "command line: staleness.correction: the table does not say which kind it is: "
+        "set staleness.correction.type" in str(err.value)
+    )
+
+
 def test_importing_config_does_not_import_torch() -> None:
     code = "import sys, orchestrator.config; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
