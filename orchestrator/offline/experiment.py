@@ -147,8 +147,11 @@ def run_lag_experiment(
 
 
 def _fingerprint(cfg: Config, model_dir: Path) -> str:
-    """What a run's result depends on besides the code: its resolved config and its model."""
-    made = {"config": cfg.model_dump(mode="json"), "sft": (model_dir / "sft.json").read_text()}
+    """What a run's result depends on besides the code: its resolved config and its model. Only
+    values that differ from their defaults are hashed (a default is code), so an option a newer
+    sprawl adds, at its default, keeps the runs that finished before it."""
+    config = cfg.model_dump(mode="json", exclude_defaults=True)
+    made = {"config": config, "sft": (model_dir / "sft.json").read_text()}
     return hashlib.sha256(json.dumps(made, sort_keys=True).encode()).hexdigest()
 
 

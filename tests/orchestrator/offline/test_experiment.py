@@ -94,6 +94,8 @@ def test_a_finished_run_is_reused_only_with_the_same_config_and_model(tmp_path: 
     (cfg().run_dir / RESULT).write_text(json.dumps({"fingerprint": key, "result": asdict(done)}))
     assert _finished(cfg(), run, key) == done
     assert _fingerprint(cfg(**{"trainer.lr": 1e-3}), tmp_path / "model") != key
+    # an option at its default is code, as a new option is: the finished run still counts
+    assert _fingerprint(cfg(**{"trainer.weight_decay": 0.0}), tmp_path / "model") == key
     (tmp_path / "model" / "sft.json").write_text('{"phases": [1]}')  # a rebuilt model
     assert _fingerprint(cfg(), tmp_path / "model") != key
     (cfg().run_dir / RESULT).write_text('{"fingerprint": "')  # torn: run again
