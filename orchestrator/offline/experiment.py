@@ -57,10 +57,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args, get_origin
 
 import anyio
 import structlog
+from pydantic import BaseModel
 
 from orchestrator.config import Config, load_config, parse_overrides
 from orchestrator.errors import ConfigError, TrajlogError
@@ -151,8 +152,28 @@ def _fingerprint(cfg: Config, model_dir: Path) -> str:
     values that differ from their defaults are hashed (a default is code), so an option a newer
     sprawl adds, at its default, keeps the runs that finished before it."""
     config = cfg.model_dump(mode="json", exclude_defaults=True)
+    _put_back_kinds(cfg, config)
     made = {"config": config, "sft": (model_dir / "sft.json").read_text()}
     return hashlib.sha256(json.dumps(made, sort_keys=True).encode()).hexdigest()
+
+
+def _put_back_kinds(model: Any, dumped: Any) -> None:
+    """Put back into ``dumped`` (``model``'s dump without defaults) the kind of every model in it:
+    a field that admits one literal (a correction's ``type``, an island's ``kind``) is always at
+    its default, so the dump drops it and two kinds at their defaults would hash alike."""
+    if isinstance(model, BaseModel) and isinstance(dumped, dict):
+        for name, field in type(model).model_fields.items():
+            tag = get_args(field.annotation)
+            if get_origin(field.annotation) is Literal and len(tag) == 1:
+                dumped[name] = tag[0]
+            elif name in dumped:
+                _put_back_kinds(getattr(model, name), dumped[name])
+    elif isinstance(model, list | tuple) and isinstance(dumped, list):
+        for item, item_dumped in zip(model, dumped, strict=False):
+            _put_back_kinds(item, item_dumped)
+    elif isinstance(model, dict) and isinstance(dumped, dict):
+        for key in dumped.keys() & model.keys():
+            _put_back_kinds(model[key], dumped[key])
 
 
 def _finished(cfg: Config, run: Run, key: str) -> ArmResult | None:

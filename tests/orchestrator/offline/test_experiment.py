@@ -96,6 +96,9 @@ def test_a_finished_run_is_reused_only_with_the_same_config_and_model(tmp_path: 
     assert _fingerprint(cfg(**{"trainer.lr": 1e-3}), tmp_path / "model") != key
     # an option at its default is code, as a new option is: the finished run still counts
     assert _fingerprint(cfg(**{"trainer.weight_decay": 0.0}), tmp_path / "model") == key
+    # two kinds at their defaults still differ: the kind itself is hashed
+    kinds = [load_config(None, {"staleness.correction.type": t}) for t in ("tis", "m2po")]
+    assert len({_fingerprint(c, tmp_path / "model") for c in kinds}) == 2
     (tmp_path / "model" / "sft.json").write_text('{"phases": [1]}')  # a rebuilt model
     assert _fingerprint(cfg(), tmp_path / "model") != key
     (cfg().run_dir / RESULT).write_text('{"fingerprint": "')  # torn: run again
