@@ -24,18 +24,24 @@ can admit, so that rollout really runs ahead of the trainer. Outputs in ``--out`
   ``experiment-run.json`` once the run finished: its result and the fingerprint of what made it
   (the resolved config and the model's ``sft.json``). The same command run again reuses every
   finished run whose fingerprint matches and runs the rest, so an interrupted sweep resumes
-  where it stopped; a run whose config or model changed is run again;
+  where it stopped; a run whose config or model changed is run again. Each run's last version
+  is then scored on ``--score-episodes N`` (default 512, 0: none) fresh episodes
+  (:mod:`orchestrator.run.score`; the same tasks and seeds for every run), kept in the same file:
+  a finished run scored on another number of episodes is scored again, not run again;
 - ``rewards.csv`` — ``step,<run>/s<seed>…`` mean episode reward per trainer step;
 - ``rewards.png`` — each run's curve, averaged over seeds (raw and a moving average);
-- ``table.md`` — second-half reward per arm and lag, mean ± 95% t-interval over seeds;
+- ``table.md`` — second-half reward per arm and lag, mean ± 95% t-interval over seeds, then the
+  final-policy reward likewise;
 - ``report.html`` — the table, the verdict, reward against lag per arm and reward per step
   (:mod:`~orchestrator.offline.experiment_report`);
 - ``summary.json`` — per run: rewards, measured lag histogram (per model call, trainer version at
   consumption minus the version that started the call), dropped groups, wall time; per run the
-  across-seed statistics; the table; the targets; the verdict (also in ``verdict.txt``).
+  across-seed statistics; the table; the targets (``checks``, and ``checks_final`` on the
+  final-policy reward); the verdict (also in ``verdict.txt``).
 
 **The verdict** (:func:`~orchestrator.offline.experiment_verdict.verdict`): each run's
-second-half reward across seeds against on-policy's, and the issue's two targets, as
+second-half reward across seeds against on-policy's, and the issue's two targets, then the same
+on the final-policy reward, as
 :mod:`~orchestrator.offline.experiment_verdict` states them. The arms, lags and run configs are
 :mod:`~orchestrator.offline.experiment_arms`.
 
@@ -82,7 +88,15 @@ from orchestrator.offline.experiment_arms import (
     plan,
 )
 from orchestrator.offline.experiment_report import write_csv, write_html, write_png
-from orchestrator.offline.experiment_verdict import arm_stats, checks, markdown_table, verdict
+from orchestrator.offline.experiment_verdict import (
+    FINAL,
+    FINAL_TITLE,
+    arm_stats,
+    checks,
+    markdown_table,
+    scored,
+    verdict,
+)
 from orchestrator.record.frames import read_regular, write_private
 
 log = structlog.get_logger(__name__)
@@ -105,6 +119,7 @@ def run_lag_experiment(
     overrides: dict[str, Any] | None = None,
     arms: Sequence[Arm] = ARMS,
     lags: Sequence[int] = (0, 4),
+    score_episodes: int = 512,
     command: str = "",
 ) -> tuple[list[ArmResult], str]:
     """Run on-policy and every arm at every lag above 0, for every seed; write the outputs of the
@@ -114,6 +129,8 @@ def run_lag_experiment(
 
     if seeds < 1:
         raise ConfigError(f"--seeds must be at least 1, got {seeds}")
+    if score_episodes < 0:
+        raise ConfigError(f"--score-episodes must be at least 0, got {score_episodes}")
     check_overrides(overrides)
     runs = plan(tuple(arms), tuple(lags))
     out.mkdir(parents=True, exist_ok=True)
@@ -140,9 +157,15 @@ def run_lag_experiment(
                 overrides=overrides,
             )
             key = _fingerprint(cfg, model_dir)
-            results.append(_finished(cfg, run, key) or _run_arm(cfg, run, run_seed, key))
+            result = _finished(cfg, run, key) or _run_arm(cfg, run, run_seed, key)
+            results.append(_scored(cfg, result, score_episodes, key))
     text = verdict(results)
-    info = {"steps": steps, "seeds": list(range(seed, seed + seeds)), "lags": sorted(set(lags))}
+    info = {
+        "steps": steps,
+        "seeds": list(range(seed, seed + seeds)),
+        "lags": sorted(set(lags)),
+        "score_episodes": score_episodes,
+    }
     _write_outputs(results, text, out, info=info, started=started, command=command)
     return results, text
 
@@ -220,8 +243,7 @@ def _run_arm(cfg: Config, run: Run, seed: int, key: str) -> ArmResult:
         correction=run.arm.name,
         lag=run.lag,
     )
-    saved = json.dumps({"fingerprint": key, "result": asdict(result)}, indent=1)
-    write_private(cfg.run_dir / RESULT, saved + "\n")
+    _save(cfg, result, key)
     log.info(
         "experiment_arm_done",
         run=run.name,
@@ -229,6 +251,30 @@ def _run_arm(cfg: Config, run: Run, seed: int, key: str) -> ArmResult:
         seconds=round(result.seconds, 1),
         lag_histogram=result.lag_histogram,
     )
+    return result
+
+
+def _save(cfg: Config, result: ArmResult, key: str) -> None:
+    saved = json.dumps({"fingerprint": key, "result": asdict(result)}, indent=1)
+    write_private(cfg.run_dir / RESULT, saved + "\n")
+
+
+def _scored(cfg: Config, result: ArmResult, episodes: int, key: str) -> ArmResult:
+    """``result`` with its last version scored on ``episodes`` fresh episodes
+    (:func:`~orchestrator.run.score.score_policy`), saved beside it; as it is when ``episodes``
+    is 0 or it was scored on as many before. A reused run whose board is gone keeps no score."""
+    from orchestrator.run.score import score_policy
+
+    if episodes == 0 or len(result.final_rewards) == episodes:
+        return result
+    try:
+        score = anyio.run(score_policy, cfg, episodes)
+    except ConfigError as exc:  # the board has no version: a run dir pruned after it finished
+        log.warning("experiment_run_not_scored", run=result.arm, seed=result.seed, error=str(exc))
+        return result
+    result.final_rewards, result.final_failed = score.rewards, score.failed
+    _save(cfg, result, key)
+    log.info("experiment_run_scored", run=result.arm, seed=result.seed, reward=score.mean)
     return result
 
 
@@ -247,7 +293,9 @@ def _write_outputs(
     write_csv(results, out / "rewards.csv")
     write_png(results, out / "rewards.png", text)
     table = markdown_table(results)
-    (out / "table.md").write_text(table + "\n")
+    final = markdown_table(results, FINAL) if scored(results) else ""
+    tables = table + (f"\n\n{FINAL_TITLE}:\n\n{final}" if final else "")
+    (out / "table.md").write_text(tables + "\n")
     write_html(results, text, command, out / "report.html")
     report = {
         "verdict": text,
@@ -258,6 +306,7 @@ def _write_outputs(
         "stats": [asdict(s) for s in arm_stats(results)],
         "table": table,
         "checks": checks(results),
+        "checks_final": checks(results, FINAL) if final else {},
     }
     (out / "summary.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "verdict.txt").write_text(text + "\n")
@@ -295,6 +344,12 @@ def main(argv: list[str]) -> int:
         "--sft-focus-steps", type=int, default=100, help="then SFT on the run's max_operand"
     )
     parser.add_argument("--sft-eval", type=int, default=32, help="episodes scored before/after SFT")
+    parser.add_argument(
+        "--score-episodes",
+        type=int,
+        default=512,
+        help="fresh episodes of each run's last version to score it on (0: none)",
+    )
     args, rest = parser.parse_known_args(argv)
     results, text = run_lag_experiment(
         args.config,
@@ -309,6 +364,7 @@ def main(argv: list[str]) -> int:
         overrides=parse_overrides(rest),
         arms=pick_arms(args.arms),
         lags=parse_lags(args.lags),
+        score_episodes=args.score_episodes,
         command=shlex.join(["orchestrate", "experiment", *argv]),
     )
     for r in results:
@@ -316,6 +372,6 @@ def main(argv: list[str]) -> int:
             f"s{r.seed} {r.label:<40} {r.seconds:7.1f}s  lag {r.lag_histogram}  "
             f"dropped {r.dropped_groups}\n"
         )
-    sys.stdout.write(f"{markdown_table(results)}\n{text}\n")
+    sys.stdout.write(f"{(args.out / 'table.md').read_text()}\n{text}\n")
     sys.stdout.write(f"wrote {args.out / 'table.md'}, {args.out / 'report.html'}\n")
     return 0

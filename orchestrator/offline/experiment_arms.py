@@ -126,6 +126,11 @@ class ArmResult:
     """the run's ``scheduler.max_lag``"""
     drift: dict[str, float] = field(default_factory=dict)
     """:data:`DRIFT` metrics, each the mean over the run's steps (:func:`drift`)"""
+    final_rewards: list[float] = field(default_factory=list)
+    """the rewards of fresh episodes of the run's last version (:mod:`orchestrator.run.score`);
+    empty when it was not scored"""
+    final_failed: int = 0
+    """of those episodes, how many failed (each still scored)"""
 
 
 def arm_config(

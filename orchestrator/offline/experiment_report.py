@@ -2,7 +2,8 @@
 CSV and PNG, and ``report.html``, one self-contained page (PNG plots as data URIs, drawn as
 ``orchestrate report`` draws them, :func:`orchestrator.offline.report.png`) with the verdict, the
 table of second-half reward per arm and lag, reward against lag per arm (mean ± 95% t-interval
-over seeds; the lag-0 point of every arm is on-policy), and each run's reward per step.
+over seeds; the lag-0 point of every arm is on-policy), and each run's reward per step; where
+the runs were scored, the final-policy reward's table and plot as well.
 """
 
 from __future__ import annotations
@@ -16,7 +17,16 @@ from pathlib import Path
 from matplotlib.axes import Axes
 
 from orchestrator.offline.experiment_arms import ARMS, ArmResult
-from orchestrator.offline.experiment_verdict import ArmStats, arm_stats, table
+from orchestrator.offline.experiment_verdict import (
+    FINAL,
+    FINAL_TITLE,
+    SECOND_HALF,
+    ArmStats,
+    Statistic,
+    arm_stats,
+    scored,
+    table,
+)
 from orchestrator.offline.report import STYLE, png
 
 
@@ -57,9 +67,9 @@ def draw_steps(results: Sequence[ArmResult], ax: Axes) -> None:
     ax.legend(fontsize=7)
 
 
-def draw_lags(stats: Sequence[ArmStats], ax: Axes) -> None:
-    """Second-half reward against lag, one line per arm from on-policy at lag 0, with the 95%
-    t-interval over seeds as error bars; on-policy's level as a dashed line."""
+def draw_lags(stats: Sequence[ArmStats], ax: Axes, ylabel: str = "second-half reward") -> None:
+    """A statistic (``ylabel``) against lag, one line per arm from on-policy at lag 0, with the
+    95% t-interval over seeds as error bars; on-policy's level as a dashed line."""
     ref = next(s for s in stats if s.lag == 0)
     ax.axhline(ref.mean, color="gray", linestyle="--", linewidth=1, label=ref.label)
     for arm in ARMS:
@@ -78,7 +88,7 @@ def draw_lags(stats: Sequence[ArmStats], ax: Axes) -> None:
     ax.set_xscale("symlog", linthresh=1)
     ax.set_xticks(lags, [str(lag) for lag in lags])
     ax.set_xlabel("scheduler.max_lag (trainer versions)")
-    ax.set_ylabel("second-half reward")
+    ax.set_ylabel(ylabel)
     ax.legend(fontsize=7)
 
 
@@ -96,18 +106,30 @@ def write_png(results: Sequence[ArmResult], path: Path, title: str) -> None:
     fig.savefig(path)
 
 
-def render_html(results: Sequence[ArmResult], text: str, command: str) -> str:
-    header, rows = table(results)
+def _html_table(results: Sequence[ArmResult], statistic: Statistic) -> str:
+    header, rows = table(results, statistic)
     cells = "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>\n"
     cells += "\n".join(
         "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows
     )
+    return f"<table>\n{cells}\n</table>"
+
+
+def render_html(results: Sequence[ArmResult], text: str, command: str) -> str:
+    tables = _html_table(results, SECOND_HALF)
     figures = {
         "Reward against lag per arm": png(
             partial(draw_lags, arm_stats(results)), "second-half reward, mean ± 95% over seeds"
         ),
-        "Reward per step": png(partial(draw_steps, results), "reward per trainer step"),
     }
+    if scored(results):
+        tables += f"\n<h2>{html.escape(FINAL_TITLE.capitalize())}</h2>\n"
+        tables += _html_table(results, FINAL)
+        figures["Final-policy reward against lag per arm"] = png(
+            partial(draw_lags, arm_stats(results, FINAL), ylabel="final-policy reward"),
+            "final-policy reward, mean ± 95% over seeds",
+        )
+    figures["Reward per step"] = png(partial(draw_steps, results), "reward per trainer step")
     body = "\n".join(
         f"<figure><figcaption>{html.escape(title)}</figcaption>"
         f'<img alt="{html.escape(title)}" src="data:image/png;base64,{data}"></figure>'
@@ -121,9 +143,7 @@ def render_html(results: Sequence[ArmResult], text: str, command: str) -> str:
 <h1>sprawl lag experiment</h1>
 <p><code>{html.escape(command)}</code></p>
 <h2>Second-half reward, mean ± 95% t-interval over seeds</h2>
-<table>
-{cells}
-</table>
+{tables}
 <pre>{html.escape(text)}</pre>
 {body}
 </body></html>

@@ -14,15 +14,22 @@ issue's two targets, stated as measured, not assumed (:func:`checks`):
   (:data:`CORRECTED_UP_TO`): the corrected arm with the highest mean over those lags, not below
   on-policy by more than 2σ pooled at any of them.
 
+The same comparisons are made on a second statistic where the runs have it, the *final-policy
+reward* (:data:`FINAL`): the mean reward of fresh episodes sampled from each run's last version
+(:mod:`orchestrator.run.score`), with its standard error over episodes. A lag-L run's training
+reward at step t is that of the version that sampled step t's episodes, up to L versions old; the
+final policy's is what the run ended with. The issue's targets are judged on the second-half
+reward; the verdict states them on the final-policy reward as well, as such.
+
 Pure functions of the runs' results: nothing here runs or reads a run.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from orchestrator.observe.trend import halves, mean_se
 from orchestrator.offline.experiment_arms import (
@@ -50,6 +57,23 @@ def tail_stats(rewards: Sequence[float]) -> tuple[float, float]:
     return mean_se(rewards[len(rewards) // 2 :])
 
 
+Statistic = Literal["second_half", "final"]
+SECOND_HALF: Statistic = "second_half"
+FINAL: Statistic = "final"
+_OF: dict[Statistic, Callable[[ArmResult], tuple[float, float] | None]] = {
+    SECOND_HALF: lambda r: tail_stats(r.rewards),
+    FINAL: lambda r: mean_se(r.final_rewards) if r.final_rewards else None,
+}
+"""Each statistic of one run: (mean, standard error), or None where the run lacks it."""
+FINAL_TITLE = "final-policy reward (fresh episodes of each run's last version)"
+
+
+def scored(results: Sequence[ArmResult]) -> bool:
+    """Whether the final-policy reward can be compared: on-policy and another run have it."""
+    have = [r for r in results if r.final_rewards]
+    return any(r.arm == REFERENCE for r in have) and any(r.arm != REFERENCE for r in have)
+
+
 def interval95(values: Sequence[float]) -> tuple[float, float]:
     """Mean of ``values`` and the half-width of its 95% Student-t interval (0 for one value)."""
     mean, se = mean_se(values)
@@ -74,15 +98,17 @@ class ArmStats:
     lag: int = 0
 
 
-def arm_stats(results: Sequence[ArmResult]) -> list[ArmStats]:
-    """One :class:`ArmStats` per run name, by lag, then in :data:`ARMS` order."""
+def arm_stats(results: Sequence[ArmResult], statistic: Statistic = SECOND_HALF) -> list[ArmStats]:
+    """One :class:`ArmStats` of ``statistic`` per run name that has it, by lag, then in
+    :data:`ARMS` order."""
     order = {a.name: i for i, a in enumerate(ARMS)}
     by_arm: dict[str, list[ArmResult]] = {}
     for r in sorted(results, key=lambda r: (r.lag, order.get(r.correction, -1))):
-        by_arm.setdefault(r.arm, []).append(r)
+        if _OF[statistic](r) is not None:
+            by_arm.setdefault(r.arm, []).append(r)
     stats = []
     for name, runs in by_arm.items():
-        per_seed = {r.seed: tail_stats(r.rewards) for r in runs}
+        per_seed = {r.seed: _OF[statistic](r) or (math.nan, math.nan) for r in runs}
         mean, ci = interval95([m for m, _ in per_seed.values()])
         first = runs[0]
         stats.append(ArmStats(name, first.label, per_seed, mean, ci, first.correction, first.lag))
@@ -115,10 +141,10 @@ def _reference(stats: Sequence[ArmStats]) -> ArmStats:
     return ref
 
 
-def checks(results: Sequence[ArmResult]) -> dict[str, Any]:
-    """The issue's two targets, as data (``summary.json["checks"]``): per lag, Δ against
-    on-policy and 2σ pooled; ``met`` is None when no lag the target names was run."""
-    stats = arm_stats(results)
+def checks(results: Sequence[ArmResult], statistic: Statistic = SECOND_HALF) -> dict[str, Any]:
+    """The issue's two targets on ``statistic``, as data (``summary.json["checks"]``): per lag,
+    Δ against on-policy and 2σ pooled; ``met`` is None when no lag the target names was run."""
+    stats = arm_stats(results, statistic)
     ref = _reference(stats)
     out: dict[str, Any] = {}
     for arm in UNCORRECTED:
@@ -166,7 +192,24 @@ def verdict(results: Sequence[ArmResult]) -> str:
         f"on-policy reward, first→second half (mean of {seeds} seed(s)): {before:.3f}→{after:.3f}"
         f" (rose beyond 2σ in {rose} of {seeds})",
         f"second-half reward, mean ± 95% t-interval over {seeds} seed(s); Δ against on-policy:",
+        *_run_lines(stats, ref),
     ]
+    lines += _drift_lines(results) + _target_lines(checks(results))
+    if scored(results):
+        final = arm_stats(results, FINAL)
+        episodes = max(len(r.final_rewards) for r in results)
+        lines += [
+            f"{FINAL_TITLE}, {episodes} each, mean ± 95% t-interval over {seeds} seed(s);"
+            " Δ against on-policy:",
+            *_run_lines(final, _reference(final)),
+            *("final policy: " + line for line in _target_lines(checks(results, FINAL))),
+        ]
+    return "\n".join(lines)
+
+
+def _run_lines(stats: Sequence[ArmStats], ref: ArmStats) -> list[str]:
+    """One line per run: its statistic across seeds and, but for ``ref``, Δ against it."""
+    lines = []
     for s in stats:
         line = f"  {s.label:<40} {s.mean:.3f} ± {s.ci95:.3f}"
         if s is not ref:
@@ -177,7 +220,7 @@ def verdict(results: Sequence[ArmResult]) -> str:
                 f" within noise in {within} of {len(rows)} seeds)"
             )
         lines.append(line)
-    return "\n".join(lines + _drift_lines(results) + _target_lines(checks(results)))
+    return lines
 
 
 def _drift_lines(results: Sequence[ArmResult]) -> list[str]:
@@ -221,10 +264,12 @@ def _target_lines(found: dict[str, Any]) -> list[str]:
     return lines
 
 
-def table(results: Sequence[ArmResult]) -> tuple[list[str], list[list[str]]]:
-    """Second-half reward (mean ± 95% t-interval over seeds) per arm (rows) and lag (columns):
-    the header and rows; the lag-0 column is on-policy, shared by every arm."""
-    stats = arm_stats(results)
+def table(
+    results: Sequence[ArmResult], statistic: Statistic = SECOND_HALF
+) -> tuple[list[str], list[list[str]]]:
+    """``statistic`` (mean ± 95% t-interval over seeds) per arm (rows) and lag (columns): the
+    header and rows; the lag-0 column is on-policy, shared by every arm."""
+    stats = arm_stats(results, statistic)
     ref = _reference(stats)
     lags = sorted({s.lag for s in stats})
     cells = {(s.correction, s.lag): f"{s.mean:.3f} ± {s.ci95:.3f}" for s in stats}
@@ -240,9 +285,9 @@ def table(results: Sequence[ArmResult]) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
-def markdown_table(results: Sequence[ArmResult]) -> str:
+def markdown_table(results: Sequence[ArmResult], statistic: Statistic = SECOND_HALF) -> str:
     """:func:`table` as a markdown table."""
-    header, rows = table(results)
+    header, rows = table(results, statistic)
     lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)

@@ -29,6 +29,7 @@ from orchestrator.offline.experiment_arms import (
 )
 from orchestrator.offline.experiment_report import render_html
 from orchestrator.offline.experiment_verdict import (
+    FINAL,
     checks,
     interval95,
     markdown_table,
@@ -230,6 +231,48 @@ def test_naive_ppo_is_judged_as_uncorrected_not_as_a_correction() -> None:
     assert lines[-2].startswith("target, naive_ppo below on-policy beyond 2σ pooled at lag ≥ 4:")
 
 
+def _scored_sweep() -> list[ArmResult]:
+    """:func:`_sweep` with final-policy scores of 4 episodes: uncorrected's final policy as good
+    as on-policy's (its training reward was low: a stale statistic), tis's at lag 8 and
+    token_mask's far below."""
+    results = _sweep()
+    for r in results:
+        low = (r.correction, r.lag) in (("tis", 8), ("token_mask", 4))
+        r.final_rewards = [0.2, 0.3, 0.2, 0.3] if low else [0.5, 0.6, 0.5, 0.6]
+    return results
+
+
+def test_the_final_policy_score_is_judged_like_the_second_half_but_apart() -> None:
+    results = _scored_sweep()
+    assert checks(results)["uncorrected"]["met"] is True  # the issue's statistic: unchanged
+    final = checks(results, FINAL)
+    assert final["uncorrected"]["met"] is False
+    assert final["uncorrected"]["lags"][0]["delta"] == pytest.approx(0.0)
+    assert final["best_correction"]["arm"] == "tis"
+    assert [(g["lag"], g["within_2sigma"]) for g in final["best_correction"]["lags"]] == [
+        (4, True),
+        (8, False),
+    ]
+    lines = verdict(results).splitlines()
+    at = lines.index(
+        "final-policy reward (fresh episodes of each run's last version), 4 each, mean ± 95% "
+        "t-interval over 3 seed(s); Δ against on-policy:"
+    )
+    assert lines[at - 1].startswith("target, best correction (tis)")  # the issue's targets first
+    assert "0.550 ± 0.000" in lines[at + 1]  # on-policy: mean 0.55, the same in every seed
+    assert lines[-2].startswith("final policy: target, uncorrected below on-policy")
+    assert "not met (lag 4 Δ +0.000" in lines[-2]
+    assert lines[-1].startswith("final policy: target, best correction (tis) within 2σ")
+    assert "final-policy" not in verdict(_sweep())  # not scored: not stated
+    unscored_reference = [r for r in results if r.arm != "on_policy"] + [
+        _result("on_policy", RISING, seed) for seed in range(3)
+    ]
+    assert "final-policy" not in verdict(unscored_reference)
+    header, rows = table(results, FINAL)
+    assert header == ["arm", "lag 0 (on-policy)", "lag 2", "lag 4", "lag 8"]
+    assert rows[1] == ["tis", "0.550 ± 0.000", "", "0.550 ± 0.000", "0.250 ± 0.000"]
+
+
 def test_the_table_has_an_arm_per_row_and_a_lag_per_column() -> None:
     header, rows = table(_sweep())
     assert header == ["arm", "lag 0 (on-policy)", "lag 2", "lag 4", "lag 8"]
@@ -250,6 +293,11 @@ def test_the_page_holds_the_table_and_both_plots() -> None:
     assert page.count('src="data:image/png;base64,') == 2
     assert "Reward against lag per arm" in page
     assert "orchestrate experiment lag --lags 0,2,4,8" in page
+    assert "Final-policy" not in page
+    scored = render_html(_scored_sweep(), verdict(_scored_sweep()), "orchestrate experiment lag")
+    assert scored.count('src="data:image/png;base64,') == 3
+    assert "<h2>Final-policy reward (fresh episodes of each run&#x27;s last version)</h2>" in scored
+    assert scored.count("<th>lag 0 (on-policy)</th>") == 2
 
 
 def test_one_seed_has_no_interval_and_the_verdict_needs_on_policy() -> None:
@@ -316,6 +364,8 @@ def test_experiment_command_runs_at_reduced_size(tmp_path: Path) -> None:
         "2",
         "--fleet.local_engines",
         "1",
+        "--score-episodes",
+        "3",
     ]
     assert cli_main(argv) == 0
     with (out / "rewards.csv").open() as fh:
@@ -336,8 +386,14 @@ def test_experiment_command_runs_at_reduced_size(tmp_path: Path) -> None:
     assert [s["arm"] for s in summary["stats"]] == ["on_policy", "lag4_decoupled_ppo"]
     assert summary["checks"]["best_correction"]["arm"] == "decoupled_ppo"
     assert (out / "runs" / "s1" / "lag4_decoupled_ppo" / "trajectories").is_dir()
-    assert (out / "table.md").read_text().startswith("| arm | lag 0 (on-policy) | lag 4 |\n")
-    assert (out / "report.html").read_text().count("data:image/png;base64,") == 2
+    tables = (out / "table.md").read_text()
+    assert tables.startswith("| arm | lag 0 (on-policy) | lag 4 |\n")
+    final = "final-policy reward (fresh episodes of each run's last version)"
+    assert f"\n\n{final}:\n\n| arm |" in tables
+    assert (out / "report.html").read_text().count("data:image/png;base64,") == 3
+    assert summary["score_episodes"] == 3
+    assert summary["checks_final"]["best_correction"]["arm"] == "decoupled_ppo"
+    assert "\nfinal policy: target, best correction (decoupled_ppo)" in summary["verdict"]
     phases = json.loads((out / "model" / "sft.json").read_text())["phases"]
     assert [(p["steps"], p["max_operand"]) for p in phases] == [(3, 99), (2, 99), (1, 99)]
     assert phases[-1]["after"]["episodes"] == 2
@@ -347,6 +403,8 @@ def test_experiment_command_runs_at_reduced_size(tmp_path: Path) -> None:
         assert len(arm["rewards"]) == 2
         assert all(0 <= int(lag) <= 4 for lag in arm["lag_histogram"])
         assert set(arm["drift"]) == {"mismatch/kl_k3", "mismatch/logp_abs_mean"}
+        assert len(arm["final_rewards"]) == 3  # scored on the last version
+        assert all(0 <= r <= 1 for r in arm["final_rewards"])
     assert (
         "\nbehaviour μ against π_prox per lag (mean over its runs):\n  lag 4: "
         in summary["verdict"]
