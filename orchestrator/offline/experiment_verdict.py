@@ -197,11 +197,12 @@ def verdict(results: Sequence[ArmResult]) -> str:
     lines += _drift_lines(results) + _target_lines(checks(results))
     if scored(results):
         final = arm_stats(results, FINAL)
+        final_ref = _reference(final)
         episodes = max(len(r.final_rewards) for r in results)
         lines += [
-            f"{FINAL_TITLE}, {episodes} each, mean ± 95% t-interval over {seeds} seed(s);"
-            " Δ against on-policy:",
-            *_run_lines(final, _reference(final)),
+            f"{FINAL_TITLE}, {episodes} each, mean ± 95% t-interval over"
+            f" {len(final_ref.per_seed)} seed(s); Δ against on-policy:",
+            *_run_lines(final, final_ref),
             *("final policy: " + line for line in _target_lines(checks(results, FINAL))),
         ]
     return "\n".join(lines)

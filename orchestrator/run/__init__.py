@@ -20,6 +20,9 @@ The pieces, each opened by :func:`run` in this order:
 - :mod:`~orchestrator.run.fleet` — the fleet and the pool over it, opened and closed in one place;
 - :mod:`~orchestrator.run.wiring` — the loop around :func:`~orchestrator.loop.rl.rl_loop`, and
   the recorder of what it produces.
+
+Beside them, :mod:`~orchestrator.run.score` scores a run's newest version on fresh episodes with
+the same fleet and episode runners, training nothing (the lag experiment's final-policy reward).
 """
 
 from __future__ import annotations

@@ -268,6 +268,8 @@ def test_the_final_policy_score_is_judged_like_the_second_half_but_apart() -> No
         _result("on_policy", RISING, seed) for seed in range(3)
     ]
     assert "final-policy" not in verdict(unscored_reference)
+    results[0].final_rewards = []  # seed 0's on-policy run was not scored: two seeds compared
+    assert "4 each, mean ± 95% t-interval over 2 seed(s)" in verdict(results)
     header, rows = table(results, FINAL)
     assert header == ["arm", "lag 0 (on-policy)", "lag 2", "lag 4", "lag 8"]
     assert rows[1] == ["tis", "0.550 ± 0.000", "", "0.550 ± 0.000", "0.250 ± 0.000"]
