@@ -2,8 +2,10 @@
 
 :func:`score_policy` opens the run's fleet (:func:`~orchestrator.run.fleet.open_fleet`: its
 engines serve the newest version on the run's board), plays ``episodes`` episodes of the run's
-environments through the same episode runners as the loop, each model call pinned to that version
-(``policy_version`` min = max = it), and returns a :class:`PolicyScore`. Environments are picked
+environments through the same episode runners as the loop
+(:func:`~orchestrator.run.wiring.episode_runner`; a verifiers environment's server beside, as in
+the run), each model call pinned to that version (``policy_version`` min = max = it), and returns
+a :class:`PolicyScore`. Environments are picked
 by weight as the scheduler picks them (:func:`~orchestrator.loop.mixture.weighted_picks`); each
 environment's tasks are taken in its own order, from the first, cycling when there are fewer
 than the episodes it gets. Sampling is the run's (``[sampling]``), and episode ``i`` is seeded
@@ -23,6 +25,7 @@ every endpoint) scores the reward it has (0 when the environment gave none) and 
 from __future__ import annotations
 
 import itertools
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
 import anyio
@@ -32,10 +35,12 @@ from orchestrator.config import Config
 from orchestrator.errors import ConfigError
 from orchestrator.loop.episode import EpisodeRunner
 from orchestrator.loop.mixture import weighted_picks
+from orchestrator.loop.verifiers_episode import VerifiersRunner
 from orchestrator.models import ensure_model
 from orchestrator.run.environments import load_environments, model_chats
 from orchestrator.run.fleet import open_fleet
-from orchestrator.types import NULL_EVENTS, Episode, SamplingParams
+from orchestrator.run.wiring import episode_runner
+from orchestrator.types import NULL_EVENTS, Episode
 from policies.wire.lane import VersionBounds
 
 log = structlog.get_logger(__name__)
@@ -72,29 +77,13 @@ async def score_policy(cfg: Config, episodes: int) -> PolicyScore:
     envs = load_environments(cfg)
     model_dir = await anyio.to_thread.run_sync(ensure_model, cfg)
     chats = model_chats(cfg, model_dir, AutoTokenizer.from_pretrained(model_dir), envs)
-    sampling = SamplingParams(
-        temperature=cfg.sampling.temperature,
-        top_p=cfg.sampling.top_p,
-        top_k=cfg.sampling.top_k,
-        max_tokens=cfg.sampling.max_tokens,
-    )
     picks = list(itertools.islice(weighted_picks([e.weight for e in envs]), episodes))
     played: list[Episode | None] = [None] * episodes
-    async with open_fleet(cfg, model_dir, NULL_EVENTS) as fleet:
-        runners = [
-            EpisodeRunner(
-                e.env,
-                chat.chat,
-                chat.parser,
-                fleet.pool,
-                sampling=sampling,
-                max_turns=e.max_turns,
-                episode_timeout_s=cfg.timeouts.episode_s,
-                max_context=chat.max_context,
-                name=e.name,
-            )
-            for e, chat in zip(envs, chats, strict=True)
-        ]
+    async with open_fleet(cfg, model_dir, NULL_EVENTS) as fleet, AsyncExitStack() as stack:
+        runners = [episode_runner(cfg, fleet.pool, e, c) for e, c in zip(envs, chats, strict=True)]
+        for runner in runners:  # verifiers environments' servers, as in the run
+            if isinstance(runner, VerifiersRunner):
+                await stack.enter_async_context(runner.serving())
         tasks = [e.env.tasks() for e in envs]
         taken = [0] * len(envs)
         jobs = []

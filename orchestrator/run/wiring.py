@@ -49,6 +49,33 @@ def secret(value: SecretStr | None) -> str | None:
     return value.get_secret_value() if value is not None else None
 
 
+def episode_runner(cfg: Config, pool: Pool, env: RunEnvironment, chat: ModelChat) -> EpisodeRunner:
+    """The runner of ``env``'s episodes over ``pool`` under the run's ``[sampling]``: a verifiers
+    environment's runner runs its own rollout loop, with the pool as its model (a
+    :class:`~orchestrator.loop.verifiers_episode.VerifiersRunner`, to be served beside)."""
+    sampling = SamplingParams(
+        temperature=cfg.sampling.temperature,
+        top_p=cfg.sampling.top_p,
+        top_k=cfg.sampling.top_k,
+        max_tokens=cfg.sampling.max_tokens,
+    )
+    verifiers = isinstance(env.env, VerifiersEnvironment)
+    runner_cls = VerifiersRunner if verifiers else EpisodeRunner
+    extra = {"run_name": cfg.run.name} if verifiers else {}
+    return runner_cls(
+        env.env,
+        chat.chat,
+        chat.parser,
+        pool,
+        sampling=sampling,
+        max_turns=env.max_turns,
+        episode_timeout_s=cfg.timeouts.episode_s,
+        max_context=chat.max_context,
+        name=env.name,
+        **extra,
+    )
+
+
 class RunLoop:
     """The run's pieces around :func:`~orchestrator.loop.rl.rl_loop`: built from the config,
     with the admin API and the live view beside the loop, and every leftover recorded."""
@@ -66,30 +93,9 @@ class RunLoop:
         rec: resume.Reconciliation | None,
     ) -> None:
         self.cfg, self.pool, self.sink = cfg, pool, sink
-        sampling = SamplingParams(
-            temperature=cfg.sampling.temperature,
-            top_p=cfg.sampling.top_p,
-            top_k=cfg.sampling.top_k,
-            max_tokens=cfg.sampling.max_tokens,
-        )
         sources = []
         for e, chat in zip(envs, chats, strict=True):
-            # a verifiers environment runs its own rollout loop, with the pool as its model
-            verifiers = isinstance(e.env, VerifiersEnvironment)
-            runner_cls = VerifiersRunner if verifiers else EpisodeRunner
-            extra = {"run_name": cfg.run.name} if verifiers else {}
-            runner = runner_cls(
-                e.env,
-                chat.chat,
-                chat.parser,
-                pool,
-                sampling=sampling,
-                max_turns=e.max_turns,
-                episode_timeout_s=cfg.timeouts.episode_s,
-                max_context=chat.max_context,
-                name=e.name,
-                **extra,
-            )
+            runner = episode_runner(cfg, pool, e, chat)
             sources.append(Source(runner.name, runner, e.env.tasks(), e.weight))
         self.serving = [s.runner for s in sources if isinstance(s.runner, VerifiersRunner)]
         self.scheduler = Scheduler(

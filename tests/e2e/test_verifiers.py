@@ -6,7 +6,8 @@ a wrong guess, so its episodes are multi-turn whatever the model says), loaded b
 and train client, on the tiny model with a reference engine, for three trainer steps. The trainer's
 recomputed log probs of the logged tokens match the engine's (``mismatch/logp_abs_mean``), so the
 log holds the tokens the engine saw; every segment is stamped, and each verifiers episode's
-``PolicySpan`` is its segments' stamps."""
+``PolicySpan`` is its segments' stamps. The final version is then scored on fresh episodes
+(:mod:`orchestrator.run.score`) through the same harness."""
 
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ import json
 import subprocess
 from pathlib import Path
 
+import anyio
 import pytest
 from transformers import AutoTokenizer
 
+from orchestrator.config import load_config
 from orchestrator.offline.resimulate import resimulate
 from orchestrator.record.events import read_events
 from orchestrator.record.frames import read_log
+from orchestrator.run.score import score_policy
 from tests.support.models import model_copy
 from tests.support.processes import orchestrate_cmd
 
@@ -160,3 +164,11 @@ def test_verifiers_environments_train_under_the_loop(tmp_path: Path, qwen3_model
     events = read_events(run_dir)
     again = resimulate(events, trajectories=run_dir / "trajectories")
     assert again.ok, again.mismatches
+
+    # the final version scored as the lag experiment scores it: verifiers' own harness again,
+    # its server beside; the broken reward's episodes fail and are counted, not lost
+    cfg = load_config(config, {"run.root": str(tmp_path), "model.path": str(qwen3_model)})
+    score = anyio.run(score_policy, cfg, 8)
+    assert score.version == 3
+    assert len(score.rewards) == 8
+    assert score.failed >= 1  # two of the eight are "broken"'s, which fail but for "yes"
