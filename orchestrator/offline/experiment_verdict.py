@@ -102,15 +102,16 @@ def arm_stats(results: Sequence[ArmResult], statistic: Statistic = SECOND_HALF) 
     """One :class:`ArmStats` of ``statistic`` per run name that has it, by lag, then in
     :data:`ARMS` order."""
     order = {a.name: i for i, a in enumerate(ARMS)}
-    by_arm: dict[str, list[ArmResult]] = {}
+    by_arm: dict[str, list[tuple[ArmResult, tuple[float, float]]]] = {}
     for r in sorted(results, key=lambda r: (r.lag, order.get(r.correction, -1))):
-        if _OF[statistic](r) is not None:
-            by_arm.setdefault(r.arm, []).append(r)
+        value = _OF[statistic](r)
+        if value is not None:
+            by_arm.setdefault(r.arm, []).append((r, value))
     stats = []
     for name, runs in by_arm.items():
-        per_seed = {r.seed: _OF[statistic](r) or (math.nan, math.nan) for r in runs}
+        per_seed = {r.seed: value for r, value in runs}
         mean, ci = interval95([m for m, _ in per_seed.values()])
-        first = runs[0]
+        first = runs[0][0]
         stats.append(ArmStats(name, first.label, per_seed, mean, ci, first.correction, first.lag))
     return stats
 
