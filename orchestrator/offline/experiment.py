@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import json
 import shlex
@@ -137,28 +138,24 @@ def run_lag_experiment(
     base = load_config(config, overrides)
     steps = base.trainer.max_steps if steps is None else steps
     started = time.perf_counter()
-    model_dir = warm_model(
-        out / "model",
+    model_dir = out / "model"
+    # every run's config resolved before the first runs: a bad one is refused now, not an hour in
+    resolve = functools.partial(
+        arm_config, config, out=out, model_dir=model_dir, steps=steps, overrides=overrides
+    )
+    jobs = [(s, run, resolve(run, seed=s)) for s in range(seed, seed + seeds) for run in runs]
+    warm_model(
+        model_dir,
         size="small" if size == "small" else "tiny",
         seed=seed,
         phases=sft_phases(sft_steps, focus_steps, calculator_max_operand(base) or 99),
         eval_episodes=sft_eval_episodes,
     )
     results = []
-    for run_seed in range(seed, seed + seeds):
-        for run in runs:
-            cfg = arm_config(
-                config,
-                run,
-                out=out,
-                model_dir=model_dir,
-                steps=steps,
-                seed=run_seed,
-                overrides=overrides,
-            )
-            key = _fingerprint(cfg, model_dir)
-            result = _finished(cfg, run, key) or _run_arm(cfg, run, run_seed, key)
-            results.append(_scored(cfg, result, score_episodes, key))
+    for run_seed, run, cfg in jobs:
+        key = _fingerprint(cfg, model_dir)
+        result = _finished(cfg, run, key) or _run_arm(cfg, run, run_seed, key)
+        results.append(_scored(cfg, result, score_episodes, key))
     text = verdict(results)
     info = {
         "steps": steps,

@@ -6,8 +6,10 @@ on-policy reference (:data:`REFERENCE`, no correction), run once per seed and sh
 :func:`plan` turns ``--arms`` and ``--lags`` into the runs of one seed; :func:`arm_config`
 resolves one run to a config in which only the lag budget and the correction differ between runs
 (``staleness.drop`` cleared, ``scheduler.max_concurrent_episodes`` raised to what the lag budget
-can admit). :func:`lag_histogram` measures, from a finished run's trajectory log, the lag of
-every model call of a trained episode, and :func:`drift` how far apart μ and π_prox were.
+can admit; the ``gspo`` arm also sets ``staleness.loss_agg = "seq_mean"``, the mean over
+sequences GSPO is defined with, whatever the config says). :func:`lag_histogram` measures, from
+a finished run's trajectory log, the lag of every model call of a trained episode, and
+:func:`drift` how far apart μ and π_prox were.
 
 The lag is a budget, not a fixed lag: admission lets rollout run up to ``max_lag`` trainer
 versions ahead, and the measured histogram says how far it did. A version is one batch, so with
@@ -32,6 +34,8 @@ class Arm:
     name: str
     label: str
     correction: dict[str, Any]
+    settings: dict[str, Any] = field(default_factory=dict)
+    """what else the arm's runs set, as dotted keys (GSPO's mean over sequences)"""
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,12 @@ ARMS = (
     Arm("token_mask", "token mask (c 2)", {"type": "token_mask", "c": 2.0}),
     Arm("m2po", "M2PO (τ 0.04)", {"type": "m2po"}),
     Arm("cispo", "CISPO (ε 1, ε_high 4)", {"type": "cispo"}),
-    Arm("gspo", "GSPO (ε 3e-4, ε_high 4e-4)", {"type": "gspo"}),
+    Arm(
+        "gspo",
+        "GSPO (ε 3e-4, ε_high 4e-4)",
+        {"type": "gspo"},
+        {"staleness.loss_agg": "seq_mean"},  # one term per sequence, as the paper defines it
+    ),
 )
 DEFAULT_ARMS = "uncorrected,tis,decoupled_ppo,token_mask"
 DEFAULT_LAGS = "0,4"
@@ -159,8 +168,12 @@ def arm_config(
         "scheduler.max_concurrent_episodes": max(base.scheduler.max_concurrent_episodes, in_flight),
         "staleness.correction": run.arm.correction,
         "staleness.drop": None,
+        **run.arm.settings,
     }
-    return load_config(config, {**(overrides or {}), **fixed})
+    try:
+        return load_config(config, {**(overrides or {}), **fixed})
+    except ConfigError as exc:
+        raise ConfigError(f"run {run.name} (seed {seed}): {exc}") from None
 
 
 DRIFT = ("mismatch/kl_k3", "mismatch/logp_abs_mean")

@@ -14,7 +14,7 @@ from orchestrator.cli import main as cli_main
 from orchestrator.config import Config, load_config
 from orchestrator.errors import ConfigError
 from orchestrator.models import calculator_max_operand
-from orchestrator.offline.experiment import RESULT, _fingerprint, _finished
+from orchestrator.offline.experiment import RESULT, _fingerprint, _finished, run_lag_experiment
 from orchestrator.offline.experiment_arms import (
     ARMS,
     ArmResult,
@@ -78,6 +78,27 @@ def test_run_configs_differ_only_in_lag_and_correction(tmp_path: Path) -> None:
         assert cfg.model.init is None
     # the lag-4 runs may keep (1 + 4) batches of episodes in flight
     assert cfgs["lag4_uncorrected"].scheduler.max_concurrent_episodes >= 5 * 2 * 2
+
+
+def test_the_gspo_arm_averages_over_sequences_and_a_bad_run_is_refused_first(
+    tmp_path: Path,
+) -> None:
+    runs = plan(pick_arms("tis,gspo"), parse_lags("2"))
+    cfgs = {run.name: _demo_run(tmp_path, run) for run in runs}
+    assert cfgs["lag2_gspo"].staleness.loss_agg == "seq_mean"  # GSPO's mean over sequences
+    assert {cfgs[n].staleness.loss_agg for n in ("on_policy", "lag2_tis")} == {"token_mean"}
+    # dr_grpo's constant cannot go with the gspo run's seq_mean: refused, naming the run, before
+    # the warm start or any run
+    with pytest.raises(ConfigError, match=r"run lag2_gspo \(seed 5\): (?s:.*)dr_grpo_tokens"):
+        run_lag_experiment(
+            DEMO,
+            tmp_path / "exp",
+            seed=5,
+            arms=pick_arms("tis,gspo"),
+            lags=(0, 2),
+            overrides={"staleness.loss_agg": "dr_grpo", "staleness.dr_grpo_tokens": 40},
+        )
+    assert not (tmp_path / "exp" / "model").exists()
 
 
 def test_a_finished_run_is_reused_only_with_the_same_config_and_model(tmp_path: Path) -> None:
