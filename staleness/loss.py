@@ -249,8 +249,9 @@ def policy_loss(
     :func:`aggregate`, with ``corrected.valid`` as the original mask.
     Returns the scalar loss and metrics: ``clip_frac`` (kept tokens whose clipped branch is
     active, or whose CISPO weight / GSPO sequence ratio was clipped), ``dual_clip_frac``,
-    ``ratio_mean``/``ratio_min``/``ratio_max`` of ``r_t``, ``approx_kl`` (k3 estimate of
-    KL(π_prox ‖ π_θ) over kept tokens), ``kept_tokens``, ``weight_mean``.
+    ``ratio_mean``/``ratio_min``/``ratio_max`` of π_θ/π_prox and ``approx_kl`` (k3 estimate of
+    KL(π_prox ‖ π_θ)) over kept tokens — how far the batch's steps moved π_θ, whatever the anchor
+    (μ's distance from π_prox is the trainer's ``mismatch/*``) — ``kept_tokens``, ``weight_mean``.
     """
     if logp.ndim != 2 or logp.shape != logp_prox.shape:
         msg = f"logp and logp_prox must share one [B, T] shape, got {logp.shape}, {logp_prox.shape}"
